@@ -1,0 +1,17 @@
+"""verispec: fast, exact speculative decoding for PyTorch."""
+
+from verispec.config import (
+    SpeculativeConfig,
+    acceptance_length_to_rates,
+    unconditional_to_conditional_rates,
+)
+from verispec.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SamplingParams",
+    "SpeculativeConfig",
+    "acceptance_length_to_rates",
+    "unconditional_to_conditional_rates",
+]

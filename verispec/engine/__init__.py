@@ -1,0 +1,1 @@
+"""Engine: LLM, scheduler, model runner, KV cache, metrics."""

@@ -1,0 +1,50 @@
+"""Kernels with one signature per op: a torch twin (reference, CPU) and Triton (GPU).
+
+The functions here dispatch on the device of their first tensor argument through the backend
+registry (``verispec.ops.backend``); the choice is made once per device type.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.ops.backend import Backend, get_backend, register_backend
+from verispec.ops.philox import ACCEPT_STREAM, DRAFT_STREAM, RESIDUAL_STREAM, SAMPLE_STREAM
+from verispec.ops.rejection import PLACEHOLDER_TOKEN_ID, num_output_tokens
+
+
+def rejection_sample(target_logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Verify drafts; see ``verispec.ops.rejection.rejection_sample`` for the contract."""
+    return get_backend(target_logits.device).rejection_sample(target_logits, *args, **kwargs)
+
+
+def sample(logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Sample one token per row; see ``verispec.ops.sampling.sample``."""
+    return get_backend(logits.device).sample(logits, *args, **kwargs)
+
+
+def sample_draft(logits: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft sampler; see ``verispec.ops.sampling.sample_draft``."""
+    return get_backend(logits.device).sample_draft(logits, *args, **kwargs)
+
+
+def processed_probs(logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The processed distribution p; see ``verispec.ops.sampling.processed_probs``."""
+    return get_backend(logits.device).processed_probs(logits, *args, **kwargs)
+
+
+__all__ = [
+    "ACCEPT_STREAM",
+    "DRAFT_STREAM",
+    "PLACEHOLDER_TOKEN_ID",
+    "RESIDUAL_STREAM",
+    "SAMPLE_STREAM",
+    "Backend",
+    "get_backend",
+    "num_output_tokens",
+    "processed_probs",
+    "register_backend",
+    "rejection_sample",
+    "sample",
+    "sample_draft",
+]

@@ -1,0 +1,80 @@
+"""Backend registry: every op has one signature and a torch twin; the backend is chosen once per
+device type. ``torch`` runs everywhere (the CPU path and the test oracle); ``triton`` runs on CUDA
+devices when Triton is importable. ``VERISPEC_BACKEND=torch|triton`` overrides the choice."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The ops of one backend, all with the torch twins' signatures."""
+
+    name: str
+    processed_probs: Callable[..., torch.Tensor]
+    sample: Callable[..., torch.Tensor]
+    sample_draft: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rejection_sample: Callable[..., torch.Tensor]
+
+
+_FACTORIES: dict[str, Callable[[], Backend]] = {}
+
+
+def register_backend(name: str, factory: Callable[[], Backend]) -> None:
+    """Register a backend by name; ``factory`` is called (imports happen) on first use only."""
+    _FACTORIES[name] = factory
+
+
+def available_backends() -> list[str]:
+    return sorted(_FACTORIES)
+
+
+@functools.cache
+def load_backend(name: str) -> Backend:
+    if name not in _FACTORIES:
+        raise ValueError(f"backend must be one of {available_backends()}, got {name!r}")
+    return _FACTORIES[name]()
+
+
+def default_backend_name(device: torch.device | str) -> str:
+    """``triton`` on CUDA when Triton is installed, else ``torch``; the environment may override."""
+    override = os.environ.get("VERISPEC_BACKEND")
+    if override:
+        return override
+    device = torch.device(device)
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "torch"
+
+
+def get_backend(device: torch.device | str) -> Backend:
+    return load_backend(default_backend_name(device))
+
+
+def _torch_backend() -> Backend:
+    from verispec.ops import rejection, sampling
+
+    return Backend(
+        name="torch",
+        processed_probs=sampling.processed_probs,
+        sample=sampling.sample,
+        sample_draft=sampling.sample_draft,
+        rejection_sample=rejection.rejection_sample,
+    )
+
+
+def _triton_backend() -> Backend:
+    from verispec.ops import triton_ops  # imports triton; only called when it is chosen
+
+    return triton_ops.BACKEND
+
+
+register_backend("torch", _torch_backend)
+register_backend("triton", _triton_backend)

@@ -1,0 +1,154 @@
+"""Counter-based randomness: Philox4x32-10 in torch, word for word the generator of Triton's ``tl.rand*``.
+
+Every random draw in verispec is a pure function of ``(seed, position, stream, index)``
+(REFERENCE §4). The four are packed into Triton's 64-bit ``offset`` so that a Triton kernel calling
+``tl.rand(seed, offset)`` and the torch code here produce the same 32-bit words:
+
+    offset = ((position * NUM_STREAMS + stream) << 32) | (index >> 2)
+    word   = index & 3        of tl.randint4x(seed, offset)
+    counter = (offset_lo, offset_hi, 0, 0)          key = (seed_lo, seed_hi)
+
+``index`` is the vocabulary index for per-token noise and 0 for a per-position scalar (an
+acceptance ``u``, which is then exactly ``tl.rand(seed, offset)``). One Philox evaluation serves four
+consecutive vocabulary indices, so noise over V costs V / 4 evaluations. ``position`` is the
+absolute token position that the draw decides.
+
+All arithmetic here is on int64 tensors holding uint32 values, so it runs on any device torch runs
+on; the 32x32 -> 64 multiply is split into 16-bit halves so no intermediate overflows int64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Named streams (REFERENCE §4). Keep in sync with verispec/ops/triton_kernels.py.
+DRAFT_STREAM = 0  # the proposer's draft sampling
+ACCEPT_STREAM = 1  # acceptance uniforms u
+RESIDUAL_STREAM = 2  # recovered-token sampling at the first rejection
+SAMPLE_STREAM = 3  # normal sampling and bonus tokens
+NUM_STREAMS = 4
+
+_MASK32 = 0xFFFFFFFF
+_KEY_A = 0x9E3779B9
+_KEY_B = 0xBB67AE85
+_ROUND_A = 0xD2511F53
+_ROUND_B = 0xCD9E8D57
+_N_ROUNDS = 10
+# tl.rand's scale: the largest float32 with (2**31 - 1) * scale < 1.
+_UNIFORM_SCALE = 4.6566127342e-10
+# What a uniform of exactly 0 becomes: half of the smallest nonzero value tl.rand can return.
+MIN_UNIFORM = 2.3283064e-10
+
+
+def _umulhi(const: int, x: torch.Tensor) -> torch.Tensor:
+    """High 32 bits of ``const * x`` for a uint32 constant and uint32 values held in int64."""
+    x_hi = x >> 16
+    x_lo = x & 0xFFFF
+    return (const * x_hi + ((const * x_lo) >> 16)) >> 16
+
+
+def philox4x32(
+    seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Philox4x32-10 on counter ``(c0, c1, 0, 0)`` with key ``(seed_lo, seed_hi)``.
+
+    Parameters
+    ----------
+    seed : int64 tensor, broadcastable with ``c0``; the full 64-bit seed (negative seeds use
+        their two's-complement bits, as Triton's cast to uint64 does).
+    c0, c1 : int64 tensors holding uint32 values.
+
+    Returns
+    -------
+    Four int64 tensors holding uint32 words, the same as Triton's ``tl.randint4x``.
+    """
+    c0, c1, k0, k1 = torch.broadcast_tensors(
+        c0 & _MASK32, c1 & _MASK32, seed & _MASK32, (seed >> 32) & _MASK32
+    )
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = k0.contiguous(), k1.contiguous()
+    for _ in range(_N_ROUNDS):
+        prev_c0, prev_c2 = c0, c2
+        c0 = _umulhi(_ROUND_B, prev_c2) ^ c1 ^ k0
+        c2 = _umulhi(_ROUND_A, prev_c0) ^ c3 ^ k1
+        c1 = (_ROUND_B * prev_c2) & _MASK32
+        c3 = (_ROUND_A * prev_c0) & _MASK32
+        k0 = (k0 + _KEY_A) & _MASK32
+        k1 = (k1 + _KEY_B) & _MASK32
+    return c0, c1, c2, c3
+
+
+def make_offset(position: torch.Tensor, stream: torch.Tensor | int, index: torch.Tensor | int = 0):
+    """The 64-bit Triton offset holding draw ``(position, stream, index)``; int64, broadcast.
+    The draw is word ``index & 3`` of ``tl.randint4x(seed, offset)``."""
+    return ((position * NUM_STREAMS + stream) << 32) | (index >> 2)
+
+
+def randint4x(seed: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Triton's ``tl.randint4x(seed, offset)`` for int64 offsets: four uint32 words (in int64)."""
+    return philox4x32(seed, offset & _MASK32, (offset >> 32) & _MASK32)
+
+
+def randint(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Triton's ``tl.randint(seed, offset)``: the first Philox word."""
+    return randint4x(seed, offset)[0]
+
+
+def uint_to_uniform(x: torch.Tensor) -> torch.Tensor:
+    """Triton's ``uint_to_uniform_float`` for uint32 words: float32 in [0, 1)."""
+    x = torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)  # bitcast to int32
+    x = torch.where(x < 0, ~x, x)
+    return x.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
+
+
+def rand(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Triton's ``tl.rand(seed, offset)``: float32 in [0, 1), bit for bit (0 is possible)."""
+    return uint_to_uniform(randint(seed, offset))
+
+
+def _nonzero(u: torch.Tensor) -> torch.Tensor:
+    # A zero u would let p(d) = 0 tokens pass and make -log(u) infinite in the race.
+    return torch.clamp_min(u, MIN_UNIFORM)
+
+
+def uniform(
+    seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor | int, index: int = 0
+) -> torch.Tensor:
+    """Uniforms in (0, 1) for the scalar draws ``(seed, position, stream, index)`` (broadcast):
+    ``tl.rand`` with an exact 0 replaced by ``MIN_UNIFORM``."""
+    words = randint4x(seed, make_offset(position, stream, index))
+    return _nonzero(uint_to_uniform(words[index & 3]))
+
+
+def vocab_uniform(
+    seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor | int, vocab_size: int
+) -> torch.Tensor:
+    """Uniforms in (0, 1) for every vocabulary index of each row.
+
+    Parameters
+    ----------
+    seed, position : [num_rows] int64
+    stream : int, or [num_rows] int64 (one named stream per row)
+    vocab_size : V
+
+    Returns
+    -------
+    [num_rows, V] float32; entry ``[r, v]`` is draw ``(seed[r], position[r], stream, v)``.
+    """
+    num_counters = (vocab_size + 3) // 4
+    counter = torch.arange(num_counters, device=seed.device, dtype=torch.int64)
+    if isinstance(stream, torch.Tensor):
+        stream = stream[:, None]
+    offset = make_offset(position[:, None], stream, 0) | counter[None, :]
+    words = torch.stack(randint4x(seed[:, None], offset), dim=-1)  # [rows, V/4, 4]
+    u = uint_to_uniform(words.reshape(seed.shape[0], 4 * num_counters)[:, :vocab_size])
+    return _nonzero(u)
+
+
+def exponential(
+    seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor | int, vocab_size: int
+) -> torch.Tensor:
+    """Exp(1) noise ``E = -log u`` for every vocabulary index of each row: [num_rows, V] float32,
+    strictly positive and finite (same arguments as ``vocab_uniform``)."""
+    return -torch.log(vocab_uniform(seed, position, stream, vocab_size))

@@ -1,0 +1,185 @@
+"""Rejection sampling in the flattened batch layout, torch twin (REFERENCE §2-§3).
+
+Request r owns drafts ``draft_token_ids[cu[r]:cu[r+1]]`` (n_r of them, possibly 0) and target rows
+``cu[r] + r ... cu[r+1] + r``: its n_r verify rows, then its bonus row. With p_i the processed target
+distribution of verify row i and q_i the proposer's distribution:
+
+    full rule      (draft_probs given):  accept d_i  iff  u_i * q_i(d_i) < p_i(d_i)
+                                         recovered ~ norm(max(0, p_i - q_i))
+    one-hot rule   (no draft_probs):     accept d_i  iff  u_i < p_i(d_i)
+                                         recovered ~ norm(p_i with d_i zeroed)
+    greedy target  (temperature 0):      accept d_i  iff  d_i == argmax p_i;  emit argmax
+    synthetic      (rates given):        accept d_i  iff  u_i < c_i;  emit as the row's own rule
+
+A residual that is all zero (p = q up to rounding) falls back to p. Only the first rejected
+position is sampled (O(B V) noise, not O(B k V)); when all drafts pass the bonus token is sampled
+from the bonus row. ``u_i`` comes from the acceptance stream at the draft's position, the recovered
+token from the residual stream, the bonus from the sample stream (REFERENCE §4), so a request's
+tokens do not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.ops import philox
+from verispec.ops.sampling import processed_probs, race
+
+PLACEHOLDER_TOKEN_ID = -1
+
+
+def rejection_sample(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    max_num_draft_tokens: int,
+    synthetic_conditional_rates: torch.Tensor | None = None,
+    all_greedy: bool = False,
+) -> torch.Tensor:
+    """Verify the drafts of a batch and return each request's output tokens.
+
+    Parameters
+    ----------
+    target_logits : [num_draft_tokens + B, V] float32 / bfloat16 / float16
+        Request r's rows are its n_r verify rows followed by its bonus row.
+    draft_token_ids : [num_draft_tokens] int32 / int64, all requests' drafts concatenated.
+    cu_num_draft_tokens : [B + 1] int32 / int64, leading 0; request r owns ``[cu[r], cu[r+1])``.
+    draft_probs : [num_draft_tokens, V] float32 or None
+        q for each draft (full rule); None selects the one-hot rule (greedy or n-gram drafts).
+    temperature : [B] float32, 0 = greedy target.
+    top_k : [B] int32 (0 or -1 = off) or None (off for all).
+    top_p : [B] float32 (1.0 = off) or None.
+    min_p : [B] float32 (0.0 = off) or None.
+    seeds : [B] int64 request seeds.
+    positions : [B] int64, the position the first draft token of each request occupies (its
+        committed length); draft i of request r decides position ``positions[r] + i``.
+    max_num_draft_tokens : int, static bound on n_r (usually k); sets the output width without a
+        host sync.
+    synthetic_conditional_rates : [>= max_num_draft_tokens] float32 or None
+        Conditional acceptance rates c_i; given, acceptance ignores p and q (benchmarking only).
+    all_greedy : the caller's host-side knowledge that every request is greedy (skips the noise).
+
+    Returns
+    -------
+    token_ids : [B, max_num_draft_tokens + 1] int32
+        Row r: the accepted drafts, then the recovered or bonus token, then -1 padding. The number
+        of output tokens of request r is ``(token_ids[r] != -1).sum()``.
+    """
+    device = target_logits.device
+    num_draft_tokens = draft_token_ids.shape[0]
+    batch_size = cu_num_draft_tokens.shape[0] - 1
+    width = max_num_draft_tokens + 1
+    _check_inputs(target_logits, draft_token_ids, draft_probs, batch_size, num_draft_tokens)
+
+    cu = cu_num_draft_tokens.to(torch.int64)
+    num_drafts = cu[1:] - cu[:-1]  # [B]
+    req_ids = torch.arange(batch_size, device=device)
+    draft_ids = draft_token_ids.to(torch.int64)
+    # Request and in-request index of each draft token; output_size avoids a host sync.
+    draft_req = torch.repeat_interleave(req_ids, num_drafts, output_size=num_draft_tokens)
+    draft_index = torch.arange(num_draft_tokens, device=device) - cu[draft_req]
+    verify_rows = torch.arange(num_draft_tokens, device=device) + draft_req  # [N]
+    row_req = torch.repeat_interleave(
+        req_ids, num_drafts + 1, output_size=num_draft_tokens + batch_size
+    )
+
+    greedy = temperature == 0  # [B]
+    argmax_rows = torch.argmax(target_logits, dim=-1)  # [N + B]
+    if all_greedy:
+        probs = None
+    else:
+        probs = processed_probs(
+            target_logits,
+            temperature[row_req],
+            None if top_k is None else top_k[row_req],
+            None if top_p is None else top_p[row_req],
+            None if min_p is None else min_p[row_req],
+        )  # [N + B, V] float32
+
+    # --- acceptance of every draft (only the leading run of accepts counts) ---
+    u = philox.uniform(
+        seeds[draft_req], positions[draft_req] + draft_index, philox.ACCEPT_STREAM
+    )  # [N] in (0, 1)
+    accepted = draft_ids == argmax_rows[verify_rows]
+    if synthetic_conditional_rates is not None:
+        accepted = u < synthetic_conditional_rates.to(torch.float32)[draft_index]
+    elif probs is not None:
+        p_d = probs[verify_rows, draft_ids]
+        if draft_probs is not None:
+            # u * q(d) < p(d); q(d) = 0 cannot come from a sampled draft: reject it.
+            q_d = draft_probs[torch.arange(num_draft_tokens, device=device), draft_ids]
+            accept_random = (u * q_d < p_d) & (q_d > 0)
+        else:
+            accept_random = u < p_d  # p(d) = 0 never passes: u > 0
+        accepted = torch.where(greedy[draft_req], accepted, accept_random)
+
+    accepted_pad = torch.zeros(batch_size, width, dtype=torch.int64, device=device)
+    accepted_pad[draft_req, draft_index] = accepted.to(torch.int64)
+    num_accepted = torch.cumprod(accepted_pad, dim=1).sum(1)  # [B], <= n_r
+    rejected = num_accepted < num_drafts  # [B]
+
+    # --- the one token sampled per request: recovered at the first rejection, else bonus ---
+    final_rows = cu[:-1] + req_ids + num_accepted  # verify row of draft num_accepted, or bonus row
+    final_ids = argmax_rows[final_rows]
+    if probs is not None:
+        p = probs[final_rows]  # [B, V]
+        weights = p
+        if num_draft_tokens > 0:
+            first_rejected = (cu[:-1] + num_accepted).clamp_max(num_draft_tokens - 1)
+            if draft_probs is not None:
+                residual = torch.clamp_min(p - draft_probs[first_rejected], 0.0)
+            else:
+                residual = p.scatter(1, draft_ids[first_rejected][:, None], 0.0)
+            has_residual = residual.sum(-1, keepdim=True) > 0  # else p = q: sample from p
+            use_residual = rejected[:, None] & has_residual
+            weights = torch.where(use_residual, residual, p)
+        stream = torch.where(rejected, philox.RESIDUAL_STREAM, philox.SAMPLE_STREAM)
+        random_ids = race(weights, seeds, positions + num_accepted, stream)
+        final_ids = torch.where(greedy, final_ids, random_ids)
+
+    # --- output: accepted drafts, the final token, -1 padding ---
+    token_ids = torch.full((batch_size, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
+                           device=device)
+    token_ids[draft_req, draft_index] = draft_ids
+    columns = torch.arange(width, device=device)[None, :]
+    token_ids = torch.where(columns < num_accepted[:, None], token_ids, PLACEHOLDER_TOKEN_ID)
+    token_ids = torch.where(columns == num_accepted[:, None], final_ids[:, None], token_ids)
+    return token_ids.to(torch.int32)
+
+
+def _check_inputs(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    batch_size: int,
+    num_draft_tokens: int,
+) -> None:
+    if target_logits.dim() != 2 or target_logits.shape[0] != num_draft_tokens + batch_size:
+        raise ValueError(
+            f"target_logits must be [num_draft_tokens + B, V] = [{num_draft_tokens + batch_size}, "
+            f"V], got {tuple(target_logits.shape)}"
+        )
+    if draft_token_ids.dim() != 1:
+        raise ValueError(
+            f"draft_token_ids must be 1-D [num_draft_tokens], got {tuple(draft_token_ids.shape)}"
+        )
+    if draft_probs is not None and (
+        draft_probs.shape != (num_draft_tokens, target_logits.shape[1])
+        or draft_probs.dtype != torch.float32
+    ):
+        raise ValueError(
+            f"draft_probs must be [num_draft_tokens, V] = [{num_draft_tokens}, "
+            f"{target_logits.shape[1]}] float32, got {tuple(draft_probs.shape)} {draft_probs.dtype}"
+        )
+
+
+def num_output_tokens(token_ids: torch.Tensor) -> torch.Tensor:
+    """[B] int64: output tokens per request, the count of non-placeholder entries."""
+    return (token_ids != PLACEHOLDER_TOKEN_ID).sum(1)

@@ -1,0 +1,172 @@
+"""Logits processing and sampling, torch twin (the CPU path and the oracle of the Triton kernels).
+
+The processed distribution (REFERENCE §3) of a row with temperature T > 0 is
+
+    z = logits / T
+    top-k:  keep z_v >= the k-th largest z                      (ties at the boundary all kept)
+    top-p:  p = softmax(z); keep p_v >= tau where tau is the smallest p_v whose strictly larger
+            mass sum_{p_u > p_v} p_u is < top_p                 (the shortest prefix of the sorted
+                                                                 distribution holding >= top_p)
+    min-p:  keep p_v >= min_p * max(p)
+    p = softmax over the kept tokens, float32.
+
+Every mask is a threshold on one row, so a kernel can find it by bisection instead of a sort and
+land on the same set. Rows with T = 0 are greedy; their p is computed with T = 1 and unused.
+
+Sampling a token proportional to weights w uses the exponential race ``argmax_v w_v / E_v`` with
+``E_v = -log u_v`` from the row's Philox stream (REFERENCE §3): no sort, no cumsum, no
+``torch.multinomial``, no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.ops import philox
+
+
+def _kth_largest(z: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """[R, 1] threshold: the k-th largest value of each row (-inf where top-k is off)."""
+    vocab_size = z.shape[-1]
+    off = (top_k <= 0) | (top_k >= vocab_size)
+    k = torch.where(off, 1, top_k).clamp(1, vocab_size).long()
+    # A full sort, not torch.topk: topk needs a static k, which would cost a host sync.
+    values = torch.sort(z, dim=-1, descending=True).values
+    threshold = values.gather(-1, (k - 1)[:, None])
+    return torch.where(off[:, None], float("-inf"), threshold)
+
+
+def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[R, 1] threshold tau of the top-p mask (0 where top-p is off)."""
+    sorted_probs = torch.sort(probs, dim=-1, descending=True).values
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    num_kept = (mass_before < top_p[:, None]).sum(-1).clamp_min(1)
+    tau = sorted_probs.gather(-1, (num_kept - 1)[:, None])
+    return torch.where((top_p >= 1.0)[:, None], 0.0, tau)
+
+
+def processed_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The processed target distribution p of each row.
+
+    Parameters
+    ----------
+    logits : [R, V] float32 / bfloat16 / float16
+    temperature : [R] float32; 0 marks a greedy row (processed as T = 1)
+    top_k : [R] int, 0 or -1 = off; None = off for every row
+    top_p : [R] float32, 1.0 = off; None = off for every row
+    min_p : [R] float32, 0.0 = off; None = off for every row
+
+    Returns
+    -------
+    [R, V] float32 probabilities, each row summing to 1 over its kept tokens.
+    """
+    temperature = torch.where(temperature > 0, temperature, 1.0).to(torch.float32)
+    z = logits.to(torch.float32) / temperature[:, None]
+    if top_k is not None:
+        z = z.masked_fill(z < _kth_largest(z, top_k), float("-inf"))
+    probs = torch.softmax(z, dim=-1)
+    if top_p is not None:
+        probs = probs.masked_fill(probs < _top_p_threshold(probs, top_p.float()), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if min_p is not None:
+        floor = min_p.float()[:, None] * probs.max(-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def race(
+    weights: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    stream: torch.Tensor | int,
+) -> torch.Tensor:
+    """Sample one index per row with probability proportional to ``weights`` (exponential race).
+
+    Parameters
+    ----------
+    weights : [R, V] float32, non-negative, at least one positive entry per row
+    seeds, positions : [R] int64
+    stream : named stream, int or [R] int64
+
+    Returns
+    -------
+    [R] int64 token ids: ``argmax_v weights_v / E_v``, ``E_v ~ Exp(1)`` from draw
+    ``(seed, position, stream, v)``.
+    """
+    noise = philox.exponential(seeds, positions, stream, weights.shape[-1])
+    return torch.argmax(weights / noise, dim=-1)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    stream: int = philox.SAMPLE_STREAM,
+    all_greedy: bool = False,
+) -> torch.Tensor:
+    """Sample one token per row from its processed distribution; greedy rows take the argmax.
+
+    Parameters
+    ----------
+    logits : [R, V] float32 / bfloat16 / float16
+    temperature, top_k, top_p, min_p : per row, as in ``processed_probs``
+    seeds : [R] int64, the request seeds
+    positions : [R] int64, the position the sampled token will occupy
+    stream : the named Philox stream (``SAMPLE_STREAM`` for normal and bonus sampling)
+    all_greedy : the caller's host-side knowledge that every row is greedy (skips the noise)
+
+    Returns
+    -------
+    [R] int64 token ids. Ties in the argmax go to the smallest index.
+    """
+    greedy_ids = torch.argmax(logits, dim=-1)
+    if all_greedy:
+        return greedy_ids
+    probs = processed_probs(logits, temperature, top_k, top_p, min_p)
+    random_ids = race(probs, seeds, positions, stream)
+    return torch.where(temperature == 0, greedy_ids, random_ids)
+
+
+def draft_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """The proposer's distribution q: softmax(logits / T) in float32 (temperature only,
+    REFERENCE §3). logits [R, V]; temperature [R] (0 treated as 1). Returns [R, V] float32."""
+    return processed_probs(logits, temperature)
+
+
+def sample_draft(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft sampler: sample draft tokens from q on the draft stream.
+
+    Parameters
+    ----------
+    logits : [R, V] the proposer's logits
+    temperature : [R] float32 (0 = greedy drafting: argmax)
+    seeds : [R] int64
+    positions : [R] int64, the position each draft token will occupy
+
+    Returns
+    -------
+    (draft_token_ids [R] int64, draft_probs [R, V] float32 = q)
+    """
+    q = draft_probs(logits, temperature)
+    ids = torch.where(
+        temperature == 0,
+        torch.argmax(logits, dim=-1),
+        race(q, seeds, positions, philox.DRAFT_STREAM),
+    )
+    return ids, q
