@@ -1,0 +1,30 @@
+"""Proposers: the base class, the registry and the registered proposers (REFERENCE §5).
+
+Importing this package registers every built-in proposer, so ``available_proposers()`` lists
+them all.
+"""
+
+from verispec.proposers.base import (
+    DraftProposal,
+    ProposalRequest,
+    Proposer,
+    ProposerContext,
+    available_proposers,
+    build_proposer,
+    get_proposer_cls,
+    register_proposer,
+)
+from verispec.proposers.ngram import NgramProposer, ngram_lookup
+
+__all__ = [
+    "DraftProposal",
+    "NgramProposer",
+    "ProposalRequest",
+    "Proposer",
+    "ProposerContext",
+    "available_proposers",
+    "build_proposer",
+    "get_proposer_cls",
+    "ngram_lookup",
+    "register_proposer",
+]

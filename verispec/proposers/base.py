@@ -1,0 +1,217 @@
+"""The proposer interface and registry (REFERENCE §1, §5).
+
+A proposer guesses up to k draft tokens per running request; the target verifies them all in one
+forward. The engine drives every proposer through the same four calls:
+
+    step:    proposal = proposer.propose(requests)        # drafts for every running request
+             token_ids = runner.verify(requests, proposal) # target forward + rejection sampler
+             ...                                           # engine commits the output tokens
+             proposer.on_commit(slots, num_committed_tokens)
+    finish:  proposer.free(slot)                           # the request left its slot
+
+Proposers register by name (``@register_proposer("ngram")``) and the engine builds the one that
+``SpeculativeConfig.method`` names, with ``build_proposer(config, context)``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
+
+import numpy as np
+import torch
+
+from verispec.config import SpeculativeConfig
+
+
+@runtime_checkable
+class ProposalRequest(Protocol):
+    """What a proposer reads of one running request (the engine's request object satisfies it).
+
+    Attributes
+    ----------
+    slot : int
+        The request's row in every per-slot buffer (KV caches, the proposer's own state),
+        in ``[0, max_num_seqs)``.
+    token_ids : [num_tokens] int, numpy array (preferred, read without a copy) or sequence
+        The committed tokens so far: prompt, then output. ``num_tokens`` is the committed length,
+        so the first draft token occupies absolute position ``num_tokens``.
+    max_num_draft_tokens : int
+        n_r may not exceed it: k cut so that the drafts fit in ``max_model_len`` and leave room
+        for the recovered or bonus token within the request's remaining ``max_tokens``
+        (typically ``min(k, max_model_len - num_tokens - 1, max_tokens - num_output_tokens - 1)``
+        clamped at 0). 0 means "propose nothing for this request this step".
+    temperature : float
+        The request's sampling temperature (0 = greedy). Probabilistic drafting samples from
+        ``q = softmax(draft_logits / temperature)``; a greedy request drafts the argmax.
+    seed : int
+        The request's int64 seed; draft sampling draws ``(seed, position, DRAFT_STREAM)``.
+    """
+
+    slot: int
+    token_ids: Any
+    max_num_draft_tokens: int
+    temperature: float
+    seed: int
+
+
+class DraftProposal(NamedTuple):
+    """One step's drafts in the flattened layout of REFERENCE §2 (unpacks as a 3-tuple).
+
+    Attributes
+    ----------
+    draft_token_ids : [num_draft_tokens] int64, on the proposer's ``device``
+        All requests' drafts concatenated in the order of the ``requests`` argument.
+    cu_num_draft_tokens : [B + 1] int64, always on the host (CPU), leading 0
+        Request r owns ``draft_token_ids[cu[r]:cu[r + 1]]``; n_r = 0 is legal. Every n_r is
+        known on the host before the verify forward, so the engine lays out the verify batch
+        from it without a device sync (and copies it to the device for the rejection sampler).
+    draft_probs : [num_draft_tokens, V] float32, on the proposer's ``device``, or None
+        The proposer's distribution q = softmax(draft_logits / T) for each draft (the full
+        rule); None for greedy drafts and n-gram (the one-hot rule).
+    """
+
+    draft_token_ids: torch.Tensor  # [num_draft_tokens] int64
+    cu_num_draft_tokens: torch.Tensor  # [B + 1] int64, CPU
+    draft_probs: torch.Tensor | None  # [num_draft_tokens, V] float32
+
+    @property
+    def num_draft_tokens_cpu(self) -> np.ndarray:
+        """[B] int64 host array: n_r of each request."""
+        return np.diff(self.cu_num_draft_tokens.numpy())
+
+
+@dataclass(frozen=True)
+class ProposerContext:
+    """What the engine knows at start-up that a proposer may need.
+
+    ``target_model`` is the loaded target (early exit drafts with its first layers, final norm
+    and LM head; a draft model checks its vocabulary against ``vocab_size``). n-gram needs none
+    of it.
+    """
+
+    max_num_seqs: int = 1
+    max_model_len: int = 2048
+    vocab_size: int | None = None
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    target_model: Any = None
+
+
+class Proposer(abc.ABC):
+    """Base of every proposer: one batched ``propose`` per step, plus cache hooks.
+
+    Contract of ``propose`` (all proposers)
+    ----------------------------------------
+    - Request r gets ``0 <= n_r <= requests[r].max_num_draft_tokens`` drafts; draft i of r
+      occupies absolute position ``len(requests[r].token_ids) + i``.
+    - Nothing in ``propose`` may read device values back to the host (no ``.item()``,
+      ``.tolist()``, ``.cpu()``): n_r is decided on the host, drafts stay on the device.
+    - ``uses_draft_probs`` is fixed at construction: True iff ``propose`` returns draft_probs
+      (the engine picks the full or the one-hot rule once, not per step).
+
+    Model-based proposers (what ``draft_model`` and ``early_exit`` implement)
+    ------------------------------------------------------------------------
+    - State per slot in persistent tensors indexed by ``request.slot`` (KV cache rows, the
+      number of tokens the proposer's cache holds, ``num_cached_tokens[slot]``), allocated
+      once for ``context.max_num_seqs`` slots and ``context.max_model_len`` positions.
+    - ``propose`` first feeds the committed tokens its cache lacks,
+      ``token_ids[num_cached_tokens[slot]:]`` (the whole prompt on a request's first step; the
+      last output token afterwards; ``d_k`` and the bonus token after a step that accepted all
+      k drafts), then runs ``n_r`` autoregressive steps. Drafting feeds d_1 .. d_{n_r - 1};
+      d_{n_r} is produced but not consumed, so after ``propose`` the cache holds
+      ``num_tokens + n_r - 1`` tokens (``num_tokens`` when n_r = 0: nothing drafted).
+    - Greedy drafting (``draft_sample_method="greedy"``): ``argmax`` of the draft logits, no
+      logits kept, ``draft_probs=None``.
+    - Probabilistic drafting (``"probabilistic"``): draw each draft with
+      ``verispec.ops.sample_draft(logits, temperature, seeds, positions)`` where ``positions``
+      is the absolute position the draft token occupies (``num_tokens + i``); it samples on the
+      draft stream and returns q = softmax(logits / T). Keep the temperature-scaled logits (or
+      q) in a float32 ``[max_num_seqs, k, V]`` buffer owned by the proposer, allocated once
+      (a CUDA-graph replay only writes buffers that existed at capture), and return q in the
+      flattened ``[num_draft_tokens, V]`` layout. float32 because the ratio p/q is sensitive.
+    - ``on_commit`` rolls the cache back to the committed tokens it has consumed:
+      ``num_cached_tokens[slot] = min(num_cached_tokens[slot], num_committed_tokens - 1)``.
+      Positions below ``num_committed_tokens - 1`` hold the accepted drafts, identical to the
+      committed tokens; the last committed token (recovered or bonus) was never fed.
+    - ``free(slot)`` sets ``num_cached_tokens[slot] = 0``; the slot's next request starts empty.
+    """
+
+    name: str = ""  # set by @register_proposer
+    uses_draft_probs: bool = False
+
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
+        self.config = config
+        self.context = context if context is not None else ProposerContext()
+        self.num_speculative_tokens = config.num_speculative_tokens  # k
+        self.device = self.context.device
+
+    @abc.abstractmethod
+    def propose(self, requests: Sequence[ProposalRequest]) -> DraftProposal:
+        """Draft tokens for every running request of the step.
+
+        Parameters
+        ----------
+        requests : B running requests (``ProposalRequest``), in the order of the verify batch.
+
+        Returns
+        -------
+        DraftProposal
+            ``(draft_token_ids [num_draft_tokens] int64, cu_num_draft_tokens [B + 1] int64 CPU,
+            draft_probs [num_draft_tokens, V] float32 | None)``.
+        """
+
+    def on_commit(  # noqa: B027 - optional hook, no-op by default
+        self, slots: Sequence[int], num_committed_tokens: Sequence[int]
+    ) -> None:
+        """After verification: request in ``slots[r]`` now has ``num_committed_tokens[r]``
+        committed tokens (prompt + output). Roll back any state past them. Host ints; the
+        engine has them on the host already (it checks stop conditions token by token)."""
+
+    def free(self, slot: int) -> None:  # noqa: B027 - optional hook, no-op by default
+        """The request in ``slot`` finished or was aborted; forget its state."""
+
+
+ProposerT = TypeVar("ProposerT", bound=Proposer)
+
+_PROPOSERS: dict[str, type[Proposer]] = {}
+
+
+def register_proposer(name: str) -> Callable[[type[ProposerT]], type[ProposerT]]:
+    """Class decorator: make a ``Proposer`` subclass available as ``SpeculativeConfig.method``."""
+
+    def decorator(cls: type[ProposerT]) -> type[ProposerT]:
+        if not (isinstance(cls, type) and issubclass(cls, Proposer)):
+            raise TypeError(f"@register_proposer({name!r}) needs a Proposer subclass, got {cls!r}")
+        existing = _PROPOSERS.get(name)
+        if existing is not None and existing is not cls:
+            raise ValueError(
+                f"proposer {name!r} is already registered to {existing.__qualname__}"
+            )
+        cls.name = name
+        _PROPOSERS[name] = cls
+        return cls
+
+    return decorator
+
+
+def available_proposers() -> list[str]:
+    """Registered proposer names, sorted (the CLI's ``--speculative-method`` choices)."""
+    return sorted(_PROPOSERS)
+
+
+def get_proposer_cls(name: str) -> type[Proposer]:
+    """The class registered as ``name``; an unknown name is a ValueError listing the known."""
+    try:
+        return _PROPOSERS[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"speculative method must be one of {available_proposers()}, got {name!r}"
+        ) from None
+
+
+def build_proposer(config: SpeculativeConfig, context: ProposerContext | None = None) -> Proposer:
+    """The proposer that ``config.method`` names, built for ``context``."""
+    return get_proposer_cls(config.method)(config, context)

@@ -1,0 +1,116 @@
+"""n-gram proposer (prompt lookup, REFERENCE §5): drafts copied from earlier in the context.
+
+For a context ``t_0 .. t_{L-1}`` the suffix of length n is ``t_{L-n} .. t_{L-1}``. Find the
+longest n in ``[prompt_lookup_min, prompt_lookup_max]`` whose suffix also occurs earlier, i.e.
+ending at some ``e <= L - 2`` (occurrences may overlap the suffix itself); among occurrences of
+that length take the earliest. The drafts are the up to k tokens that followed it,
+``t_{e+1} .. t_{e+k}``, fewer when the context ends first. ``L <= prompt_lookup_min`` leaves no
+earlier occurrence possible: no drafts.
+
+The search is vectorised: one comparison of the whole context against its last token gives the
+candidate ends, then each further suffix token filters the survivors (``t_{e-j} == t_{L-1-j}``).
+The longest surviving length wins, and the survivors stay sorted, so the first one is the
+earliest. A 4 000-token context costs tens of microseconds, so the lookup never shows in a
+profile next to a model forward; it runs on the host, with no device work at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from verispec.config import SpeculativeConfig
+from verispec.proposers.base import (
+    DraftProposal,
+    ProposalRequest,
+    Proposer,
+    ProposerContext,
+    register_proposer,
+)
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def ngram_lookup(
+    token_ids: np.ndarray,
+    prompt_lookup_min: int,
+    prompt_lookup_max: int,
+    max_num_draft_tokens: int,
+) -> np.ndarray:
+    """Prompt-lookup drafts for one context.
+
+    Parameters
+    ----------
+    token_ids : [L] int, the committed tokens (prompt + output)
+    prompt_lookup_min, prompt_lookup_max : the range of suffix lengths n tried, longest first
+    max_num_draft_tokens : k for this request (0 gives no drafts)
+
+    Returns
+    -------
+    [n_r] int64 drafts, ``0 <= n_r <= max_num_draft_tokens``: the tokens that followed the
+    earliest earlier occurrence of the longest matching suffix.
+
+    >>> ngram_lookup(np.array([1, 2, 3, 4, 1, 2, 3]), 2, 2, 3).tolist()
+    [4, 1, 2]
+    """
+    num_tokens = token_ids.shape[0]
+    # An earlier occurrence of a length-n suffix needs L >= n + 1.
+    max_n = min(prompt_lookup_max, num_tokens - 1)
+    if max_num_draft_tokens <= 0 or max_n < prompt_lookup_min:
+        return _EMPTY
+    # ends[i]: end index e <= L - 2 of an occurrence of the suffix matched so far, ascending.
+    ends = np.flatnonzero(token_ids[:-1] == token_ids[-1])
+    best_end = -1
+    for n in range(1, max_n + 1):
+        if n > 1:
+            j = n - 1  # compare t_{e-j} with t_{L-1-j}
+            ends = ends[ends >= j]
+            ends = ends[token_ids[ends - j] == token_ids[num_tokens - 1 - j]]
+        if ends.shape[0] == 0:
+            break
+        if n >= prompt_lookup_min:
+            best_end = int(ends[0])  # earliest occurrence of the longest length so far
+    if best_end < 0:
+        return _EMPTY
+    start = best_end + 1
+    return token_ids[start : start + max_num_draft_tokens].astype(np.int64, copy=False)
+
+
+@register_proposer("ngram")
+class NgramProposer(Proposer):
+    """Prompt lookup on the host; stateless across steps (``on_commit`` and ``free`` do nothing).
+
+    Drafts are greedy guesses with no distribution: ``draft_probs`` is None and the rejection
+    sampler uses the one-hot rule (REFERENCE §3 rule 2).
+    """
+
+    uses_draft_probs = False
+
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
+        super().__init__(config, context)
+        # SpeculativeConfig fills both bounds (default 5) and checks min <= max.
+        self.prompt_lookup_min = int(config.prompt_lookup_min)
+        self.prompt_lookup_max = int(config.prompt_lookup_max)
+
+    def propose(self, requests: Sequence[ProposalRequest]) -> DraftProposal:
+        """Drafts for every request; see ``Proposer.propose`` for the layout."""
+        cu_num_draft_tokens = np.zeros(len(requests) + 1, dtype=np.int64)  # [B + 1]
+        drafts = []
+        k = self.num_speculative_tokens
+        for r, request in enumerate(requests):
+            draft = ngram_lookup(
+                np.asarray(request.token_ids),
+                self.prompt_lookup_min,
+                self.prompt_lookup_max,
+                min(int(request.max_num_draft_tokens), k),
+            )
+            drafts.append(draft)
+            cu_num_draft_tokens[r + 1] = cu_num_draft_tokens[r] + draft.shape[0]
+        draft_token_ids = np.concatenate(drafts) if drafts else _EMPTY  # [num_draft_tokens]
+        return DraftProposal(
+            draft_token_ids=torch.from_numpy(draft_token_ids.astype(np.int64)).to(self.device),
+            cu_num_draft_tokens=torch.from_numpy(cu_num_draft_tokens),
+            draft_probs=None,
+        )
