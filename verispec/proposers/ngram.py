@@ -80,10 +80,15 @@ def ngram_lookup(
 
 @register_proposer("ngram")
 class NgramProposer(Proposer):
-    """Prompt lookup on the host; stateless across steps (``on_commit`` and ``free`` do nothing).
+    """Prompt lookup on the host; drafts carry no distribution.
 
-    Drafts are greedy guesses with no distribution: ``draft_probs`` is None and the rejection
-    sampler uses the one-hot rule (REFERENCE §3 rule 2).
+    ``draft_probs`` is None and the rejection sampler uses the one-hot rule (REFERENCE §3 rule
+    2). A request whose ``token_ids`` is a numpy array is read in place. Any other sequence (a
+    Python list) is mirrored into a per-slot host array that grows by the newly committed tokens
+    only, so a step costs O(new tokens) of conversion instead of O(context); ``free(slot)``
+    drops the mirror. The mirror is re-read whole if the request in a slot looks different
+    (shorter, or another first or last mirrored token), so a missed ``free`` costs time, never
+    wrong drafts of another request.
     """
 
     uses_draft_probs = False
@@ -93,6 +98,8 @@ class NgramProposer(Proposer):
         # SpeculativeConfig fills both bounds (default 5) and checks min <= max.
         self.prompt_lookup_min = int(config.prompt_lookup_min)
         self.prompt_lookup_max = int(config.prompt_lookup_max)
+        # slot -> (buffer [capacity] int64, number of valid tokens): host mirrors of list contexts.
+        self._mirrors: dict[int, tuple[np.ndarray, int]] = {}
 
     def propose(self, requests: Sequence[ProposalRequest]) -> DraftProposal:
         """Drafts for every request; see ``Proposer.propose`` for the layout."""
@@ -100,12 +107,15 @@ class NgramProposer(Proposer):
         drafts = []
         k = self.num_speculative_tokens
         for r, request in enumerate(requests):
-            draft = ngram_lookup(
-                np.asarray(request.token_ids),
-                self.prompt_lookup_min,
-                self.prompt_lookup_max,
-                min(int(request.max_num_draft_tokens), k),
-            )
+            max_num_draft_tokens = min(int(request.max_num_draft_tokens), k)
+            draft = _EMPTY
+            if max_num_draft_tokens > 0:
+                draft = ngram_lookup(
+                    self._context(request),
+                    self.prompt_lookup_min,
+                    self.prompt_lookup_max,
+                    max_num_draft_tokens,
+                )
             drafts.append(draft)
             cu_num_draft_tokens[r + 1] = cu_num_draft_tokens[r] + draft.shape[0]
         draft_token_ids = np.concatenate(drafts) if drafts else _EMPTY  # [num_draft_tokens]
@@ -114,3 +124,30 @@ class NgramProposer(Proposer):
             cu_num_draft_tokens=torch.from_numpy(cu_num_draft_tokens),
             draft_probs=None,
         )
+
+    def free(self, slot: int) -> None:
+        self._mirrors.pop(slot, None)
+
+    def _context(self, request: ProposalRequest) -> np.ndarray:
+        """[L] int64 view of the request's committed tokens."""
+        token_ids = request.token_ids
+        if isinstance(token_ids, np.ndarray):
+            return token_ids
+        if isinstance(token_ids, torch.Tensor):
+            return token_ids.numpy()
+        num_tokens = len(token_ids)
+        buffer, num_valid = self._mirrors.get(request.slot, (_EMPTY, 0))
+        if num_valid > num_tokens or (
+            num_valid > 0
+            and (buffer[0] != token_ids[0] or buffer[num_valid - 1] != token_ids[num_valid - 1])
+        ):
+            num_valid = 0  # another request in this slot: re-read it whole
+        if num_tokens > buffer.shape[0]:
+            grown = np.empty(max(2 * buffer.shape[0], num_tokens, 64), dtype=np.int64)
+            grown[:num_valid] = buffer[:num_valid]
+            buffer = grown
+        if num_tokens > num_valid:
+            tail = token_ids[num_valid:]
+            buffer[num_valid:num_tokens] = np.fromiter(tail, dtype=np.int64, count=len(tail))
+        self._mirrors[request.slot] = (buffer, num_tokens)
+        return buffer[:num_tokens]
