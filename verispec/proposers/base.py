@@ -105,6 +105,7 @@ class Proposer(abc.ABC):
 
     Contract of ``propose`` (all proposers)
     ----------------------------------------
+    - Called once per step; ``on_commit`` for the same requests follows before the next call.
     - Request r gets ``0 <= n_r <= requests[r].max_num_draft_tokens`` drafts; draft i of r
       occupies absolute position ``len(requests[r].token_ids) + i``.
     - Nothing in ``propose`` may read device values back to the host (no ``.item()``,
