@@ -119,11 +119,13 @@ class Proposer(abc.ABC):
       number of tokens the proposer's cache holds, ``num_cached_tokens[slot]``), allocated
       once for ``context.max_num_seqs`` slots and ``context.max_model_len`` positions.
     - ``propose`` first feeds the committed tokens its cache lacks,
-      ``token_ids[num_cached_tokens[slot]:]`` (the whole prompt on a request's first step; the
-      last output token afterwards; ``d_k`` and the bonus token after a step that accepted all
-      k drafts), then runs ``n_r`` autoregressive steps. Drafting feeds d_1 .. d_{n_r - 1};
+      ``token_ids[num_cached_tokens[slot]:]`` (the whole prompt on a request's first step, then
+      usually just the last committed token; ``d_k`` and the bonus token after a step that
+      accepted all k drafts), then runs ``n_r = max_num_draft_tokens`` autoregressive steps
+      (n_r is known on the host before any device work). Drafting feeds d_1 .. d_{n_r - 1};
       d_{n_r} is produced but not consumed, so after ``propose`` the cache holds
-      ``num_tokens + n_r - 1`` tokens (``num_tokens`` when n_r = 0: nothing drafted).
+      ``num_tokens + n_r - 1`` tokens. A request with n_r = 0 may be skipped entirely; its next
+      ``propose`` catches up.
     - Greedy drafting (``draft_sample_method="greedy"``): ``argmax`` of the draft logits, no
       logits kept, ``draft_probs=None``.
     - Probabilistic drafting (``"probabilistic"``): draw each draft with
@@ -138,6 +140,12 @@ class Proposer(abc.ABC):
       Positions below ``num_committed_tokens - 1`` hold the accepted drafts, identical to the
       committed tokens; the last committed token (recovered or bonus) was never fed.
     - ``free(slot)`` sets ``num_cached_tokens[slot] = 0``; the slot's next request starts empty.
+    - ``draft_model`` builds its own model and KV cache from ``config.model`` and checks that its
+      vocabulary equals ``context.vocab_size``. ``early_exit`` drafts with
+      ``context.target_model``'s first ``config.num_draft_layers`` layers, final norm and LM head;
+      its cache for those layers follows the same ``num_cached_tokens`` rule (it may share the
+      target's rows for those layers: the verify forward rewrites the drafted positions with
+      the same tokens, and everything past the committed length is dead).
     """
 
     name: str = ""  # set by @register_proposer
