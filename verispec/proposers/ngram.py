@@ -87,8 +87,8 @@ class NgramProposer(Proposer):
     Python list) is mirrored into a per-slot host array that grows by the newly committed tokens
     only, so a step costs O(new tokens) of conversion instead of O(context); ``free(slot)``
     drops the mirror. The mirror is re-read whole if the request in a slot looks different
-    (shorter, or another first or last mirrored token), so a missed ``free`` costs time, never
-    wrong drafts of another request.
+    (shorter, or another first or last mirrored token), which catches a missed ``free`` in the
+    common cases; drafts only ever change acceptance, never the output distribution.
     """
 
     uses_draft_probs = False
