@@ -25,7 +25,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from verispec.engine.bench_prompts import (
     FREE_PROMPTS,
