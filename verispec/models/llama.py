@@ -1,0 +1,189 @@
+"""A Llama-family decoder in torch: Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM.
+
+RMSNorm, RoPE, grouped-query attention over a preallocated per-slot KV cache, SwiGLU MLP, tied or
+untied LM head. Written for a batch of requests that each append a different number of new tokens
+(prefill, decode, or the n_r + 1 positions of a speculative verify step) in one forward:
+
+- inputs are padded to ``[B, S]`` (S = the largest number of new tokens of the step);
+- each layer writes the K/V of the valid tokens into the cache at their slot and position, then
+  attends over the cache rows of the batch up to ``kv_len`` with a mask built once per step
+  (``AttentionMetadata``), so no Python runs per request inside a layer.
+
+Projections are fused (q|k|v in one matrix, gate|up in another) to halve the matmul launches;
+the loader splits HF checkpoints' separate matrices into them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.models.config import ModelConfig
+from verispec.models.rope import apply_rope
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything the layers of one forward share; built once per step by the model runner."""
+
+    cos: torch.Tensor  # [B, S, 1, head_dim] model dtype
+    sin: torch.Tensor  # [B, S, 1, head_dim] model dtype
+    write_slots: torch.Tensor  # [N] int64: cache slot of each valid new token
+    write_positions: torch.Tensor  # [N] int64: its position (= cache row)
+    valid_index: torch.Tensor | None  # [N] int64 into the flattened [B * S] tokens; None = all
+    read_slots: slice | torch.Tensor  # cache slots of the batch rows, in order
+    kv_len: int  # attend over cache rows [0, kv_len)
+    attn_mask: torch.Tensor | None  # [B, 1, S, kv_len] bool, True = attend; None = see is_causal
+    is_causal: bool = False  # with attn_mask None: causal (prefill from an empty cache) or all
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), statistics in float32."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # As HF: normalise in float32, round, then scale by the weight in the model dtype.
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    # Uninitialised: every parameter is overwritten by the loader (which checks none is missed).
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        )
+        self.q_size, self.kv_size = c.q_size, c.kv_size
+        self.qkv_weight = _param(c.q_size + 2 * c.kv_size, c.hidden_size, dtype=dtype)
+        self.qkv_bias = _param(c.q_size + 2 * c.kv_size, dtype=dtype) if c.qkv_bias else None
+        self.o_weight = _param(c.hidden_size, c.q_size, dtype=dtype)
+        self.o_bias = _param(c.hidden_size, dtype=dtype) if c.o_bias else None
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
+        self.scale = c.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, S, hidden]
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,  # [num_slots, max_model_len, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_slots, max_model_len, num_kv_heads, head_dim]
+    ) -> torch.Tensor:
+        B, S, _ = x.shape
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        v = qkv[..., self.q_size + self.kv_size :].view(B, S, hkv, d)
+        if self.q_norm is None:
+            # q and k are adjacent in the fused output: rotate both with one set of ops.
+            qk = apply_rope(qkv[..., : self.q_size + self.kv_size].view(B, S, hq + hkv, d),
+                            meta.cos, meta.sin)
+            q, k = qk[:, :, :hq], qk[:, :, hq:]
+        else:  # Qwen3: RMSNorm over each head of q and k, then RoPE
+            q = self.q_norm(qkv[..., : self.q_size].view(B, S, hq, d))
+            k = self.k_norm(qkv[..., self.q_size : self.q_size + self.kv_size].view(B, S, hkv, d))
+            q, k = apply_rope(q, meta.cos, meta.sin), apply_rope(k, meta.cos, meta.sin)
+
+        new_k, new_v = k.reshape(B * S, hkv, d), v.reshape(B * S, hkv, d)
+        if meta.valid_index is not None:  # drop padding tokens: they must not touch the cache
+            new_k, new_v = new_k[meta.valid_index], new_v[meta.valid_index]
+        index = (meta.write_slots, meta.write_positions)
+        k_cache.index_put_(index, new_k)
+        v_cache.index_put_(index, new_v)
+
+        keys = k_cache[meta.read_slots, : meta.kv_len]  # [B, kv_len, hkv, d]
+        values = v_cache[meta.read_slots, : meta.kv_len]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),  # [B, hq, S, d]
+            keys.transpose(1, 2),  # [B, hkv, kv_len, d]
+            values.transpose(1, 2),
+            attn_mask=meta.attn_mask,
+            is_causal=meta.is_causal,
+            scale=self.scale,
+            enable_gqa=hq != hkv,
+        )  # [B, hq, S, d]
+        return F.linear(out.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight, self.o_bias)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.intermediate_size = c.intermediate_size
+        self.gate_up_weight = _param(2 * c.intermediate_size, c.hidden_size, dtype=dtype)
+        self.gate_up_bias = _param(2 * c.intermediate_size, dtype=dtype) if c.mlp_bias else None
+        self.down_weight = _param(c.hidden_size, c.intermediate_size, dtype=dtype)
+        self.down_bias = _param(c.hidden_size, dtype=dtype) if c.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.attn = Attention(config, dtype)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(self, x, meta, k_cache, v_cache):
+        x = x + self.attn(self.input_norm(x), meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head. ``forward`` returns final-norm hidden states; ``compute_logits``
+    applies the LM head to the rows the caller needs (usually one per request, or the n_r + 1
+    rows of a verify step), so the [*, vocab] matmul never runs on rows nobody reads."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_weight = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head_weight = (
+            self.embed_weight if config.tie_word_embeddings
+            else _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, S] int64 (padding rows/columns hold any valid id)
+        meta: AttentionMetadata,
+        k_caches: list[torch.Tensor],  # per layer [num_slots, max_model_len, hkv, head_dim]
+        v_caches: list[torch.Tensor],
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
+        """Run the first ``num_layers`` layers (all by default; fewer = early exit), then the
+        final norm. Returns [B, S, hidden] in the model dtype."""
+        x = F.embedding(input_ids, self.embed_weight)
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer, k_cache, v_cache in zip(layers, k_caches, v_caches):
+            x = layer(x, meta, k_cache, v_cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., vocab_size] float32 logits."""
+        return F.linear(hidden, self.lm_head_weight).float()
