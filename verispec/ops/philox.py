@@ -14,7 +14,7 @@ consecutive vocabulary indices, so noise over V costs V / 4 evaluations. ``posit
 absolute token position that the draw decides.
 
 All arithmetic here is on int64 tensors holding uint32 values, so it runs on any device torch runs
-on; the 32x32 -> 64 multiply is split into 16-bit halves so no intermediate overflows int64.
+on.
 """
 
 from __future__ import annotations
@@ -40,13 +40,6 @@ _UNIFORM_SCALE = 4.6566127342e-10
 MIN_UNIFORM = 2.3283064e-10
 
 
-def _umulhi(const: int, x: torch.Tensor) -> torch.Tensor:
-    """High 32 bits of ``const * x`` for a uint32 constant and uint32 values held in int64."""
-    x_hi = x >> 16
-    x_lo = x & 0xFFFF
-    return (const * x_hi + ((const * x_lo) >> 16)) >> 16
-
-
 def philox4x32(
     seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -62,18 +55,22 @@ def philox4x32(
     -------
     Four int64 tensors holding uint32 words, the same as Triton's ``tl.randint4x``.
     """
-    c0, c1, k0, k1 = torch.broadcast_tensors(
-        c0 & _MASK32, c1 & _MASK32, seed & _MASK32, (seed >> 32) & _MASK32
-    )
+    # Keys keep the seed's shape (one per row, cheap to raise); counters take the full shape.
+    k0 = seed & _MASK32
+    k1 = (seed >> 32) & _MASK32
+    c0, c1, _, _ = torch.broadcast_tensors(c0 & _MASK32, c1 & _MASK32, k0, k1)
+    c1 = c1.contiguous()
     c2 = torch.zeros_like(c0)
     c3 = torch.zeros_like(c0)
-    k0, k1 = k0.contiguous(), k1.contiguous()
     for _ in range(_N_ROUNDS):
-        prev_c0, prev_c2 = c0, c2
-        c0 = _umulhi(_ROUND_B, prev_c2) ^ c1 ^ k0
-        c2 = _umulhi(_ROUND_A, prev_c0) ^ c3 ^ k1
-        c1 = (_ROUND_B * prev_c2) & _MASK32
-        c3 = (_ROUND_A * prev_c0) & _MASK32
+        # One 64-bit product gives both halves: uint32 * uint32 < 2**64 wraps in int64, and the
+        # wrap keeps the low 64 bits, so bits 32..63 are the high word and 0..31 the low word.
+        prod_b = _ROUND_B * c2
+        prod_a = _ROUND_A * c0
+        c0 = ((prod_b >> 32) & _MASK32) ^ c1 ^ k0
+        c2 = ((prod_a >> 32) & _MASK32) ^ c3 ^ k1
+        c1 = prod_b & _MASK32
+        c3 = prod_a & _MASK32
         k0 = (k0 + _KEY_A) & _MASK32
         k1 = (k1 + _KEY_B) & _MASK32
     return c0, c1, c2, c3
@@ -97,8 +94,8 @@ def randint(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
 
 def uint_to_uniform(x: torch.Tensor) -> torch.Tensor:
     """Triton's ``uint_to_uniform_float`` for uint32 words: float32 in [0, 1)."""
-    x = torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)  # bitcast to int32
-    x = torch.where(x < 0, ~x, x)
+    # As int32, a word w >= 2**31 is negative and Triton takes ~w, which as uint32 is w ^ 0xFFFFFFFF.
+    x = x ^ ((x >> 31) * _MASK32)  # [0, 2**31)
     return x.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
 
 
