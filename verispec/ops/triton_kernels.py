@@ -1,0 +1,445 @@
+"""Triton kernels for sampling and rejection sampling: the GPU twins of ``sampling.py`` and
+``rejection.py`` (REFERENCE §2-§4). Launched by ``verispec.ops.triton_ops``, which checks inputs.
+
+Every op runs on the flattened layout: request r owns target rows ``cu[r] + r ... cu[r+1] + r``
+(its n_r verify rows, then its bonus row). A plain sampling call is the same layout with no drafts
+(``NO_DRAFTS``: row r is request r's bonus row). Two launches do the work:
+
+``_stats_kernel``  grid (num_rows, NUM_CHUNKS). Reads each target row once, in chunks of CHUNK
+    tokens, and writes per chunk: the softmax partials (chunk max m_c, sum_v exp(z_v - m_c)), the
+    raw-logit argmax (greedy rows) and, on the bonus row of a random request, the chunk winner of
+    the exponential race for the bonus token (the race needs noise; only bonus rows pay for it).
+``_race_kernel``   grid (B, NUM_CHUNKS). Every program first verifies its request's drafts from
+    the partials, vectorised over the draft index (no row is read again for this: p_i(d_i) is
+    one gathered logit and the row's (m, S)). Then:
+      greedy request       -> argmax of the final row, from the partials;
+      every draft accepted -> the bonus token: the best of the chunk winners, scored exactly;
+      first rejection at a -> the recovered token: each program races one chunk of the final row
+                              (re-read once, with the rejected draft's q row if any) and the last
+                              program to finish (an atomic counter) picks the winner and writes.
+
+So each target row is read once, plus the final row of a request rejected by a random target;
+each draft-probability row is touched at one entry, plus the row of the first rejection.
+Masks (top-k, top-p, min-p) need row-wide thresholds first: ``triton_kernels_masks``.
+
+Float semantics follow the torch twin: z = logits / T with IEEE division (``div_rn``), p = exp(z -
+m) / S, score = p / E with E = -log(u); on CUDA exp and log are libdevice's (those torch uses).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+# Named Philox streams and constants, as in verispec/ops/philox.py.
+DRAFT_STREAM = tl.constexpr(0)
+ACCEPT_STREAM = tl.constexpr(1)
+RESIDUAL_STREAM = tl.constexpr(2)
+SAMPLE_STREAM = tl.constexpr(3)
+NUM_STREAMS = tl.constexpr(4)
+MIN_UNIFORM = tl.constexpr(2.3283064e-10)
+BIG_INDEX = tl.constexpr(2**31 - 1)
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter has no libdevice
+
+    @triton.jit
+    def _exp(x):
+        return tl.exp(x)
+
+    @triton.jit
+    def _log(x):
+        return tl.log(x)
+
+else:  # pragma: no cover - CUDA: libdevice's expf / logf, as torch's kernels use
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _exp(x):
+        return libdevice.exp(x)
+
+    @triton.jit
+    def _log(x):
+        return libdevice.log(x)
+
+
+@triton.jit
+def _request_of_row(cu_ptr, row, batch_size, BLOCK_B: tl.constexpr, NO_DRAFTS: tl.constexpr):
+    """Request r owning target row ``row``: the largest r with cu[r] + r <= row."""
+    if NO_DRAFTS:
+        req = row
+    else:
+        r = tl.arange(0, BLOCK_B)
+        first_rows = tl.load(cu_ptr + r, mask=r < batch_size, other=2**40).to(tl.int64) + r
+        req = tl.sum((first_rows <= row).to(tl.int32), axis=0) - 1
+    return req
+
+
+@triton.jit
+def _request_span(cu_ptr, req, NO_DRAFTS: tl.constexpr):
+    """(cu[r], n_r): the request's first draft index and its number of drafts."""
+    if NO_DRAFTS:
+        start = req.to(tl.int64) * 0
+        num = start
+    else:
+        start = tl.load(cu_ptr + req).to(tl.int64)
+        num = tl.load(cu_ptr + req + 1).to(tl.int64) - start
+    return start, num
+
+
+@triton.jit
+def _tile_ids(start, C4: tl.constexpr):
+    """[C4, 4] vocabulary indices start + 4a + b: column b holds Philox word b of counter a."""
+    return start + tl.arange(0, C4)[:, None] * 4 + tl.arange(0, 4)[None, :]
+
+
+@triton.jit
+def _noise_tile(seed, position, stream, start, C4: tl.constexpr):
+    """[C4, 4] Exp(1) noise E = -log u for the draws (seed, position, stream, start + 4a + b);
+    ``start`` is a multiple of 4, so one Philox evaluation serves one tile row."""
+    counter = (start // 4 + tl.arange(0, C4)).to(tl.int64)
+    offset = ((position * NUM_STREAMS + stream) << 32) | counter
+    u0, u1, u2, u3 = tl.rand4x(seed, offset)
+    b = tl.arange(0, 4)[None, :]
+    u = tl.where(b == 0, u0[:, None],
+                 tl.where(b == 1, u1[:, None], tl.where(b == 2, u2[:, None], u3[:, None])))
+    return -_log(tl.maximum(u, MIN_UNIFORM))
+
+
+@triton.jit
+def _noise_at(seed, position, stream, index):
+    """Exp(1) noise at arbitrary vocabulary indices (a vector of them)."""
+    offset = ((position * NUM_STREAMS + stream) << 32) | (index >> 2).to(tl.int64)
+    u0, u1, u2, u3 = tl.rand4x(seed, offset)
+    word = index & 3
+    u = tl.where(word == 0, u0, tl.where(word == 1, u1, tl.where(word == 2, u2, u3)))
+    return -_log(tl.maximum(u, MIN_UNIFORM))
+
+
+@triton.jit
+def _uniform_at(seed, position, stream):
+    """Acceptance uniforms in (0, 1): draw (seed, position, stream, index 0), a vector."""
+    offset = (position * NUM_STREAMS + stream) << 32
+    return tl.maximum(tl.rand(seed, offset), MIN_UNIFORM)
+
+
+@triton.jit
+def _scale(x, temperature):
+    """z = logits / T (IEEE division, as torch); T = 1 leaves x unchanged."""
+    return tl.math.div_rn(x, temperature)
+
+
+@triton.jit
+def _processed(z, m, s, kth, tau, s_p, floor, s3,
+               HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
+    """The processed target probability p of scaled logits z, given the row's statistics:
+    top-k keeps z >= kth; softmax p = exp(z - m) / S; top-p keeps p >= tau, renormalised by
+    s_p; min-p keeps p >= floor, renormalised by s3 (the twin's order of operations)."""
+    if HAS_TOP_K:
+        z = tl.where(z < kth, float("-inf"), z)
+    p = tl.math.div_rn(_exp(z - m), s)
+    if HAS_TOP_P:
+        p = tl.math.div_rn(tl.where(p < tau, 0.0, p), s_p)
+    if HAS_MIN_P:
+        p = tl.math.div_rn(tl.where(p < floor, 0.0, p), s3)
+    return p
+
+
+@triton.jit
+def _argmax_tile(score, ids):
+    """(max score, smallest index holding it) over a [C4, 4] tile."""
+    best = tl.max(tl.max(score, axis=1), axis=0)
+    idx = tl.min(tl.min(tl.where(score == best, ids, BIG_INDEX), axis=1), axis=0)
+    return best, idx
+
+
+@triton.jit
+def _argmax_vec(score, ids):
+    """(max score, smallest index holding it) over a vector."""
+    best = tl.max(score, axis=0)
+    idx = tl.min(tl.where(score == best, ids, BIG_INDEX), axis=0)
+    return best, idx
+
+
+@triton.jit
+def _stats_kernel(
+    logits_ptr, logits_stride,  # [num_rows, V]
+    cu_ptr,  # [B + 1] int, leading 0 (unused with NO_DRAFTS)
+    temperature_ptr,  # [B] float32
+    seeds_ptr, positions_ptr,  # [B] int64
+    row_stats_ptr,  # [num_rows, 8] float32 (MASKED): m, S, kth, tau, s_p, floor, s3
+    part_m_ptr, part_s_ptr,  # [num_rows, NUM_CHUNKS] float32: chunk max, chunk sum exp(z - m_c)
+    part_amax_ptr, part_aidx_ptr,  # [num_rows, NUM_CHUNKS] float32 / int32: raw argmax
+    part_ridx_ptr,  # [num_rows, NUM_CHUNKS] int32: chunk winner of the bonus race
+    counter_ptr,  # [B] int32, zeroed here for _race_kernel
+    batch_size, vocab_size, bonus_stream,
+    NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
+    NO_DRAFTS: tl.constexpr, ALL_GREEDY: tl.constexpr, BONUS_RACE: tl.constexpr,
+    MASKED: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if (chunk == 0) & (row < batch_size):
+        tl.store(counter_ptr + row, 0)
+    req = _request_of_row(cu_ptr, row, batch_size, BLOCK_B, NO_DRAFTS)
+    draft_start, num_drafts = _request_span(cu_ptr, req, NO_DRAFTS)
+    index_in_request = row - draft_start - req  # == num_drafts on the bonus row
+    temperature = tl.load(temperature_ptr + req)
+    greedy = (temperature == 0.0) | ALL_GREEDY
+
+    ids = _tile_ids(chunk * CHUNK, CHUNK // 4)  # [C4, 4]
+    valid = ids < vocab_size
+    x = tl.load(logits_ptr + row.to(tl.int64) * logits_stride + ids, mask=valid,
+                other=float("-inf")).to(tl.float32)
+    out = row * NUM_CHUNKS + chunk
+
+    if greedy:
+        # Greedy rows take the argmax of the raw logits (ties: smallest index), as torch.argmax.
+        amax, aidx = _argmax_tile(x, ids)
+        tl.store(part_amax_ptr + out, amax)
+        tl.store(part_aidx_ptr + out, aidx)
+    else:
+        tl.store(part_amax_ptr + out, float("-inf"))
+        tl.store(part_aidx_ptr + out, BIG_INDEX)
+
+    if not ALL_GREEDY:
+        # Greedy rows are processed with T = 1 (their p is what processed_probs returns).
+        t_eff = tl.where(greedy, 1.0, temperature)
+        z = _scale(x, t_eff)
+        m_c = tl.max(tl.max(z, axis=1), axis=0)
+        m_safe = tl.where(m_c == float("-inf"), 0.0, m_c)
+        if not MASKED:
+            tl.store(part_m_ptr + out, m_c)
+            tl.store(part_s_ptr + out, tl.sum(tl.sum(tl.exp(z - m_safe), axis=1), axis=0))
+        if BONUS_RACE:
+            if (temperature != 0.0) & (index_in_request == num_drafts):
+                # Bonus token race, argmax_v p_v / E_v, restricted to this chunk. Without masks
+                # p_v is proportional to exp(z_v - m_c): the consumer re-scores the winner
+                # exactly with the row's (m, S).
+                seed = tl.load(seeds_ptr + req)
+                position = tl.load(positions_ptr + req) + num_drafts
+                noise = _noise_tile(seed, position, bonus_stream, chunk * CHUNK, CHUNK // 4)
+                if MASKED:
+                    st = row_stats_ptr + row * 8
+                    w = _processed(z, tl.load(st), tl.load(st + 1), tl.load(st + 2),
+                                   tl.load(st + 3), tl.load(st + 4), tl.load(st + 5),
+                                   tl.load(st + 6), HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+                else:
+                    w = _exp(z - m_safe)
+                score = tl.where(valid, tl.math.div_rn(w, noise), -1.0)
+                _, ridx = _argmax_tile(score, ids)
+                tl.store(part_ridx_ptr + out, ridx)
+
+
+@triton.jit
+def _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
+                  num_accepted, token, width, WIDTH_P2: tl.constexpr, NO_DRAFTS: tl.constexpr):
+    """Row ``req`` of token_ids: accepted drafts, the final token, then -1 padding."""
+    col = tl.arange(0, WIDTH_P2)
+    if NO_DRAFTS:
+        out = tl.where(col == 0, token, -1)
+    else:
+        drafts = tl.load(draft_ids_ptr + draft_start + col, mask=col < num_accepted, other=-1)
+        out = tl.where(col < num_accepted, drafts, tl.where(col == num_accepted, token, -1))
+    tl.store(token_ids_ptr + req.to(tl.int64) * token_ids_stride + col, out, mask=col < width)
+
+
+@triton.jit
+def _race_kernel(
+    logits_ptr, logits_stride,  # [num_rows, V]
+    draft_ids_ptr,  # [num_draft_tokens] int
+    cu_ptr,  # [B + 1] int, leading 0 (unused with NO_DRAFTS)
+    draft_probs_ptr, draft_probs_stride,  # [num_draft_tokens, V] float32 (HAS_DRAFT_PROBS)
+    temperature_ptr,  # [B] float32, 0 = greedy
+    seeds_ptr, positions_ptr,  # [B] int64
+    rates_ptr,  # [>= max_num_draft_tokens] float32 conditional rates (SYNTHETIC)
+    row_stats_ptr,  # [num_rows, 8] float32 (MASKED): m, S, kth, tau, s_p, floor, s3
+    part_m_ptr, part_s_ptr, part_amax_ptr, part_aidx_ptr, part_ridx_ptr,  # [num_rows, NUM_CHUNKS]
+    race_score_ptr, race_idx_ptr, race_has_ptr,  # [B, NUM_CHUNKS] float32 / int32 / int32
+    counter_ptr,  # [B] int32, zeroed by _stats_kernel
+    token_ids_ptr, token_ids_stride,  # [B, width] int32 (or int64 for sampling)
+    vocab_size, width, bonus_stream,
+    NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
+    ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr,
+    NO_DRAFTS: tl.constexpr, ALL_GREEDY: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr,
+    SYNTHETIC: tl.constexpr, MASKED: tl.constexpr, HAS_TOP_K: tl.constexpr,
+    HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+):
+    req = tl.program_id(0)
+    chunk = tl.program_id(1)
+    draft_start, num_drafts = _request_span(cu_ptr, req, NO_DRAFTS)
+    first_row = draft_start + req
+    temperature = tl.load(temperature_ptr + req)
+    greedy = (temperature == 0.0) | ALL_GREEDY
+    t_eff = tl.where(greedy, 1.0, temperature)
+    seed = tl.load(seeds_ptr + req)
+    position = tl.load(positions_ptr + req)
+
+    # --- per-row statistics of the request's rows (i = 0..n_r; row n_r is the bonus row) ---
+    i = tl.arange(0, ROWS_P2)
+    rows = first_row + i  # [ROWS_P2] int64
+    row_ok = i <= num_drafts
+    is_draft = i < num_drafts
+    c = tl.arange(0, NC_P2)
+    part = rows[:, None] * NUM_CHUNKS + c[None, :]  # [ROWS_P2, NC_P2]
+    part_ok = row_ok[:, None] & (c < NUM_CHUNKS)[None, :]
+    amax = tl.load(part_amax_ptr + part, mask=part_ok, other=float("-inf"))
+    aidx = tl.load(part_aidx_ptr + part, mask=part_ok, other=BIG_INDEX)
+    row_max = tl.max(amax, axis=1)
+    row_argmax = tl.min(tl.where(amax == row_max[:, None], aidx, BIG_INDEX), axis=1)
+    zeros = tl.zeros([ROWS_P2], dtype=tl.float32)
+    m = zeros
+    s = zeros + 1.0
+    kth = zeros
+    tau = zeros
+    s_p = zeros + 1.0
+    floor = zeros
+    s3 = zeros + 1.0
+    if not ALL_GREEDY:
+        if MASKED:
+            st = row_stats_ptr + rows * 8
+            m = tl.load(st, mask=row_ok, other=0.0)
+            s = tl.load(st + 1, mask=row_ok, other=1.0)
+            kth = tl.load(st + 2, mask=row_ok, other=0.0)
+            tau = tl.load(st + 3, mask=row_ok, other=0.0)
+            s_p = tl.load(st + 4, mask=row_ok, other=1.0)
+            floor = tl.load(st + 5, mask=row_ok, other=0.0)
+            s3 = tl.load(st + 6, mask=row_ok, other=1.0)
+        else:
+            # Combine the chunk partials: m = max m_c, S = sum_c S_c exp(m_c - m).
+            pm = tl.load(part_m_ptr + part, mask=part_ok, other=float("-inf"))
+            ps = tl.load(part_s_ptr + part, mask=part_ok, other=0.0)
+            m = tl.max(pm, axis=1)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            s = tl.sum(ps * tl.exp(pm - m_safe[:, None]), axis=1)
+
+    # --- verification: accept d_i ... the leading run of accepts counts ---
+    num_accepted = num_drafts * 0
+    d = i * 0
+    if not NO_DRAFTS:
+        d = tl.load(draft_ids_ptr + draft_start + i, mask=is_draft, other=0).to(tl.int32)
+        u = _uniform_at(seed, position + i, ACCEPT_STREAM)  # [ROWS_P2] in (0, 1)
+        if SYNTHETIC:
+            # accept iff u_i < c_i, whatever p and q say (benchmarking only)
+            accepted = u < tl.load(rates_ptr + i, mask=is_draft, other=0.0)
+        else:
+            accepted = d == row_argmax  # greedy target: accept iff d == argmax p
+            if not ALL_GREEDY:
+                x_d = tl.load(logits_ptr + rows * logits_stride + d, mask=is_draft, other=0.0)
+                p_d = _processed(_scale(x_d.to(tl.float32), t_eff), m, s, kth, tau, s_p, floor,
+                                 s3, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+                if HAS_DRAFT_PROBS:
+                    # full rule: accept iff u q(d) < p(d); q(d) = 0 cannot be sampled: reject
+                    q_d = tl.load(draft_probs_ptr + (draft_start + i) * draft_probs_stride + d,
+                                  mask=is_draft, other=0.0)
+                    accept_random = (u * q_d < p_d) & (q_d > 0.0)
+                else:
+                    # one-hot rule: accept iff u < p(d); p(d) = 0 never passes as u > 0
+                    accept_random = u < p_d
+                accepted = tl.where(greedy, accepted, accept_random)
+        accepted = accepted & is_draft
+        num_accepted = tl.min(tl.where(accepted, ROWS_P2, i), axis=0).to(tl.int64)
+
+    # --- the final row: recovered at the first rejection, else the bonus row ---
+    rejected = num_accepted < num_drafts
+    final_row = first_row + num_accepted
+    at_final = i == num_accepted
+    token = tl.sum(tl.where(at_final, row_argmax, 0), axis=0)
+    m_f = tl.sum(tl.where(at_final, m, 0.0), axis=0)
+    s_f = tl.sum(tl.where(at_final, s, 0.0), axis=0)
+    kth_f = tl.sum(tl.where(at_final, kth, 0.0), axis=0)
+    tau_f = tl.sum(tl.where(at_final, tau, 0.0), axis=0)
+    s_p_f = tl.sum(tl.where(at_final, s_p, 0.0), axis=0)
+    floor_f = tl.sum(tl.where(at_final, floor, 0.0), axis=0)
+    s3_f = tl.sum(tl.where(at_final, s3, 0.0), axis=0)
+    if greedy | (rejected == 0):
+        if chunk == 0:
+            if not ALL_GREEDY:
+                if greedy == 0:
+                    # Bonus token: the best chunk winner, each re-scored as the twin scores it.
+                    c_ok = c < NUM_CHUNKS
+                    ridx = tl.load(part_ridx_ptr + final_row * NUM_CHUNKS + c, mask=c_ok, other=0)
+                    x_w = tl.load(logits_ptr + final_row * logits_stride + ridx, mask=c_ok,
+                                  other=0.0)
+                    w = _processed(_scale(x_w.to(tl.float32), t_eff), m_f, s_f, kth_f, tau_f,
+                                   s_p_f, floor_f, s3_f, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+                    noise = _noise_at(seed, position + num_drafts, bonus_stream, ridx)
+                    score = tl.where(c_ok, tl.math.div_rn(w, noise), -1.0)
+                    _, token = _argmax_vec(score, ridx)
+            _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
+                          num_accepted, token, width, WIDTH_P2, NO_DRAFTS)
+    else:
+        if not ALL_GREEDY:
+            _residual_race(
+                logits_ptr, logits_stride, draft_ids_ptr, draft_probs_ptr, draft_probs_stride,
+                race_score_ptr, race_idx_ptr, race_has_ptr, counter_ptr,
+                token_ids_ptr, token_ids_stride,
+                req, chunk, draft_start, num_accepted, final_row, t_eff, seed, position,
+                tl.sum(tl.where(at_final, d, 0), axis=0),
+                m_f, s_f, kth_f, tau_f, s_p_f, floor_f, s3_f, vocab_size, width,
+                NUM_CHUNKS, NC_P2, CHUNK, WIDTH_P2, NO_DRAFTS, HAS_DRAFT_PROBS,
+                HAS_TOP_K, HAS_TOP_P, HAS_MIN_P,
+            )
+
+
+@triton.jit
+def _residual_race(
+    logits_ptr, logits_stride, draft_ids_ptr, draft_probs_ptr, draft_probs_stride,
+    race_score_ptr, race_idx_ptr, race_has_ptr, counter_ptr, token_ids_ptr, token_ids_stride,
+    req, chunk, draft_start, num_accepted, final_row, t_eff, seed, position, rejected_id,
+    m, s, kth, tau, s_p, floor, s3, vocab_size, width,
+    NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
+    WIDTH_P2: tl.constexpr, NO_DRAFTS: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr,
+    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+):
+    """Recovered token at the first rejection: race over one chunk of the final row, then the
+    last program of the request combines the chunk winners and writes the output row."""
+    ids = _tile_ids(chunk * CHUNK, CHUNK // 4)
+    valid = ids < vocab_size
+    x = tl.load(logits_ptr + final_row * logits_stride + ids, mask=valid, other=float("-inf"))
+    p = _processed(_scale(x.to(tl.float32), t_eff), m, s, kth, tau, s_p, floor, s3,
+                   HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+    if HAS_DRAFT_PROBS:
+        # full rule: residual max(0, p - q) of the rejected draft's q
+        q = tl.load(draft_probs_ptr + (draft_start + num_accepted) * draft_probs_stride + ids,
+                    mask=valid, other=0.0)
+        w = tl.maximum(p - q, 0.0)
+    else:
+        # one-hot rule: residual = p with the rejected draft zeroed
+        w = tl.where(ids == rejected_id, 0.0, p)
+    position = position + num_accepted
+    noise = _noise_tile(seed, position, RESIDUAL_STREAM, chunk * CHUNK, CHUNK // 4)
+    best, best_id = _argmax_tile(tl.where(valid, tl.math.div_rn(w, noise), -1.0), ids)
+    has_residual = tl.max(tl.max(w, axis=1), axis=0) > 0.0
+    slot = req * NUM_CHUNKS + chunk
+    tl.store(race_score_ptr + slot, best)
+    tl.store(race_idx_ptr + slot, best_id)
+    tl.store(race_has_ptr + slot, has_residual.to(tl.int32))
+    tl.debug_barrier()
+    num_done = tl.atomic_add(counter_ptr + req, 1, sem="acq_rel")
+    if num_done == NUM_CHUNKS - 1:
+        c = tl.arange(0, NC_P2)
+        c_ok = c < NUM_CHUNKS
+        base = req * NUM_CHUNKS + c
+        scores = tl.load(race_score_ptr + base, mask=c_ok, other=-1.0, volatile=True)
+        chunk_ids = tl.load(race_idx_ptr + base, mask=c_ok, other=BIG_INDEX, volatile=True)
+        any_residual = tl.max(tl.load(race_has_ptr + base, mask=c_ok, other=0, volatile=True), 0)
+        _, token = _argmax_vec(scores, chunk_ids)
+        if any_residual == 0:
+            # Empty residual (p = q up to rounding): sample from p, on the same stream.
+            best = -2.0
+            for cc in range(0, NUM_CHUNKS):
+                ids = _tile_ids(cc * CHUNK, CHUNK // 4)
+                valid = ids < vocab_size
+                x = tl.load(logits_ptr + final_row * logits_stride + ids, mask=valid,
+                            other=float("-inf"))
+                p = _processed(_scale(x.to(tl.float32), t_eff), m, s, kth, tau, s_p, floor, s3,
+                               HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+                noise = _noise_tile(seed, position, RESIDUAL_STREAM, cc * CHUNK, CHUNK // 4)
+                b, b_id = _argmax_tile(tl.where(valid, tl.math.div_rn(p, noise), -1.0), ids)
+                token = tl.where(b > best, b_id, token)
+                best = tl.maximum(b, best)
+        _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
+                      num_accepted, token, width, WIDTH_P2, NO_DRAFTS)

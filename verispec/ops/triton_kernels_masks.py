@@ -1,0 +1,194 @@
+"""Triton kernels for the row-wide parts of logits processing: the top-k / top-p / min-p
+thresholds (by bisection, never a sort) and the processed distribution p itself.
+
+The masks of ``sampling.py`` are thresholds on one row (top-k keeps z >= the k-th largest z;
+top-p keeps p >= tau, tau the smallest p_v whose strictly-larger mass is < top_p; min-p keeps
+p >= min_p * max p), so ``_mask_stats_kernel`` finds each by bisection over the order-preserving
+integer keys of float32 values: 32 counting (or mass-summing) passes over the row at most, no
+sort and no per-row memory beyond the row itself. It writes the statistics every consumer
+needs to compute p_v for any v on its own:
+
+    row_stats[row] = (m, S, kth, tau, s_p, floor, s3)
+    p_v = exp(z_v - m) / S             over z_v >= kth             (top-k, softmax)
+    p_v = p_v / s_p                    over p_v >= tau             (top-p, renormalised)
+    p_v = p_v / s3                     over p_v >= floor           (min-p, renormalised)
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from verispec.ops.triton_kernels import (
+    _exp,
+    _processed,
+    _request_of_row,
+    _scale,
+    _tile_ids,
+)
+
+
+@triton.jit
+def _key(x):
+    """int64 key with the order of float32 x (negative floats flipped below the positives)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+
+
+@triton.jit
+def _from_key(key):
+    bits = key.to(tl.int32)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_z(logits_ptr, row_offset, start, vocab_size, t_eff, TILE: tl.constexpr):
+    ids = _tile_ids(start, TILE // 4)
+    valid = ids < vocab_size
+    x = tl.load(logits_ptr + row_offset + ids, mask=valid, other=float("-inf"))
+    return _scale(x.to(tl.float32), t_eff), valid
+
+
+@triton.jit
+def _mask_stats_kernel(
+    logits_ptr, logits_stride,  # [num_rows, V]
+    cu_ptr,  # [B + 1] int, leading 0 (unused with NO_DRAFTS)
+    temperature_ptr,  # [B] float32 (0 = greedy, processed as T = 1)
+    top_k_ptr, top_p_ptr, min_p_ptr,  # [B] int / float32 / float32 (each HAS_*)
+    row_stats_ptr,  # [num_rows, 8] float32 out: m, S, kth, tau, s_p, floor, s3
+    batch_size, vocab_size,
+    TILE: tl.constexpr, BLOCK_B: tl.constexpr, NO_DRAFTS: tl.constexpr,
+    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+):
+    row = tl.program_id(0)
+    req = _request_of_row(cu_ptr, row, batch_size, BLOCK_B, NO_DRAFTS)
+    temperature = tl.load(temperature_ptr + req)
+    t_eff = tl.where(temperature > 0.0, temperature, 1.0)
+    row_offset = row.to(tl.int64) * logits_stride
+
+    z_max = tl.full([], float("-inf"), tl.float32)
+    z_min = tl.full([], float("inf"), tl.float32)
+    for start in range(0, vocab_size, TILE):
+        z, valid = _load_z(logits_ptr, row_offset, start, vocab_size, t_eff, TILE)
+        z_max = tl.maximum(z_max, tl.max(tl.max(z, axis=1), axis=0))
+        z_min = tl.minimum(z_min, tl.min(tl.min(tl.where(valid, z, float("inf")), axis=1), 0))
+
+    # top-k: kth = the largest key K with count(z >= K) >= k (an element's value; ties kept).
+    kth = tl.full([], float("-inf"), tl.float32)
+    if HAS_TOP_K:
+        k = tl.load(top_k_ptr + req).to(tl.int64)
+        if (k > 0) & (k < vocab_size):
+            lo = _key(z_min)  # count(z >= lo) = V >= k
+            hi = _key(z_max) + 1  # count(z >= hi) = 0 < k
+            while hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                threshold = _from_key(mid)
+                count = tl.zeros([], tl.int64)
+                for start in range(0, vocab_size, TILE):
+                    z, valid = _load_z(logits_ptr, row_offset, start, vocab_size, t_eff, TILE)
+                    count += tl.sum(tl.sum((valid & (z >= threshold)).to(tl.int64), 1), 0)
+                if count >= k:
+                    lo = mid
+                else:
+                    hi = mid
+            kth = _from_key(lo)
+
+    # softmax normaliser over the kept tokens
+    s = tl.zeros([], tl.float32)
+    for start in range(0, vocab_size, TILE):
+        z, valid = _load_z(logits_ptr, row_offset, start, vocab_size, t_eff, TILE)
+        z = tl.where(z < kth, float("-inf"), z)
+        s += tl.sum(tl.sum(_exp(z - z_max), axis=1), axis=0)
+    p_max = tl.math.div_rn(1.0, s)  # exp(z_max - z_max) / S
+
+    # top-p: tau = the smallest key K with mass(p > K) < top_p (an element's value).
+    tau = tl.zeros([], tl.float32)
+    s_p = tl.full([], 1.0, tl.float32)
+    if HAS_TOP_P:
+        top_p = tl.load(top_p_ptr + req)
+        if top_p < 1.0:
+            lo = tl.full([], -1, tl.int64)  # below every p: mass = 1 >= top_p
+            hi = _key(p_max)  # mass(p > max p) = 0 < top_p
+            while hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                threshold = _from_key(mid)
+                mass = tl.zeros([], tl.float32)
+                for start in range(0, vocab_size, TILE):
+                    z, valid = _load_z(logits_ptr, row_offset, start, vocab_size, t_eff, TILE)
+                    p = _processed(z, z_max, s, kth, 0.0, 1.0, 0.0, 1.0, HAS_TOP_K, False, False)
+                    mass += tl.sum(tl.sum(tl.where(p > threshold, p, 0.0), axis=1), axis=0)
+                if mass < top_p:
+                    hi = mid
+                else:
+                    lo = mid
+            tau = _from_key(hi)
+        s_p = tl.zeros([], tl.float32)
+        for start in range(0, vocab_size, TILE):
+            z, valid = _load_z(logits_ptr, row_offset, start, vocab_size, t_eff, TILE)
+            p = _processed(z, z_max, s, kth, 0.0, 1.0, 0.0, 1.0, HAS_TOP_K, False, False)
+            s_p += tl.sum(tl.sum(tl.where(p < tau, 0.0, p), axis=1), axis=0)
+        p_max = tl.math.div_rn(p_max, s_p)
+
+    # min-p: keep p >= min_p * max p
+    floor = tl.zeros([], tl.float32)
+    s3 = tl.full([], 1.0, tl.float32)
+    if HAS_MIN_P:
+        floor = tl.load(min_p_ptr + req) * p_max
+        s3 = tl.zeros([], tl.float32)
+        for start in range(0, vocab_size, TILE):
+            z, valid = _load_z(logits_ptr, row_offset, start, vocab_size, t_eff, TILE)
+            p = _processed(z, z_max, s, kth, tau, s_p, 0.0, 1.0, HAS_TOP_K, HAS_TOP_P, False)
+            s3 += tl.sum(tl.sum(tl.where(p < floor, 0.0, p), axis=1), axis=0)
+
+    out = row_stats_ptr + row * 8
+    tl.store(out, z_max)
+    tl.store(out + 1, s)
+    tl.store(out + 2, kth)
+    tl.store(out + 3, tau)
+    tl.store(out + 4, s_p)
+    tl.store(out + 5, floor)
+    tl.store(out + 6, s3)
+
+
+@triton.jit
+def _probs_kernel(
+    logits_ptr, logits_stride,  # [R, V]
+    temperature_ptr,  # [R] float32 (0 = processed as T = 1)
+    row_stats_ptr,  # [R, 8] float32 (MASKED)
+    part_m_ptr, part_s_ptr,  # [R, NUM_CHUNKS] float32 softmax partials (not MASKED)
+    probs_ptr, probs_stride,  # [R, V] float32 out
+    vocab_size,
+    NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
+    MASKED: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+):
+    """Writes the processed distribution p of each row, one chunk per program."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    temperature = tl.load(temperature_ptr + row)
+    t_eff = tl.where(temperature > 0.0, temperature, 1.0)
+    if MASKED:
+        st = row_stats_ptr + row * 8
+        m = tl.load(st)
+        s = tl.load(st + 1)
+        kth = tl.load(st + 2)
+        tau = tl.load(st + 3)
+        s_p = tl.load(st + 4)
+        floor = tl.load(st + 5)
+        s3 = tl.load(st + 6)
+    else:
+        c = tl.arange(0, NC_P2)
+        pm = tl.load(part_m_ptr + row * NUM_CHUNKS + c, mask=c < NUM_CHUNKS, other=float("-inf"))
+        ps = tl.load(part_s_ptr + row * NUM_CHUNKS + c, mask=c < NUM_CHUNKS, other=0.0)
+        m = tl.max(pm, axis=0)
+        s = tl.sum(ps * tl.exp(pm - tl.where(m == float("-inf"), 0.0, m)), axis=0)
+        kth = 0.0
+        tau = 0.0
+        s_p = 1.0
+        floor = 0.0
+        s3 = 1.0
+    z, valid = _load_z(logits_ptr, row.to(tl.int64) * logits_stride, chunk * CHUNK, vocab_size,
+                       t_eff, CHUNK)
+    p = _processed(z, m, s, kth, tau, s_p, floor, s3, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+    ids = _tile_ids(chunk * CHUNK, CHUNK // 4)
+    tl.store(probs_ptr + row.to(tl.int64) * probs_stride + ids, p, mask=valid)

@@ -1,0 +1,332 @@
+"""Triton backend: the GPU twins of ``sampling.py`` and ``rejection.py``, one signature each.
+
+Imported only when the ``triton`` backend is chosen (``verispec.ops.backend``). The wrappers check
+shapes, dtypes and contiguity, allocate fixed-size outputs and workspaces (sizes depend on shapes
+only: no host sync, capturable in a CUDA graph) and launch the kernels of
+``triton_kernels`` / ``triton_kernels_masks``. For the same inputs and seeds they return the same
+token ids as the torch twins; see those for the contracts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from verispec.ops import philox
+from verispec.ops.backend import Backend
+from verispec.ops.triton_kernels import _race_kernel, _stats_kernel
+from verispec.ops.triton_kernels_masks import _mask_stats_kernel, _probs_kernel
+
+_LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_CHUNK = 4096  # tokens per program: 16 KB of float32 logits
+_MASK_TILE = 2048  # tokens per loop step of the one-program-per-row threshold search
+
+
+def _p2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(max(int(n), 1)))
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """Tokens per program: 4096 on large vocabularies, about a quarter of the row on small ones
+    (so the chunked combine is exercised whatever V)."""
+    return min(_MAX_CHUNK, _p2(triton.cdiv(vocab_size, 4)))
+
+
+def _num_warps(chunk: int) -> int:
+    return max(1, min(8, chunk // 512))
+
+
+def _check_1d(name: str, t: torch.Tensor, size: int, dtypes: tuple, device) -> None:
+    if t.dim() != 1 or t.shape[0] != size:
+        raise ValueError(f"{name} must be 1-D of length {size}, got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_rows(name: str, t: torch.Tensor, rows: int, vocab_size: int, dtypes: tuple, device):
+    if t.dim() != 2 or t.shape[0] != rows or t.shape[1] != vocab_size:
+        raise ValueError(f"{name} must be [{rows}, {vocab_size}], got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if rows > 0 and vocab_size > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must be contiguous along the vocabulary (stride(1) == 1)")
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-request parameters in the kernels' dtype (a copy of B values at most)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+_INT = (torch.int32, torch.int64)
+_FLOAT = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class _Params:
+    """Per-request sampling parameters, checked and in kernel dtypes; masks present or not."""
+
+    def __init__(self, batch_size, device, temperature, top_k, top_p, min_p, seeds, positions,
+                 all_greedy: bool):
+        _check_1d("temperature", temperature, batch_size, _FLOAT, device)
+        self.temperature = _as(temperature, torch.float32)  # [B] float32
+        self.top_k = self.top_p = self.min_p = None
+        if not all_greedy:
+            if top_k is not None:
+                _check_1d("top_k", top_k, batch_size, _INT, device)
+                self.top_k = top_k  # [B] int
+            if top_p is not None:
+                _check_1d("top_p", top_p, batch_size, _FLOAT, device)
+                self.top_p = _as(top_p, torch.float32)  # [B] float32
+            if min_p is not None:
+                _check_1d("min_p", min_p, batch_size, _FLOAT, device)
+                self.min_p = _as(min_p, torch.float32)  # [B] float32
+        if seeds is not None:
+            _check_1d("seeds", seeds, batch_size, _INT, device)
+            _check_1d("positions", positions, batch_size, _INT, device)
+            seeds, positions = _as(seeds, torch.int64), _as(positions, torch.int64)
+        self.seeds = seeds  # [B] int64
+        self.positions = positions  # [B] int64
+        self.masked = not all_greedy and any(
+            t is not None for t in (self.top_k, self.top_p, self.min_p)
+        )
+
+    def mask_flags(self) -> dict:
+        return dict(HAS_TOP_K=self.top_k is not None, HAS_TOP_P=self.top_p is not None,
+                    HAS_MIN_P=self.min_p is not None)
+
+
+def _row_statistics(logits, cu, params: _Params, batch_size: int, no_drafts: bool,
+                    chunk: int, bonus_stream: int, all_greedy: bool, bonus_race: bool):
+    """Launch the mask search (if any mask) and the chunk statistics; returns the workspace."""
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    num_chunks = triton.cdiv(vocab_size, chunk)
+    part_f = torch.empty((3, num_rows, num_chunks), dtype=torch.float32, device=device)
+    part_i = torch.empty((2, num_rows, num_chunks), dtype=torch.int32, device=device)
+    counter = torch.empty(max(batch_size, 1), dtype=torch.int32, device=device)
+    row_stats = part_f  # unused unless masked
+    flags = params.mask_flags()
+    block_b = _p2(batch_size)
+    dummy = params.temperature
+    if params.masked:
+        row_stats = torch.empty((num_rows, 8), dtype=torch.float32, device=device)
+        _mask_stats_kernel[(num_rows,)](
+            logits, logits.stride(0), cu, params.temperature,
+            dummy if params.top_k is None else params.top_k,
+            dummy if params.top_p is None else params.top_p,
+            dummy if params.min_p is None else params.min_p,
+            row_stats, batch_size, vocab_size,
+            TILE=min(_MASK_TILE, _p2(vocab_size)), BLOCK_B=block_b, NO_DRAFTS=no_drafts,
+            num_warps=8, **flags,
+        )
+    seeds = dummy if params.seeds is None else params.seeds
+    positions = dummy if params.positions is None else params.positions
+    _stats_kernel[(num_rows, num_chunks)](
+        logits, logits.stride(0), cu, params.temperature, seeds, positions, row_stats,
+        part_f[0], part_f[1], part_f[2], part_i[0], part_i[1], counter,
+        batch_size, vocab_size, bonus_stream,
+        NUM_CHUNKS=num_chunks, CHUNK=chunk, BLOCK_B=block_b, NO_DRAFTS=no_drafts,
+        ALL_GREEDY=all_greedy, BONUS_RACE=bonus_race, MASKED=params.masked,
+        num_warps=_num_warps(chunk), **flags,
+    )
+    return part_f, part_i, counter, row_stats, num_chunks
+
+
+def _verify(logits, draft_token_ids, cu, draft_probs, params: _Params, batch_size: int,
+            max_num_draft_tokens: int, rates, all_greedy: bool, bonus_stream: int,
+            token_ids: torch.Tensor, chunk: int | None) -> torch.Tensor:
+    """Shared launch of rejection sampling (and of sampling: no drafts, one bonus row each)."""
+    num_rows, vocab_size = logits.shape
+    no_drafts = draft_token_ids is None
+    chunk = chunk or default_chunk_size(vocab_size)
+    part_f, part_i, counter, row_stats, num_chunks = _row_statistics(
+        logits, cu, params, batch_size, no_drafts, chunk, bonus_stream, all_greedy, True)
+    race_f = torch.empty((batch_size, num_chunks), dtype=torch.float32, device=logits.device)
+    race_i = torch.empty((2, batch_size, num_chunks), dtype=torch.int32, device=logits.device)
+    dummy = params.temperature
+    _race_kernel[(batch_size, num_chunks)](
+        logits, logits.stride(0),
+        dummy if no_drafts else draft_token_ids, cu,
+        logits if draft_probs is None else draft_probs,
+        0 if draft_probs is None else draft_probs.stride(0),
+        params.temperature, params.seeds, params.positions,
+        dummy if rates is None else rates, row_stats,
+        part_f[0], part_f[1], part_f[2], part_i[0], part_i[1],
+        race_f, race_i[0], race_i[1], counter,
+        token_ids, token_ids.stride(0) if token_ids.dim() == 2 else 1,
+        vocab_size, token_ids.shape[1] if token_ids.dim() == 2 else 1, bonus_stream,
+        NUM_CHUNKS=num_chunks, NC_P2=_p2(num_chunks), CHUNK=chunk,
+        ROWS_P2=_p2(max_num_draft_tokens + 1), WIDTH_P2=_p2(max_num_draft_tokens + 1),
+        NO_DRAFTS=no_drafts, ALL_GREEDY=all_greedy, HAS_DRAFT_PROBS=draft_probs is not None,
+        SYNTHETIC=rates is not None, MASKED=params.masked, num_warps=_num_warps(chunk),
+        **params.mask_flags(),
+    )
+    return token_ids
+
+
+def rejection_sample(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    max_num_draft_tokens: int,
+    synthetic_conditional_rates: torch.Tensor | None = None,
+    all_greedy: bool = False,
+    *,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Verify the drafts of a batch; the contract is ``verispec.ops.rejection.rejection_sample``.
+
+    ``chunk_size`` (tokens per program, a power of two >= 16) is a tuning knob for tests and
+    benchmarks; the default suits the vocabulary size.
+
+    Returns
+    -------
+    token_ids : [B, max_num_draft_tokens + 1] int32, -1 padded.
+    """
+    device = target_logits.device
+    batch_size = cu_num_draft_tokens.shape[0] - 1
+    num_draft_tokens = draft_token_ids.shape[0]
+    vocab_size = target_logits.shape[1] if target_logits.dim() == 2 else -1
+    _check_rows("target_logits", target_logits, num_draft_tokens + batch_size, vocab_size,
+                _LOGITS_DTYPES, device)
+    _check_1d("draft_token_ids", draft_token_ids, num_draft_tokens, _INT, device)
+    _check_1d("cu_num_draft_tokens", cu_num_draft_tokens, batch_size + 1, _INT, device)
+    if draft_probs is not None:
+        _check_rows("draft_probs", draft_probs, num_draft_tokens, vocab_size, (torch.float32,),
+                    device)
+    rates = None
+    if synthetic_conditional_rates is not None:
+        rates = _as(synthetic_conditional_rates, torch.float32)  # [>= k] float32
+        if rates.dim() != 1 or rates.shape[0] < max_num_draft_tokens or rates.device != device:
+            raise ValueError(
+                f"synthetic_conditional_rates must be 1-D with >= {max_num_draft_tokens} "
+                f"entries on {device}, got {tuple(rates.shape)} on {rates.device}")
+        rates = rates.contiguous()
+    params = _Params(batch_size, device, temperature, top_k, top_p, min_p, seeds, positions,
+                     all_greedy)
+    width = max_num_draft_tokens + 1
+    token_ids = torch.empty((batch_size, width), dtype=torch.int32, device=device)
+    if batch_size == 0:
+        return token_ids
+    if num_draft_tokens == 0:  # keep a valid pointer; nothing is read from it
+        draft_token_ids = cu_num_draft_tokens
+    return _verify(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, params,
+                   batch_size, max_num_draft_tokens, rates, all_greedy, philox.SAMPLE_STREAM,
+                   token_ids, chunk_size)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    stream: int = philox.SAMPLE_STREAM,
+    all_greedy: bool = False,
+    *,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Sample one token per row; the contract is ``verispec.ops.sampling.sample``.
+
+    Returns
+    -------
+    [R] int64 token ids.
+    """
+    num_rows, vocab_size = logits.shape
+    _check_rows("logits", logits, num_rows, vocab_size, _LOGITS_DTYPES, logits.device)
+    params = _Params(num_rows, logits.device, temperature, top_k, top_p, min_p, seeds,
+                     positions, all_greedy)
+    token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows == 0:
+        return token_ids
+    return _verify(logits, None, params.temperature, None, params, num_rows, 0, None,
+                   all_greedy, int(stream), token_ids, chunk_size)
+
+
+def processed_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    *,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """The processed distribution p of each row; the contract is
+    ``verispec.ops.sampling.processed_probs``.
+
+    Returns
+    -------
+    [R, V] float32.
+    """
+    num_rows, vocab_size = logits.shape
+    _check_rows("logits", logits, num_rows, vocab_size, _LOGITS_DTYPES, logits.device)
+    params = _Params(num_rows, logits.device, temperature, top_k, top_p, min_p, None, None,
+                     False)
+    probs = torch.empty((num_rows, vocab_size), dtype=torch.float32, device=logits.device)
+    if num_rows == 0:
+        return probs
+    _write_probs(logits, params, probs, chunk_size)
+    return probs
+
+
+def _write_probs(logits, params: _Params, probs, chunk_size, workspace=None) -> None:
+    num_rows, vocab_size = logits.shape
+    chunk = chunk_size or default_chunk_size(vocab_size)
+    if workspace is None:
+        workspace = _row_statistics(logits, params.temperature, params, num_rows, True, chunk,
+                                    0, False, False)
+    part_f, _, _, row_stats, num_chunks = workspace
+    _probs_kernel[(num_rows, num_chunks)](
+        logits, logits.stride(0), params.temperature, row_stats, part_f[0], part_f[1],
+        probs, probs.stride(0), vocab_size,
+        NUM_CHUNKS=num_chunks, NC_P2=_p2(num_chunks), CHUNK=chunk, MASKED=params.masked,
+        num_warps=_num_warps(chunk), **params.mask_flags(),
+    )
+
+
+def sample_draft(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft sampler; the contract is ``verispec.ops.sampling.sample_draft``.
+
+    Returns
+    -------
+    (draft_token_ids [R] int64, draft_probs [R, V] float32 = q)
+    """
+    num_rows, vocab_size = logits.shape
+    ids = sample(logits, temperature, None, None, None, seeds, positions, philox.DRAFT_STREAM,
+                 chunk_size=chunk_size)
+    probs = processed_probs(logits, temperature, chunk_size=chunk_size)
+    return ids, probs
+
+
+BACKEND = Backend(
+    name="triton",
+    processed_probs=processed_probs,
+    sample=sample,
+    sample_draft=sample_draft,
+    rejection_sample=rejection_sample,
+)
+
+__all__ = ["BACKEND", "default_chunk_size", "processed_probs", "rejection_sample", "sample",
+           "sample_draft"]
