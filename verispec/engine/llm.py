@@ -1,0 +1,268 @@
+"""``LLM``: load a model once, then ``generate`` for batches of prompts with continuous batching.
+
+The step loop (``LLM.step``) is four lines: schedule, run the model, sample, commit. A
+speculative step replaces "run the model, sample" by "propose, verify" and commits several
+tokens per request through the same ``_commit`` (stop conditions checked token by token).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from verispec.config import SpeculativeConfig
+from verispec.engine import inputs
+from verispec.engine.model_runner import ModelRunner
+from verispec.engine.request import Request, RequestOutput
+from verispec.engine.scheduler import Scheduler
+from verispec.models.loader import load_model, parse_dtype
+from verispec.sample.sampler import Sampler, SamplingTensors, draw_seed
+from verispec.sampling_params import SamplingParams
+
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+class LLM:
+    """A model ready to generate.
+
+    Parameters
+    ----------
+    model : local HF directory, ``.gguf`` file, or None for the bundled SmolLM2-135M-Instruct
+    dtype : ``"float32"`` or ``"bfloat16"``
+    max_model_len : most tokens (prompt + output) per request; default
+        ``min(max_position_embeddings, 2048)``
+    max_num_seqs : requests running at once (KV cache slots)
+    speculative_config : SpeculativeConfig or a dict of vLLM ``speculative_config`` keys
+        (accepted and validated; speculation itself is not wired into the step yet)
+    device : torch device, default ``"cpu"``
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str | torch.dtype = "float32",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 8,
+        speculative_config: SpeculativeConfig | dict | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        parse_dtype(dtype)
+        _check_positive_int("max_num_seqs", max_num_seqs)
+        if max_model_len is not None:
+            _check_positive_int("max_model_len", max_model_len)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be a torch device such as 'cpu', got {device!r}") from None
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig.from_dict(speculative_config)
+        elif speculative_config is not None and not isinstance(
+            speculative_config, SpeculativeConfig
+        ):
+            raise ValueError(
+                f"speculative_config must be a SpeculativeConfig, a dict or None, "
+                f"got {speculative_config!r}"
+            )
+        self.speculative_config = speculative_config
+
+        self.loaded = load_model(model, dtype, self.device)
+        config = self.loaded.config
+        self.model_config = config
+        self.tokenizer = self.loaded.tokenizer
+        self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
+        if max_model_len is None:
+            max_model_len = min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        elif max_model_len > config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                f"{config.max_position_embeddings}"
+            )
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.runner = ModelRunner(self.loaded.model, max_num_seqs, max_model_len, self.device)
+        self.scheduler = Scheduler(max_num_seqs)
+        self.sampler = Sampler()
+        self._next_request_id = 0
+        self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
+
+    # ----------------------------------------------------------------- requests in and out
+
+    def _make_request(self, prompt: Any, params: Any) -> Request:
+        """A validated request; ValueError naming the cause otherwise."""
+        params = inputs.as_sampling_params(params)
+        text, ids = inputs.encode_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, but max_model_len={self.max_model_len} leaves no "
+                f"room to generate (at most {self.max_model_len - 1} prompt tokens)"
+            )
+        seed = draw_seed() if params.seed is None else params.seed
+        request = Request(self._next_request_id, text, ids, params, seed, self.max_model_len)
+        self._next_request_id += 1
+        return request
+
+    def _output(self, request: Request) -> RequestOutput:
+        ids = request.output_token_ids.tolist()
+        text_ids = ids
+        if request.finish_reason == "stop" and request.stop_text_len is None and ids:
+            text_ids = ids[:-1]  # the EOS / stop token ends the request but is not text
+        text = inputs.decode_output(self.tokenizer, text_ids)
+        if request.stop_text_len is not None:
+            text = text[: request.stop_text_len]
+        elif not request.finished:
+            text = inputs.streamable_text(text, request.params.stop)
+        request.metrics.num_generated_tokens = len(ids)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            text=text,
+            token_ids=ids,
+            finish_reason=request.finish_reason,
+            metrics=request.metrics,
+        )
+
+    # ----------------------------------------------------------------- the step loop
+
+    def step(self) -> list[Request]:
+        """Run one engine step; returns the requests that finished in it."""
+        batch, is_prefill = self.scheduler.schedule()
+        logits = self._run(batch, is_prefill)
+        token_ids = self._sample(batch, logits)
+        return [r for r, t in zip(batch, token_ids) if self._commit(r, [t])]
+
+    def _run(self, batch: list[Request], is_prefill: bool) -> torch.Tensor:
+        """[B, V] logits of the next token of each request."""
+        if is_prefill:
+            new_tokens = [r.token_ids.tolist() for r in batch]
+        else:
+            new_tokens = [[r.last_token_id] for r in batch]
+        return self.runner.forward([r.slot for r in batch], new_tokens)
+
+    def _sampling_tensors(self, batch: list[Request]) -> SamplingTensors:
+        key = tuple(r.request_id for r in batch)
+        if self._sampling_cache is None or self._sampling_cache[0] != key:
+            tensors = SamplingTensors.from_params(
+                [r.params for r in batch], [r.seed for r in batch], self.device
+            )
+            self._sampling_cache = (key, tensors)
+        return self._sampling_cache[1]
+
+    def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[int]:
+        # The sampled token of request r occupies position num_tokens (prompt included).
+        positions = torch.tensor([r.num_tokens for r in batch], device=self.device)
+        token_ids = self.sampler(logits, self._sampling_tensors(batch), positions)
+        return token_ids.tolist()  # the step's one host sync
+
+    def _commit(self, request: Request, token_ids: Sequence[int]) -> bool:
+        """Append output tokens in order, stopping at the first that ends the request (no token
+        after it is kept). Returns True if the request finished (its slot is then released)."""
+        now = time.perf_counter()
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        params = request.params
+        for token_id in token_ids:
+            request.append(token_id)
+            if token_id in params.stop_token_ids or (
+                not params.ignore_eos and token_id in self.eos_token_ids
+            ):
+                request.finish_reason = "stop"
+            elif params.stop and self._hit_stop_string(request):
+                request.finish_reason = "stop"
+            elif (request.num_output_tokens >= params.max_tokens
+                  or request.num_tokens >= self.max_model_len):
+                request.finish_reason = "length"
+            if request.finished:
+                break
+        # The cache holds every committed token but the last, which the next step feeds.
+        self.runner.kv_cache.truncate(request.slot, request.num_tokens - 1)
+        if request.finished:
+            request.metrics.finished_time = now
+            request.metrics.num_generated_tokens = request.num_output_tokens
+            self.runner.kv_cache.free(request.slot)
+            self.scheduler.finish(request)
+        return request.finished
+
+    def _hit_stop_string(self, request: Request) -> bool:
+        text = inputs.decode_output(self.tokenizer, request.output_token_ids.tolist())
+        index = inputs.find_stop_string(text, request.params.stop)
+        if index is not None:
+            request.stop_text_len = index
+        return index is not None
+
+    # ----------------------------------------------------------------- public API
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list of prompts (see ``verispec.engine.inputs``).
+
+        ``sampling_params``: one for all prompts, or one per prompt (None = defaults). Returns one
+        RequestOutput per prompt, in order. An invalid request in a list gets
+        ``finish_reason="error"`` and its ``error`` message while the others run; a single
+        invalid prompt raises ValueError.
+        """
+        single = inputs.is_single_prompt(prompts)
+        if single:
+            prompts = [prompts]
+        elif not isinstance(prompts, (list, tuple)):
+            raise ValueError(
+                "prompts must be a string, a list of token ids, a list of chat messages or a "
+                f"list of those, got {type(prompts).__name__}"
+            )
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(sampling_params)} entries for {len(prompts)} "
+                    "prompts; give one, or one per prompt"
+                )
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params] * len(prompts)
+
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        requests: list[tuple[int, Request]] = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            try:
+                requests.append((i, self._make_request(prompt, params)))
+            except ValueError as e:
+                if single:
+                    raise
+                outputs[i] = RequestOutput(
+                    request_id=-1, prompt=prompt if isinstance(prompt, str) else None,
+                    prompt_token_ids=[], finish_reason="error", error=str(e),
+                )
+        for _, request in requests:
+            self.scheduler.add(request)
+        while self.scheduler.has_unfinished:
+            self.step()
+        for i, request in requests:
+            outputs[i] = self._output(request)
+        return outputs  # type: ignore[return-value]
+
+    def generate_stream(
+        self, prompt: Any, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Generate for one prompt, yielding the cumulative RequestOutput after every step that
+        added text (the last one has ``finish_reason`` set). Raises ValueError on bad input."""
+        request = self._make_request(prompt, sampling_params or SamplingParams())
+        self.scheduler.add(request)
+        shown = ""
+        while not request.finished:
+            self.step()
+            output = self._output(request)
+            if output.text != shown or request.finished:
+                shown = output.text
+                yield output

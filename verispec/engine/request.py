@@ -1,0 +1,132 @@
+"""A request's life in the engine, and what ``LLM.generate`` returns for it.
+
+Per-request errors: a request whose input is invalid (empty prompt, prompt longer than
+``max_model_len``, a token id outside the vocabulary, ...) never enters the engine. Its
+``RequestOutput`` has ``finish_reason="error"`` and ``error`` holding the message of the
+ValueError naming the cause; the other requests of the batch run normally. (``LLM.generate`` on a
+single prompt, not a list, raises that ValueError instead.)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from verispec.sampling_params import SamplingParams
+
+FINISH_REASONS = ("stop", "length", "error")
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (``time.perf_counter``) of one request."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_generated_tokens: int = 0
+
+    @property
+    def time_to_first_token_s(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Decode speed: tokens after the first, over the time after the first token."""
+        if self.finished_time is None or self.first_token_time is None:
+            return None
+        span = self.finished_time - self.first_token_time
+        return (self.num_generated_tokens - 1) / span if span > 0 else None
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request, in the order of the prompts given to ``generate``.
+
+    ``token_ids`` are the generated tokens; one that ended the request (EOS or a stop token id)
+    is included, and left out of ``text``. A stop string ends ``text`` just before it (its
+    tokens stay in ``token_ids``). ``finish_reason`` is ``"stop"`` (EOS, stop token, stop
+    string), ``"length"`` (``max_tokens`` or ``max_model_len`` reached) or ``"error"`` (the
+    request was invalid: ``error`` says why; text and token_ids are empty).
+    """
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Request:
+    """One request's state. Satisfies ``verispec.proposers.base.ProposalRequest``."""
+
+    def __init__(
+        self,
+        request_id: int,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        max_model_len: int,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.seed = seed
+        self.temperature = params.temperature
+        self.slot = -1  # assigned at admission
+        self.num_prompt_tokens = len(prompt_token_ids)
+        # Committed tokens (prompt, then output) in one preallocated buffer.
+        self._token_buf = np.zeros(max_model_len, dtype=np.int64)
+        self._token_buf[: self.num_prompt_tokens] = prompt_token_ids
+        self.num_tokens = self.num_prompt_tokens
+        self.max_num_draft_tokens = 0  # set by a speculative engine step
+        self.finish_reason: str | None = None
+        self.stop_text_len: int | None = None  # text cut before a stop string
+        self.metrics = RequestMetrics(time.perf_counter() if arrival_time is None
+                                      else arrival_time)
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """[num_tokens] int64 view: the committed tokens."""
+        return self._token_buf[: self.num_tokens]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._token_buf[: self.num_prompt_tokens].tolist()
+
+    @property
+    def output_token_ids(self) -> np.ndarray:
+        return self._token_buf[self.num_prompt_tokens : self.num_tokens]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return int(self._token_buf[self.num_tokens - 1])
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token_id: int) -> None:
+        self._token_buf[self.num_tokens] = token_id
+        self.num_tokens += 1
