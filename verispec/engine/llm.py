@@ -61,7 +61,9 @@ class LLM:
         try:
             self.device = torch.device(device)
         except (RuntimeError, TypeError):
-            raise ValueError(f"device must be a torch device such as 'cpu', got {device!r}") from None
+            raise ValueError(
+                f"device must be a torch device such as 'cpu', got {device!r}"
+            ) from None
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
         elif speculative_config is not None and not isinstance(
