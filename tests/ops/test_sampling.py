@@ -1,0 +1,133 @@
+"""Logits processing and sampling (torch twin; device from VERISPEC_TEST_DEVICE).
+
+Strategy: processed_probs is compared with the independent float64 reference on random rows and
+on hand-made ties; ``sample`` and ``sample_draft`` get chi-square tests over 200 000 seeded rows
+against the processed distribution, with greedy rows mixed in and checked exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.sample.stats import P_VALUE_THRESHOLD, chi_square_p_value, record, reference_probs
+from verispec import ops
+from verispec.ops import philox, sampling
+
+SETTINGS = [
+    # temperature, top_k, top_p, min_p
+    (0.5, 0, 1.0, 0.0),
+    (1.0, 0, 1.0, 0.0),
+    (1.5, 0, 1.0, 0.0),
+    (1.0, 7, 1.0, 0.0),
+    (1.0, 0, 0.75, 0.0),
+    (1.0, 0, 1.0, 0.15),
+    (0.7, 20, 0.9, 0.02),
+]
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_processed_probs_match_reference(setting, device):
+    temperature, top_k, top_p, min_p = setting
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(16, 61, generator=gen) * 2
+    rows = logits.shape[0]
+    probs = ops.processed_probs(
+        logits.to(device),
+        torch.full((rows,), temperature, device=device),
+        torch.full((rows,), top_k, dtype=torch.int32, device=device),
+        torch.full((rows,), top_p, device=device),
+        torch.full((rows,), min_p, device=device),
+    ).cpu().double().numpy()
+    for r in range(rows):
+        ref = reference_probs(logits[r].numpy(), temperature, top_k, top_p, min_p)
+        np.testing.assert_array_equal(probs[r] > 0, ref > 0)
+        np.testing.assert_allclose(probs[r], ref, rtol=2e-5, atol=1e-7)
+
+
+def test_mask_ties_keep_every_tied_token(device):
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0, -1.0]], device=device)
+    one = torch.ones(1, device=device)
+    # top-k = 2 cuts inside a tie: all three tied tokens stay
+    p = ops.processed_probs(logits, one, torch.tensor([2], device=device), None, None)
+    assert (p[0] > 0).cpu().tolist() == [True, True, True, True, False, False]
+    # top-p reaching into the tie keeps the whole tie
+    p_full = torch.softmax(logits, -1)[0]
+    top_p = float(p_full[0] + p_full[1] * 0.5)
+    p = ops.processed_probs(logits, one, None, torch.tensor([top_p], device=device), None)
+    assert (p[0] > 0).cpu().tolist() == [True, True, True, True, False, False]
+    # top-p of 1.0 and top-k of 0 / -1 / >= V are off
+    for k in (0, -1, 6, 100):
+        p = ops.processed_probs(logits, one, torch.tensor([k], device=device),
+                                torch.tensor([1.0], device=device), None)
+        assert bool((p > 0).all())
+    # min-p is relative to the top token
+    p = ops.processed_probs(logits, one, None, None, torch.tensor([0.1], device=device))
+    assert (p[0] > 0).cpu().tolist() == [True, True, True, True, False, False]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_sample_follows_processed_distribution(setting, device):
+    temperature, top_k, top_p, min_p = setting
+    gen = torch.Generator().manual_seed(11)
+    vocab, rows = 45, 200_000
+    logits = torch.randn(vocab, generator=gen) * 1.5
+    temps = torch.full((rows,), temperature)
+    temps[::10] = 0.0  # greedy rows mixed in
+    out = ops.sample(
+        logits.to(device).expand(rows, vocab).contiguous(),
+        temps.to(device),
+        torch.full((rows,), top_k, dtype=torch.int32, device=device) if top_k else None,
+        torch.full((rows,), top_p, device=device) if top_p < 1 else None,
+        torch.full((rows,), min_p, device=device) if min_p else None,
+        torch.arange(rows, dtype=torch.int64, device=device) * 31 + 7,
+        torch.full((rows,), 123, dtype=torch.int64, device=device),
+    ).cpu()
+    greedy = temps == 0
+    assert bool((out[greedy] == logits.argmax()).all())
+    counts = np.bincount(out[~greedy].numpy(), minlength=vocab)
+    ref = reference_probs(logits.numpy(), temperature, top_k, top_p, min_p)
+    value = chi_square_p_value(counts, ref)
+    record(f"sample T={temperature} top_k={top_k} top_p={top_p} min_p={min_p}",
+           int((~greedy).sum()), [value])
+    assert value >= P_VALUE_THRESHOLD
+
+
+def test_sample_draft_returns_q_and_samples_it(device):
+    gen = torch.Generator().manual_seed(12)
+    vocab, rows = 33, 200_000
+    logits = torch.randn(vocab, generator=gen)
+    temperature = 0.8
+    ids, q = ops.sample_draft(
+        logits.to(device).expand(rows, vocab).contiguous(),
+        torch.full((rows,), temperature, device=device),
+        torch.arange(rows, dtype=torch.int64, device=device),
+        torch.full((rows,), 5, dtype=torch.int64, device=device),
+    )
+    expected_q = torch.softmax(logits / temperature, -1)
+    torch.testing.assert_close(q[0].cpu(), expected_q, rtol=1e-5, atol=1e-7)
+    counts = np.bincount(ids.cpu().numpy(), minlength=vocab)
+    value = chi_square_p_value(counts, expected_q.double().numpy())
+    record("sample_draft T=0.8", rows, [value])
+    assert value >= P_VALUE_THRESHOLD
+    # greedy drafting is the argmax
+    ids, _ = ops.sample_draft(logits[None].to(device), torch.zeros(1, device=device),
+                              torch.zeros(1, dtype=torch.int64, device=device),
+                              torch.zeros(1, dtype=torch.int64, device=device))
+    assert int(ids[0]) == int(logits.argmax())
+
+
+def test_sample_uses_the_named_stream_and_position():
+    logits = torch.zeros(4, 50)
+    temps = torch.ones(4)
+    seeds = torch.tensor([1, 1, 1, 2])
+    positions = torch.tensor([5, 5, 6, 5])
+    a = sampling.sample(logits, temps, None, None, None, seeds, positions)
+    b = sampling.sample(logits, temps, None, None, None, seeds, positions)
+    assert torch.equal(a, b)  # pure function of (seed, position, stream)
+    noise = philox.exponential(seeds, positions, philox.SAMPLE_STREAM, 50)
+    assert torch.equal(a, torch.argmax(1.0 / noise, dim=-1))
+    c = sampling.sample(logits, temps, None, None, None, seeds, positions, philox.DRAFT_STREAM)
+    assert not torch.equal(a, c)
