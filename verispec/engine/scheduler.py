@@ -28,7 +28,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> tuple[list[Request], bool]:
-        """The requests of the next step and whether it is a prefill."""
+        """The requests of the next step and whether it is a prefill. A new list: the step
+        releases finished requests from ``running`` while it walks the batch."""
         admitted = []
         while self.waiting and self._free_slots:
             request = self.waiting.popleft()
@@ -37,7 +38,7 @@ class Scheduler:
         if admitted:
             self.running = sorted(self.running + admitted, key=lambda r: r.slot)
             return admitted, True
-        return self.running, False
+        return list(self.running), False
 
     def finish(self, request: Request) -> None:
         """Release the request's slot (it may be reused by the next step's prefill)."""
