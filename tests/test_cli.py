@@ -1,0 +1,50 @@
+"""The ``verispec`` command line, end to end in subprocesses (as a user runs it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.models.utils import requires_bundled
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "verispec.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_help_lists_commands():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    assert "generate" in result.stdout
+
+
+def test_flags_map_onto_fields():
+    from verispec.cli import build_parser, engine_kwargs, sampling_params
+
+    args = build_parser().parse_args(
+        ["generate", "hi", "--dtype", "bfloat16", "--temperature", "0.5", "--top-k", "7",
+         "--top-p", "0.9", "--seed", "3", "--max-tokens", "9", "--stop", "x", "--stop", "y"]
+    )
+    assert engine_kwargs(args)["dtype"] == "bfloat16"
+    p = sampling_params(args)
+    assert (p.temperature, p.top_k, p.top_p, p.seed, p.max_tokens) == (0.5, 7, 0.9, 3, 9)
+    assert p.stop == ("x", "y")
+
+
+def test_bad_model_is_one_clear_error(tmp_path):
+    result = run_cli("generate", "hi", "--model", str(tmp_path / "nope"))
+    assert result.returncode == 2
+    assert "not a local directory" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@requires_bundled
+@pytest.mark.slow
+def test_generate_on_bundled_model():
+    result = run_cli("generate", "Write a haiku about the sea.", "--max-tokens", "12")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "tokens/s" in result.stderr
