@@ -62,7 +62,8 @@ class SamplingParams:
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
             raise ValueError(
-                f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}"
+                "stop_token_ids must be a list of non-negative integers, "
+                f"got {self.stop_token_ids!r}"
             )
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         if not isinstance(self.ignore_eos, bool):

@@ -1,8 +1,8 @@
 """Rejection sampling in the flattened batch layout, torch twin (REFERENCE §2-§3).
 
 Request r owns drafts ``draft_token_ids[cu[r]:cu[r+1]]`` (n_r of them, possibly 0) and target rows
-``cu[r] + r ... cu[r+1] + r``: its n_r verify rows, then its bonus row. With p_i the processed target
-distribution of verify row i and q_i the proposer's distribution:
+``cu[r] + r ... cu[r+1] + r``: its n_r verify rows, then its bonus row. With p_i the processed
+target distribution of verify row i and q_i the proposer's distribution:
 
     full rule      (draft_probs given):  accept d_i  iff  u_i * q_i(d_i) < p_i(d_i)
                                          recovered ~ norm(max(0, p_i - q_i))

@@ -32,7 +32,7 @@ class RejectionSampler:
         sampling: SamplingTensors,
         positions: torch.Tensor,  # [B] int64, position of each request's first draft token
     ) -> torch.Tensor:
-        """Returns token_ids [B, k + 1] int32, -1 padded (see ``ops.rejection.rejection_sample``)."""
+        """Returns token_ids [B, k + 1] int32, -1 padded (``ops.rejection.rejection_sample``)."""
         return ops.rejection_sample(
             target_logits,
             draft_token_ids,
