@@ -42,18 +42,25 @@ NUM_STREAMS = tl.constexpr(4)
 MIN_UNIFORM = tl.constexpr(2.3283064e-10)
 BIG_INDEX = tl.constexpr(2**31 - 1)
 
-if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter has no libdevice
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-    @triton.jit
+if INTERPRET:
+    # Triton's CPU interpreter re-patches the language for every nested @triton.jit call, which
+    # dominates its run time; there the helpers are plain functions (the interpreter executes
+    # kernels as Python anyway). It has no libdevice: exp and log are numpy's.
+    def _helper(fn):
+        return fn
+
     def _exp(x):
         return tl.exp(x)
 
-    @triton.jit
     def _log(x):
         return tl.log(x)
 
-else:  # pragma: no cover - CUDA: libdevice's expf / logf, as torch's kernels use
+else:  # pragma: no cover - CUDA: libdevice's expf / logf, the functions torch's kernels use
     from triton.language.extra import libdevice
+
+    _helper = triton.jit
 
     @triton.jit
     def _exp(x):
@@ -64,7 +71,7 @@ else:  # pragma: no cover - CUDA: libdevice's expf / logf, as torch's kernels us
         return libdevice.log(x)
 
 
-@triton.jit
+@_helper
 def _request_of_row(cu_ptr, row, batch_size, BLOCK_B: tl.constexpr, NO_DRAFTS: tl.constexpr):
     """Request r owning target row ``row``: the largest r with cu[r] + r <= row."""
     if NO_DRAFTS:
@@ -76,7 +83,7 @@ def _request_of_row(cu_ptr, row, batch_size, BLOCK_B: tl.constexpr, NO_DRAFTS: t
     return req
 
 
-@triton.jit
+@_helper
 def _request_span(cu_ptr, req, NO_DRAFTS: tl.constexpr):
     """(cu[r], n_r): the request's first draft index and its number of drafts."""
     if NO_DRAFTS:
@@ -88,13 +95,13 @@ def _request_span(cu_ptr, req, NO_DRAFTS: tl.constexpr):
     return start, num
 
 
-@triton.jit
+@_helper
 def _tile_ids(start, C4: tl.constexpr):
     """[C4, 4] vocabulary indices start + 4a + b: column b holds Philox word b of counter a."""
     return start + tl.arange(0, C4)[:, None] * 4 + tl.arange(0, 4)[None, :]
 
 
-@triton.jit
+@_helper
 def _noise_tile(seed, position, stream, start, C4: tl.constexpr):
     """[C4, 4] Exp(1) noise E = -log u for the draws (seed, position, stream, start + 4a + b);
     ``start`` is a multiple of 4, so one Philox evaluation serves one tile row."""
@@ -107,7 +114,7 @@ def _noise_tile(seed, position, stream, start, C4: tl.constexpr):
     return -_log(tl.maximum(u, MIN_UNIFORM))
 
 
-@triton.jit
+@_helper
 def _noise_at(seed, position, stream, index):
     """Exp(1) noise at arbitrary vocabulary indices (a vector of them)."""
     offset = ((position * NUM_STREAMS + stream) << 32) | (index >> 2).to(tl.int64)
@@ -117,20 +124,20 @@ def _noise_at(seed, position, stream, index):
     return -_log(tl.maximum(u, MIN_UNIFORM))
 
 
-@triton.jit
+@_helper
 def _uniform_at(seed, position, stream):
     """Acceptance uniforms in (0, 1): draw (seed, position, stream, index 0), a vector."""
     offset = (position * NUM_STREAMS + stream) << 32
     return tl.maximum(tl.rand(seed, offset), MIN_UNIFORM)
 
 
-@triton.jit
+@_helper
 def _scale(x, temperature):
     """z = logits / T (IEEE division, as torch); T = 1 leaves x unchanged."""
     return tl.math.div_rn(x, temperature)
 
 
-@triton.jit
+@_helper
 def _processed(z, m, s, kth, tau, s_p, floor, s3,
                HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
     """The processed target probability p of scaled logits z, given the row's statistics:
@@ -146,7 +153,7 @@ def _processed(z, m, s, kth, tau, s_p, floor, s3,
     return p
 
 
-@triton.jit
+@_helper
 def _argmax_tile(score, ids):
     """(max score, smallest index holding it) over a [C4, 4] tile."""
     best = tl.max(tl.max(score, axis=1), axis=0)
@@ -154,7 +161,7 @@ def _argmax_tile(score, ids):
     return best, idx
 
 
-@triton.jit
+@_helper
 def _argmax_vec(score, ids):
     """(max score, smallest index holding it) over a vector."""
     best = tl.max(score, axis=0)
@@ -233,7 +240,7 @@ def _stats_kernel(
                 tl.store(part_ridx_ptr + out, ridx)
 
 
-@triton.jit
+@_helper
 def _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
                   num_accepted, token, width, WIDTH_P2: tl.constexpr, NO_DRAFTS: tl.constexpr):
     """Row ``req`` of token_ids: accepted drafts, the final token, then -1 padding."""
@@ -384,7 +391,7 @@ def _race_kernel(
             )
 
 
-@triton.jit
+@_helper
 def _residual_race(
     logits_ptr, logits_stride, draft_ids_ptr, draft_probs_ptr, draft_probs_stride,
     race_score_ptr, race_idx_ptr, race_has_ptr, counter_ptr, token_ids_ptr, token_ids_stride,

@@ -21,29 +21,29 @@ import triton.language as tl
 
 from verispec.ops.triton_kernels import (
     _exp,
+    _helper,
     _processed,
     _request_of_row,
     _scale,
-    _tile_ids,
 )
 
 
-@triton.jit
+@_helper
 def _key(x):
     """int64 key with the order of float32 x (negative floats flipped below the positives)."""
     bits = x.to(tl.int32, bitcast=True)
     return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
 
 
-@triton.jit
+@_helper
 def _from_key(key):
     bits = key.to(tl.int32)
     return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@_helper
 def _load_z(logits_ptr, row_offset, start, vocab_size, t_eff, TILE: tl.constexpr):
-    ids = _tile_ids(start, TILE // 4)
+    ids = start + tl.arange(0, TILE)
     valid = ids < vocab_size
     x = tl.load(logits_ptr + row_offset + ids, mask=valid, other=float("-inf"))
     return _scale(x.to(tl.float32), t_eff), valid
@@ -70,8 +70,8 @@ def _mask_stats_kernel(
     z_min = tl.full([], float("inf"), tl.float32)
     for start in range(0, vocab_size, TILE):
         z, valid = _load_z(logits_ptr, row_offset, start, vocab_size, t_eff, TILE)
-        z_max = tl.maximum(z_max, tl.max(tl.max(z, axis=1), axis=0))
-        z_min = tl.minimum(z_min, tl.min(tl.min(tl.where(valid, z, float("inf")), axis=1), 0))
+        z_max = tl.maximum(z_max, tl.max(z, axis=0))
+        z_min = tl.minimum(z_min, tl.min(tl.where(valid, z, float("inf")), axis=0))
 
     # top-k: kth = the largest key K with count(z >= K) >= k (an element's value; ties kept).
     kth = tl.full([], float("-inf"), tl.float32)
@@ -86,7 +86,7 @@ def _mask_stats_kernel(
                 count = tl.zeros([], tl.int64)
                 for start in range(0, vocab_size, TILE):
                     z, valid = _load_z(logits_ptr, row_offset, start, vocab_size, t_eff, TILE)
-                    count += tl.sum(tl.sum((valid & (z >= threshold)).to(tl.int64), 1), 0)
+                    count += tl.sum((valid & (z >= threshold)).to(tl.int64), axis=0)
                 if count >= k:
                     lo = mid
                 else:
@@ -98,7 +98,7 @@ def _mask_stats_kernel(
     for start in range(0, vocab_size, TILE):
         z, valid = _load_z(logits_ptr, row_offset, start, vocab_size, t_eff, TILE)
         z = tl.where(z < kth, float("-inf"), z)
-        s += tl.sum(tl.sum(_exp(z - z_max), axis=1), axis=0)
+        s += tl.sum(_exp(z - z_max), axis=0)
     p_max = tl.math.div_rn(1.0, s)  # exp(z_max - z_max) / S
 
     # top-p: tau = the smallest key K with mass(p > K) < top_p (an element's value).
@@ -116,7 +116,7 @@ def _mask_stats_kernel(
                 for start in range(0, vocab_size, TILE):
                     z, valid = _load_z(logits_ptr, row_offset, start, vocab_size, t_eff, TILE)
                     p = _processed(z, z_max, s, kth, 0.0, 1.0, 0.0, 1.0, HAS_TOP_K, False, False)
-                    mass += tl.sum(tl.sum(tl.where(p > threshold, p, 0.0), axis=1), axis=0)
+                    mass += tl.sum(tl.where(p > threshold, p, 0.0), axis=0)
                 if mass < top_p:
                     hi = mid
                 else:
@@ -126,7 +126,7 @@ def _mask_stats_kernel(
         for start in range(0, vocab_size, TILE):
             z, valid = _load_z(logits_ptr, row_offset, start, vocab_size, t_eff, TILE)
             p = _processed(z, z_max, s, kth, 0.0, 1.0, 0.0, 1.0, HAS_TOP_K, False, False)
-            s_p += tl.sum(tl.sum(tl.where(p < tau, 0.0, p), axis=1), axis=0)
+            s_p += tl.sum(tl.where(p < tau, 0.0, p), axis=0)
         p_max = tl.math.div_rn(p_max, s_p)
 
     # min-p: keep p >= min_p * max p
@@ -138,7 +138,7 @@ def _mask_stats_kernel(
         for start in range(0, vocab_size, TILE):
             z, valid = _load_z(logits_ptr, row_offset, start, vocab_size, t_eff, TILE)
             p = _processed(z, z_max, s, kth, tau, s_p, 0.0, 1.0, HAS_TOP_K, HAS_TOP_P, False)
-            s3 += tl.sum(tl.sum(tl.where(p < floor, 0.0, p), axis=1), axis=0)
+            s3 += tl.sum(tl.where(p < floor, 0.0, p), axis=0)
 
     out = row_stats_ptr + row * 8
     tl.store(out, z_max)
@@ -190,5 +190,5 @@ def _probs_kernel(
     z, valid = _load_z(logits_ptr, row.to(tl.int64) * logits_stride, chunk * CHUNK, vocab_size,
                        t_eff, CHUNK)
     p = _processed(z, m, s, kth, tau, s_p, floor, s3, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
-    ids = _tile_ids(chunk * CHUNK, CHUNK // 4)
+    ids = chunk * CHUNK + tl.arange(0, CHUNK)
     tl.store(probs_ptr + row.to(tl.int64) * probs_stride + ids, p, mask=valid)

@@ -1,0 +1,340 @@
+"""Parity of the Triton backend with the torch twins: the same token ids for the same inputs and
+seeds, bit for bit.
+
+Strategy: build batches that exercise every path (accepted runs, first rejections, bonus tokens,
+0-draft requests, greedy and random requests mixed, every verification rule, top-k / top-p /
+min-p with per-request "off" values, several chunk sizes so the chunked combine is exercised) and
+adversarial inputs (q = p so the residual is empty, disjoint supports, p(d) = 0, tiny
+probabilities, ties, -inf logits), run both backends and compare with ``torch.equal``. Without
+CUDA the kernels run in Triton's interpreter (tests/conftest.py), so shapes stay small; with
+``VERISPEC_TEST_DEVICE=cuda`` the same tests also run at vocabulary 151 936.
+
+Token ids can only differ where two candidates' scores are equal up to float32 rounding (the
+twins' reductions sum in another order): events of probability ~1e-7 per draw, which these
+seeded inputs do not contain. A bug shows up as many mismatches, not one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from verispec.ops import philox, rejection, sampling, triton_ops  # noqa: E402
+
+K = 4
+
+
+def _vocab_size(device: torch.device, cpu_vocab_size: int = 37) -> int:
+    """151 936 on a GPU; a small V (not a power of two) in the interpreter."""
+    return 151936 if device.type == "cuda" else cpu_vocab_size
+
+
+def make_batch(num_drafts, vocab_size, device, *, seed=0, dtype=torch.float32, scale=2.0,
+               temperatures=(0.0, 0.5, 1.0, 1.5), boost=5.0):
+    """A verify batch whose drafts are accepted often enough to reach every path.
+
+    Drafts are sampled from q = softmax(target logits + noise) (the proposer's distribution);
+    60 % of them get their target logit raised by ``boost`` so long accepted runs occur.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    batch_size = len(num_drafts)
+    n = torch.tensor(num_drafts, dtype=torch.int64)
+    cu = torch.zeros(batch_size + 1, dtype=torch.int64)
+    cu[1:] = n.cumsum(0)
+    num_draft_tokens = int(n.sum())
+    logits = torch.randn(num_draft_tokens + batch_size, vocab_size, generator=gen) * scale
+    req_of_draft = torch.repeat_interleave(torch.arange(batch_size), n)
+    verify_rows = torch.arange(num_draft_tokens) + req_of_draft
+    q_logits = logits[verify_rows] + torch.randn(num_draft_tokens, vocab_size, generator=gen)
+    q = torch.softmax(q_logits, -1)
+    drafts = torch.multinomial(q, 1, generator=gen)[:, 0] if num_draft_tokens else \
+        torch.zeros(0, dtype=torch.int64)
+    lucky = torch.rand(num_draft_tokens, generator=gen) < 0.6
+    logits[verify_rows[lucky], drafts[lucky]] += boost
+    temps = torch.tensor(temperatures, dtype=torch.float32)
+    temperature = temps[torch.arange(batch_size) % len(temperatures)]
+    seeds = torch.randint(-(2**62), 2**62, (batch_size,), generator=gen)
+    positions = torch.randint(0, 10_000, (batch_size,), generator=gen)
+    return dict(
+        target_logits=logits.to(dtype).to(device),
+        draft_token_ids=drafts.to(device),
+        cu_num_draft_tokens=cu.to(device),
+        draft_probs=q.to(device),
+        temperature=temperature.to(device),
+        seeds=seeds.to(device),
+        positions=positions.to(device),
+    )
+
+
+def _run_both(batch, *, draft_probs=True, top_k=None, top_p=None, min_p=None, rates=None,
+              all_greedy=False, chunk_size=None, max_num_draft_tokens=K):
+    args = (
+        batch["target_logits"], batch["draft_token_ids"], batch["cu_num_draft_tokens"],
+        batch["draft_probs"] if draft_probs else None, batch["temperature"], top_k, top_p, min_p,
+        batch["seeds"], batch["positions"], max_num_draft_tokens, rates, all_greedy,
+    )
+    expected = rejection.rejection_sample(*args)
+    actual = triton_ops.rejection_sample(*args, chunk_size=chunk_size)
+    return expected, actual
+
+
+def _assert_same(expected, actual):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    mismatched = (expected != actual).any(-1).nonzero().flatten().tolist()
+    assert not mismatched, (
+        f"requests {mismatched} differ:\n{expected[mismatched]}\n{actual[mismatched]}")
+
+
+def _coverage(token_ids, num_drafts):
+    """(any accepted draft, any first rejection, any all-accepted) over the batch."""
+    num_out = (token_ids != -1).sum(1).cpu()
+    n = torch.tensor(num_drafts)
+    return bool((num_out > 1).any()), bool((num_out <= n).any()), bool((num_out == n + 1).any())
+
+
+NUM_DRAFTS = [4, 0, 3, 4, 1, 2, 4, 0, 4, 3, 4, 1]
+
+
+@pytest.mark.parametrize(
+    "rule, cpu_vocab_size, chunk_size",
+    [("full", 300, 128), ("one_hot", 37, None), ("synthetic", 100, None),
+     ("one_hot", 300, 128), ("full", 37, None)],
+)
+def test_rejection_parity_rules(rule, cpu_vocab_size, chunk_size, device):
+    vocab_size = _vocab_size(device, cpu_vocab_size)
+    if device.type == "cuda":
+        chunk_size = None
+    batch = make_batch(NUM_DRAFTS, vocab_size, device, seed=cpu_vocab_size)
+    rates = None
+    if rule == "synthetic":
+        rates = torch.tensor([0.9, 0.6, 0.5, 0.3], device=device)
+    expected, actual = _run_both(batch, draft_probs=rule == "full", rates=rates,
+                                 chunk_size=chunk_size)
+    _assert_same(expected, actual)
+    assert all(_coverage(expected, NUM_DRAFTS)), "the batch must reach every path"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rejection_parity_low_precision_logits(dtype, device):
+    batch = make_batch(NUM_DRAFTS, _vocab_size(device), device, seed=3, dtype=dtype)
+    for draft_probs in (True, False):
+        _assert_same(*_run_both(batch, draft_probs=draft_probs))
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_rejection_parity_chunk_sizes(chunk_size, device):
+    """The chunked statistics and race combine: many chunks, a partial last chunk."""
+    batch = make_batch(NUM_DRAFTS[:6], 150, device, seed=chunk_size)
+    _assert_same(*_run_both(batch, draft_probs=chunk_size != 64, chunk_size=chunk_size))
+
+
+def test_rejection_parity_all_greedy(device):
+    batch = make_batch(NUM_DRAFTS, _vocab_size(device), device, seed=11, temperatures=(0.0,))
+    for rates in (None, torch.tensor([0.9, 0.6, 0.5, 0.3], device=device)):
+        expected, actual = _run_both(batch, draft_probs=False, all_greedy=True, rates=rates)
+        _assert_same(expected, actual)
+
+
+def test_rejection_parity_no_drafts_at_all(device):
+    batch = make_batch([0, 0, 0, 0, 0], _vocab_size(device), device, seed=5)
+    for draft_probs in (True, False):
+        expected, actual = _run_both(batch, draft_probs=draft_probs)
+        _assert_same(expected, actual)
+        assert expected.shape == (5, K + 1)
+
+
+def _masks(batch_size, vocab_size, device):
+    """Per-request masks with every 'off' value mixed in."""
+    top_k = torch.tensor([0, 5, -1, 1, vocab_size, 20, 3, vocab_size + 7], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.99, 0.2, 1.0, 0.75, 0.6])
+    min_p = torch.tensor([0.0, 0.05, 0.2, 0.0, 0.5, 0.01, 0.0, 0.1])
+    idx = torch.arange(batch_size) % 8
+    return top_k[idx].to(device), top_p[idx].to(device), min_p[idx].to(device)
+
+
+@pytest.mark.parametrize("which, draft_probs",
+                         [("top_k", True), ("top_p", False), ("min_p", True), ("all", False)])
+def test_rejection_parity_masks(which, draft_probs, device):
+    vocab_size = _vocab_size(device, 100)
+    num_drafts = [3, 0, 4, 2, 4, 1, 4, 2]
+    batch = make_batch(num_drafts, vocab_size, device, seed=17, scale=3.0)
+    top_k, top_p, min_p = _masks(len(num_drafts), vocab_size, device)
+    masks = dict(
+        top_k=top_k if which in ("top_k", "all") else None,
+        top_p=top_p if which in ("top_p", "all") else None,
+        min_p=min_p if which in ("min_p", "all") else None,
+    )
+    _assert_same(*_run_both(batch, draft_probs=draft_probs, **masks))
+
+
+def _dyadic_batch(device, vocab_size=64):
+    """Logits 0 on a power-of-two support and -1e4 (exp = 0) elsewhere: every probability is
+    exact, so both backends compute p bit for bit and q = p gives an exactly empty residual."""
+    num_drafts = [2, 3, 1, 0]
+    batch = make_batch(num_drafts, vocab_size, device, seed=23, temperatures=(1.0, 0.5))
+    logits = torch.full_like(batch["target_logits"], -1e4)
+    logits[:, : vocab_size // 4] = 0.0  # support of 16 tokens, p = 1/16 each
+    batch["target_logits"] = logits
+    q = torch.softmax(logits[: int(sum(num_drafts))].float() / 1.0, -1)
+    return batch, num_drafts, q
+
+
+def test_adversarial_q_equals_p_empty_residual(device):
+    """q = p exactly: every rejection has an empty residual and falls back to p."""
+    batch, _, _ = _dyadic_batch(device)
+    cu = batch["cu_num_draft_tokens"].cpu()
+    rows = torch.arange(int(cu[-1])) + torch.repeat_interleave(torch.arange(4), cu[1:] - cu[:-1])
+    temps = torch.repeat_interleave(batch["temperature"].cpu(), cu[1:] - cu[:-1])
+    q = sampling.processed_probs(batch["target_logits"].cpu()[rows], temps)
+    batch["draft_probs"] = q.to(device)
+    # drafts from the support, so q(d) > 0 and acceptance u q(d) < p(d) = q(d) is random
+    batch["draft_token_ids"] = batch["draft_token_ids"] % 16
+    expected, actual = _run_both(batch)
+    _assert_same(expected, actual)
+
+
+def test_adversarial_disjoint_supports_and_zero_target(device):
+    """q lives where p is 0 (every draft rejected, residual = p); p(d) = 0 for some drafts;
+    -inf logits; ties in the logits (greedy argmax takes the smallest index)."""
+    vocab_size = _vocab_size(device)
+    batch = make_batch(NUM_DRAFTS, vocab_size, device, seed=29)
+    logits = batch["target_logits"]
+    half = vocab_size // 2
+    logits[:, half:] = float("-inf")  # p = 0 on the upper half
+    logits[::3, :4] = 1.5  # ties
+    q = torch.zeros_like(batch["draft_probs"])
+    q[:, half:] = 1.0 / (vocab_size - half)
+    batch["draft_probs"] = q
+    batch["draft_token_ids"] = half + batch["draft_token_ids"] % (vocab_size - half)
+    for draft_probs in (True, False):
+        expected, actual = _run_both(batch, draft_probs=draft_probs)
+        _assert_same(expected, actual)
+        # greedy requests reject every draft too: argmax is in the lower half
+        assert ((expected != -1).sum(1) == 1).all()
+
+
+def test_adversarial_tiny_probabilities(device):
+    """Very peaked targets (most p_v underflow or are denormal) and q concentrated where p is
+    small."""
+    batch = make_batch(NUM_DRAFTS, _vocab_size(device), device, seed=31, scale=40.0, boost=0.0)
+    q_logits = -batch["target_logits"][: batch["draft_probs"].shape[0]].float()
+    batch["draft_probs"] = torch.softmax(q_logits, -1)
+    for draft_probs in (True, False):
+        _assert_same(*_run_both(batch, draft_probs=draft_probs))
+
+
+def _sampling_inputs(device, num_rows=12, vocab_size=None, seed=41):
+    vocab_size = vocab_size or _vocab_size(device)
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(num_rows, vocab_size, generator=gen) * 3).to(device)
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.3] * (num_rows // 4)).to(device)
+    seeds = torch.randint(0, 2**62, (num_rows,), generator=gen).to(device)
+    positions = torch.randint(0, 2**20, (num_rows,), generator=gen).to(device)
+    return logits, temperature, seeds, positions
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_sample_parity(masked, device):
+    logits, temperature, seeds, positions = _sampling_inputs(device, num_rows=8)
+    masks = (None, None, None)
+    if masked:
+        masks = _masks(logits.shape[0], logits.shape[1], device)
+    for stream in (philox.SAMPLE_STREAM, philox.DRAFT_STREAM):
+        expected = sampling.sample(logits, temperature, *masks, seeds, positions, stream)
+        actual = triton_ops.sample(logits, temperature, *masks, seeds, positions, stream)
+        assert torch.equal(expected, actual), (expected, actual)
+    greedy = torch.zeros_like(temperature)
+    expected = sampling.sample(logits, greedy, *masks, seeds, positions, all_greedy=True)
+    assert torch.equal(expected, triton_ops.sample(logits, greedy, *masks, seeds, positions,
+                                                   all_greedy=True))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_processed_probs_close_and_same_support(masked, device):
+    """p itself may differ in the last bits (sums in another order); the kept set may not."""
+    logits, temperature, _, _ = _sampling_inputs(
+        device, vocab_size=_vocab_size(device, 100) if masked else None)
+    masks = _masks(logits.shape[0], logits.shape[1], device) if masked else (None, None, None)
+    expected = sampling.processed_probs(logits, temperature, *masks)
+    actual = triton_ops.processed_probs(logits, temperature, *masks)
+    assert torch.equal(expected > 0, actual > 0)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_sample_draft_parity(device):
+    logits, temperature, seeds, positions = _sampling_inputs(device)
+    ids, q = sampling.sample_draft(logits, temperature, seeds, positions)
+    ids_t, q_t = triton_ops.sample_draft(logits, temperature, seeds, positions)
+    assert torch.equal(ids, ids_t)
+    torch.testing.assert_close(q_t, q, rtol=1e-5, atol=1e-7)
+
+
+def test_backend_registry_and_signatures():
+    """The backend carries the twins' signatures (extra keyword-only tuning knobs aside)."""
+    import inspect
+
+    from verispec.ops.backend import load_backend
+
+    backend = load_backend("triton")
+    assert backend.name == "triton"
+    for name, twin in [("rejection_sample", rejection.rejection_sample),
+                       ("sample", sampling.sample), ("sample_draft", sampling.sample_draft),
+                       ("processed_probs", sampling.processed_probs)]:
+        ours = inspect.signature(getattr(backend, name)).parameters
+        theirs = inspect.signature(twin).parameters
+        positional = [p for p in ours.values() if p.kind != p.KEYWORD_ONLY]
+        assert [p.name for p in positional] == list(theirs)
+        assert [p.default for p in positional] == [p.default for p in theirs.values()]
+
+
+def test_input_checks(device):
+    batch = make_batch([2, 1], 37, device)
+    args = dict(batch)
+    with pytest.raises(ValueError, match="target_logits"):
+        triton_ops.rejection_sample(
+            args["target_logits"][:-1], args["draft_token_ids"], args["cu_num_draft_tokens"],
+            None, args["temperature"], None, None, None, args["seeds"], args["positions"], 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        triton_ops.rejection_sample(
+            args["target_logits"].t().contiguous().t(), args["draft_token_ids"],
+            args["cu_num_draft_tokens"], None, args["temperature"], None, None, None,
+            args["seeds"], args["positions"], 2)
+    with pytest.raises(ValueError, match="draft_probs"):
+        triton_ops.rejection_sample(
+            args["target_logits"], args["draft_token_ids"], args["cu_num_draft_tokens"],
+            args["draft_probs"].double(), args["temperature"], None, None, None,
+            args["seeds"], args["positions"], 2)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_matches_eager(device):
+    """Captured once, replayed on new inputs copied into the same buffers: == eager."""
+    if device.type != "cuda":
+        pytest.skip("needs a CUDA device")
+    batch = make_batch(NUM_DRAFTS[:8], 151936, device, seed=43)
+    static = {k: v.clone() for k, v in batch.items()}
+
+    def step():
+        return triton_ops.rejection_sample(
+            static["target_logits"], static["draft_token_ids"], static["cu_num_draft_tokens"],
+            static["draft_probs"], static["temperature"], None, None, None, static["seeds"],
+            static["positions"], K)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (44, 45):
+        fresh = make_batch(NUM_DRAFTS[:8], 151936, device, seed=seed)
+        for k, v in fresh.items():
+            static[k].copy_(v)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = rejection.rejection_sample(
+            fresh["target_logits"], fresh["draft_token_ids"], fresh["cu_num_draft_tokens"],
+            fresh["draft_probs"], fresh["temperature"], None, None, None, fresh["seeds"],
+            fresh["positions"], K)
+        _assert_same(expected, out)
