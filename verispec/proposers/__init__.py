@@ -14,10 +14,14 @@ from verispec.proposers.base import (
     get_proposer_cls,
     register_proposer,
 )
+from verispec.proposers.draft_model import DraftModelProposer
+from verispec.proposers.early_exit import EarlyExitProposer
 from verispec.proposers.ngram import NgramProposer, ngram_lookup
 
 __all__ = [
+    "DraftModelProposer",
     "DraftProposal",
+    "EarlyExitProposer",
     "NgramProposer",
     "ProposalRequest",
     "Proposer",

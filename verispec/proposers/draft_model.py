@@ -1,0 +1,244 @@
+"""Draft-model proposer (REFERENCE §5): a second, smaller Llama-family model drafts k tokens.
+
+``ModelProposer`` holds what every model-based proposer shares (``draft_model`` here,
+``early_exit`` in ``verispec.proposers.early_exit``): a ``ModelRunner`` whose per-slot KV cache
+holds the tokens the proposer has consumed, the catch-up feed, the n_r batched autoregressive
+steps and the per-slot draft buffers. ``DraftModelProposer`` adds loading the draft model and
+checking its vocabulary against the target's.
+
+One step, for the requests with n_r > 0 (n_r = min(k, max_num_draft_tokens), known on the host):
+
+    forward 0:  feed token_ids[num_cached_tokens[slot]:]  -> logits at position num_tokens - 1
+                d_1 = argmax (greedy) | sample_draft(logits, T, seed, num_tokens) (probabilistic)
+    forward i:  feed d_i (requests with n_r > i only)    -> d_{i+1} at position num_tokens + i
+
+so a step costs max_r n_r forwards whatever the batch size, and the cache then holds
+``num_tokens + n_r - 1`` tokens (d_{n_r} is produced, never consumed). ``on_commit`` moves each
+slot's length back to ``min(num_cached_tokens, num_committed_tokens - 1)``: positions below it hold
+accepted drafts (identical to the committed tokens), and the recovered or bonus token was never
+fed. When every draft was accepted, the next catch-up feeds ``d_k`` and the bonus token.
+
+The number of tokens a slot's cache holds is the runner's ``kv_cache.lengths_np[slot]``; nothing
+else keeps count, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from verispec import ops
+from verispec.config import SpeculativeConfig
+from verispec.proposers.base import (
+    DraftProposal,
+    ProposalRequest,
+    Proposer,
+    ProposerContext,
+    register_proposer,
+)
+
+if TYPE_CHECKING:
+    from verispec.engine.model_runner import ModelRunner
+
+
+def _as_np(token_ids) -> np.ndarray:
+    """[L] int64 host view (numpy read in place; tensors and lists converted)."""
+    if isinstance(token_ids, np.ndarray):
+        return token_ids
+    if isinstance(token_ids, torch.Tensor):
+        return token_ids.numpy()
+    return np.asarray(token_ids, dtype=np.int64)
+
+
+class ModelProposer(Proposer):
+    """Drafting with a ``ModelRunner``: catch-up, n_r batched autoregressive steps, rollback.
+
+    A subclass builds ``self.runner`` (whose ``kv_cache`` rows are the proposer's cache) and
+    calls ``_init_buffers``; ``num_layers`` (None = all) is passed to every forward.
+
+    Buffers, allocated once and indexed by slot (REFERENCE §5; a CUDA-graph replay writes only
+    buffers that existed at capture):
+
+    - ``draft_token_buffer``: [max_num_seqs, k] int64, d_1..d_{n_r} of the last step;
+    - ``draft_probs_buffer``: [max_num_seqs, k, V] float32, q = softmax(draft_logits / T) of each
+      draft (probabilistic drafting only; None when greedy).
+    """
+
+    runner: ModelRunner
+    num_layers: int | None = None
+
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
+        super().__init__(config, context)
+        self.greedy = config.draft_sample_method == "greedy"
+        self.uses_draft_probs = not self.greedy
+
+    def _init_buffers(self, num_slots: int, vocab_size: int) -> None:
+        k = self.num_speculative_tokens
+        self.vocab_size = vocab_size
+        self.draft_token_buffer = torch.zeros(  # [max_num_seqs, k] int64
+            num_slots, k, dtype=torch.int64, device=self.device
+        )
+        self.draft_probs_buffer = None if self.greedy else torch.zeros(  # [max_num_seqs, k, V]
+            num_slots, k, vocab_size, dtype=torch.float32, device=self.device
+        )
+
+    @property
+    def num_cached_tokens(self) -> np.ndarray:
+        """[num_slots] int64 host array: tokens each slot's cache holds (a live view)."""
+        return self.runner.kv_cache.lengths_np
+
+    def _num_drafts(self, requests: Sequence[ProposalRequest]) -> np.ndarray:
+        """[B] int64 n_r: k cut to max_num_draft_tokens and to the positions the cache has."""
+        k, max_len = self.num_speculative_tokens, self.runner.max_model_len
+        return np.array(
+            [max(0, min(k, int(r.max_num_draft_tokens), max_len - len(r.token_ids)))
+             for r in requests],
+            dtype=np.int64,
+        )
+
+    def propose(self, requests: Sequence[ProposalRequest]) -> DraftProposal:
+        """Drafts for every request; see ``Proposer.propose`` and the module docstring."""
+        num_drafts = self._num_drafts(requests)  # [B] n_r
+        cu_num_draft_tokens = np.zeros(len(requests) + 1, dtype=np.int64)  # [B + 1]
+        np.cumsum(num_drafts, out=cu_num_draft_tokens[1:])
+        active = np.flatnonzero(num_drafts > 0)
+        slots = np.array([requests[r].slot for r in active], dtype=np.int64)  # [B_a]
+        if active.size:
+            self._draft(requests, active, slots, num_drafts[active])
+        # Gather the flattened layout from the per-slot buffers: request r's drafts are
+        # buffer[slot_r, 0:n_r], in the order of ``requests`` (host-built indices, no sync).
+        flat_slots = torch.from_numpy(np.repeat(slots, num_drafts[active])).to(self.device)
+        flat_pos = torch.from_numpy(
+            np.concatenate([np.arange(n) for n in num_drafts[active]] or [np.zeros(0, np.int64)])
+        ).to(self.device)
+        draft_token_ids = self.draft_token_buffer[flat_slots, flat_pos]  # [num_draft_tokens]
+        draft_probs = None
+        if self.draft_probs_buffer is not None:
+            draft_probs = self.draft_probs_buffer[flat_slots, flat_pos]  # [num_draft_tokens, V]
+        return DraftProposal(draft_token_ids, torch.from_numpy(cu_num_draft_tokens), draft_probs)
+
+    def _draft(
+        self,
+        requests: Sequence[ProposalRequest],
+        active: np.ndarray,  # [B_a] indices into requests with n_r > 0
+        slots: np.ndarray,  # [B_a] their slots
+        num_drafts: np.ndarray,  # [B_a] their n_r
+    ) -> None:
+        """Run the catch-up forward and n_r autoregressive steps; fill the per-slot buffers."""
+        cache = self.runner.kv_cache
+        contexts = [_as_np(requests[r].token_ids) for r in active]
+        num_tokens = np.array([c.shape[0] for c in contexts], dtype=np.int64)  # [B_a]
+        feeds = []
+        for slot, context in zip(slots.tolist(), contexts):
+            # Normally the cache holds at most num_tokens - 1 (on_commit's rule); a cache that
+            # holds the last committed token too is moved back one so that its logits exist.
+            num_cached = min(cache.length(slot), context.shape[0] - 1)
+            cache.truncate(slot, num_cached)
+            feeds.append(context[num_cached:])
+        temperature = seeds = None
+        if not self.greedy:
+            temperature = torch.tensor(
+                [float(requests[r].temperature) for r in active], dtype=torch.float32
+            ).to(self.device)
+            seeds = torch.tensor([int(requests[r].seed) for r in active], dtype=torch.int64)
+            seeds = seeds.to(self.device)
+        slots_t = torch.from_numpy(slots).to(self.device)
+        rows = np.arange(active.size)  # rows of the B_a active requests still drafting
+        logits = self.runner.forward(slots.tolist(), feeds, "last", self.num_layers)  # [B_a, V]
+        for i in range(int(num_drafts.max())):
+            row_slots = slots_t if rows.size == active.size else slots_t[torch.from_numpy(rows)]
+            if self.greedy:
+                draft_ids = torch.argmax(logits, dim=-1)  # [rows] d_{i+1}
+            else:
+                # d_{i+1} occupies absolute position num_tokens + i; q = softmax(logits / T).
+                positions = torch.from_numpy(num_tokens[rows] + i).to(self.device)
+                row_index = torch.from_numpy(rows).to(self.device)
+                draft_ids, q = ops.sample_draft(
+                    logits, temperature[row_index], seeds[row_index], positions
+                )
+                self.draft_probs_buffer[row_slots, i] = q
+            self.draft_token_buffer[row_slots, i] = draft_ids
+            keep = num_drafts[rows] > i + 1  # requests that still need d_{i+2}
+            if not keep.any():
+                break
+            # Feed d_{i+1} to the requests with more drafts to produce. The runner takes host
+            # token ids: this copy is the step's one device-to-host read per draft position.
+            feed_ids = draft_ids[torch.from_numpy(np.flatnonzero(keep)).to(self.device)]
+            rows = rows[keep]
+            logits = self.runner.forward(
+                slots[rows].tolist(), [[t] for t in feed_ids.tolist()], "last", self.num_layers
+            )
+
+    def on_commit(self, slots: Sequence[int], num_committed_tokens: Sequence[int]) -> None:
+        """Roll each slot back to the committed tokens it has consumed:
+        ``min(num_cached_tokens, num_committed_tokens - 1)``."""
+        cache = self.runner.kv_cache
+        for slot, num_committed in zip(slots, num_committed_tokens):
+            cache.truncate(slot, max(0, min(cache.length(slot), int(num_committed) - 1)))
+
+    def free(self, slot: int) -> None:
+        self.runner.kv_cache.free(slot)
+
+
+def check_vocab_sizes(
+    draft_vocab_size: int,
+    target_vocab_size: int | None,
+    model_path: str,
+    draft_tokenizer=None,
+    target_tokenizer=None,
+) -> None:
+    """ValueError naming both sizes and the draft model when the vocabularies differ (the
+    model's embedding rows, and the tokenizers' sizes when both are known)."""
+    if target_vocab_size is not None and draft_vocab_size != target_vocab_size:
+        raise ValueError(
+            f"draft model {model_path!r} has vocab_size={draft_vocab_size}, but the target has "
+            f"vocab_size={target_vocab_size}: a draft model must share the target's vocabulary"
+        )
+    if draft_tokenizer is not None and target_tokenizer is not None:
+        num_draft, num_target = len(draft_tokenizer), len(target_tokenizer)
+        if num_draft != num_target:
+            raise ValueError(
+                f"draft model {model_path!r} has a tokenizer of {num_draft} tokens, but the "
+                f"target's tokenizer has {num_target}: a draft model must share the target's "
+                "vocabulary"
+            )
+
+
+@register_proposer("draft_model")
+class DraftModelProposer(ModelProposer):
+    """A second model, loaded from ``config.model`` (a local HF directory or a ``.gguf`` file)
+    with ``context.dtype`` on ``context.device``, with its own KV cache of
+    ``context.max_num_seqs`` slots x ``context.max_model_len`` positions over the same slot
+    numbers as the target.
+
+    Its vocabulary must equal ``context.vocab_size``; when both tokenizers are known (the
+    draft directory's, and ``context.tokenizer`` or ``context.target_model.tokenizer``) their
+    sizes must agree as well.
+    """
+
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
+        super().__init__(config, context)
+        # Imported here: the engine imports the proposers package, not the other way round.
+        from verispec.engine.model_runner import ModelRunner
+        from verispec.models.loader import load_model
+
+        if config.model is None:
+            raise ValueError(
+                "speculative method 'draft_model' needs the draft model: set "
+                "SpeculativeConfig.model to a local HF directory or .gguf file"
+            )
+        ctx = self.context
+        self.loaded = load_model(config.model, ctx.dtype, ctx.device)
+        target_tokenizer = getattr(ctx, "tokenizer", None)
+        if target_tokenizer is None:
+            target_tokenizer = getattr(ctx.target_model, "tokenizer", None)
+        check_vocab_sizes(
+            self.loaded.config.vocab_size, ctx.vocab_size, str(config.model),
+            self.loaded.tokenizer, target_tokenizer,
+        )
+        self.runner = ModelRunner(self.loaded.model, ctx.max_num_seqs, ctx.max_model_len,
+                                  ctx.device)
+        self._init_buffers(ctx.max_num_seqs, self.loaded.config.vocab_size)
