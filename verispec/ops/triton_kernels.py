@@ -72,18 +72,6 @@ else:  # pragma: no cover - CUDA: libdevice's expf / logf, the functions torch's
 
 
 @_helper
-def _request_of_row(cu_ptr, row, batch_size, BLOCK_B: tl.constexpr, NO_DRAFTS: tl.constexpr):
-    """Request r owning target row ``row``: the largest r with cu[r] + r <= row."""
-    if NO_DRAFTS:
-        req = row
-    else:
-        r = tl.arange(0, BLOCK_B)
-        first_rows = tl.load(cu_ptr + r, mask=r < batch_size, other=2**40).to(tl.int64) + r
-        req = tl.sum((first_rows <= row).to(tl.int32), axis=0) - 1
-    return req
-
-
-@_helper
 def _request_span(cu_ptr, req, NO_DRAFTS: tl.constexpr):
     """(cu[r], n_r): the request's first draft index and its number of drafts."""
     if NO_DRAFTS:
@@ -133,8 +121,11 @@ def _uniform_at(seed, position, stream):
 
 @_helper
 def _scale(x, temperature):
-    """z = logits / T (IEEE division, as torch); T = 1 leaves x unchanged."""
-    return tl.math.div_rn(x, temperature)
+    """z = logits / T (IEEE division, as torch); T = 1 leaves x unchanged, so skip it."""
+    z = x
+    if temperature != 1.0:
+        z = tl.math.div_rn(x, temperature)
+    return z
 
 
 @_helper
@@ -176,29 +167,53 @@ def _stats_kernel(
     temperature_ptr,  # [B] float32
     seeds_ptr, positions_ptr,  # [B] int64
     row_stats_ptr,  # [num_rows, 8] float32 (MASKED): m, S, kth, tau, s_p, floor, s3
-    part_m_ptr, part_s_ptr,  # [num_rows, NUM_CHUNKS] float32: chunk max, chunk sum exp(z - m_c)
-    part_amax_ptr, part_aidx_ptr,  # [num_rows, NUM_CHUNKS] float32 / int32: raw argmax
-    part_ridx_ptr,  # [num_rows, NUM_CHUNKS] int32: chunk winner of the bonus race
+    part_f_ptr,  # [3, num_rows, NUM_CHUNKS] float32: chunk max m_c, sum exp(z - m_c), raw max
+    part_i_ptr,  # [2, num_rows, NUM_CHUNKS] int32: raw argmax, chunk winner of the bonus race
     counter_ptr,  # [B] int32, zeroed here for _race_kernel
-    batch_size, vocab_size, bonus_stream,
-    NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
+    num_rows, vocab_size, bonus_stream,
+    NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
     NO_DRAFTS: tl.constexpr, ALL_GREEDY: tl.constexpr, BONUS_RACE: tl.constexpr,
     MASKED: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
     HAS_MIN_P: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    if (chunk == 0) & (row < batch_size):
-        tl.store(counter_ptr + row, 0)
-    req = _request_of_row(cu_ptr, row, batch_size, BLOCK_B, NO_DRAFTS)
+    """Grid (B, max_num_draft_tokens + 1, NUM_CHUNKS): row i of request r, one chunk."""
+    req = tl.program_id(0)
+    index_in_request = tl.program_id(1)  # == num_drafts on the bonus row
+    chunk = tl.program_id(2)
+    if (index_in_request == 0) & (chunk == 0):
+        tl.store(counter_ptr + req, 0)
     draft_start, num_drafts = _request_span(cu_ptr, req, NO_DRAFTS)
-    index_in_request = row - draft_start - req  # == num_drafts on the bonus row
+    if index_in_request <= num_drafts:
+        row = draft_start + req + index_in_request
+        _row_chunk_stats(
+            logits_ptr, logits_stride, temperature_ptr, seeds_ptr, positions_ptr,
+            row_stats_ptr, part_f_ptr, part_i_ptr, num_rows, vocab_size, bonus_stream,
+            req, row, chunk, index_in_request == num_drafts, num_drafts,
+            NUM_CHUNKS, CHUNK, ALL_GREEDY, BONUS_RACE, MASKED, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P,
+        )
+
+
+@_helper
+def _row_chunk_stats(
+    logits_ptr, logits_stride, temperature_ptr, seeds_ptr, positions_ptr,
+    row_stats_ptr, part_f_ptr, part_i_ptr, num_rows, vocab_size, bonus_stream,
+    req, row, chunk, is_bonus, num_drafts,
+    NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr, ALL_GREEDY: tl.constexpr,
+    BONUS_RACE: tl.constexpr, MASKED: tl.constexpr, HAS_TOP_K: tl.constexpr,
+    HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+):
     temperature = tl.load(temperature_ptr + req)
     greedy = (temperature == 0.0) | ALL_GREEDY
+    plane = num_rows * NUM_CHUNKS
+    part_m_ptr = part_f_ptr
+    part_s_ptr = part_f_ptr + plane
+    part_amax_ptr = part_f_ptr + 2 * plane
+    part_aidx_ptr = part_i_ptr
+    part_ridx_ptr = part_i_ptr + plane
 
     ids = _tile_ids(chunk * CHUNK, CHUNK // 4)  # [C4, 4]
     valid = ids < vocab_size
-    x = tl.load(logits_ptr + row.to(tl.int64) * logits_stride + ids, mask=valid,
+    x = tl.load(logits_ptr + row * logits_stride + ids, mask=valid,
                 other=float("-inf")).to(tl.float32)
     out = row * NUM_CHUNKS + chunk
 
@@ -221,7 +236,7 @@ def _stats_kernel(
             tl.store(part_m_ptr + out, m_c)
             tl.store(part_s_ptr + out, tl.sum(tl.sum(tl.exp(z - m_safe), axis=1), axis=0))
         if BONUS_RACE:
-            if (temperature != 0.0) & (index_in_request == num_drafts):
+            if (temperature != 0.0) & is_bonus:
                 # Bonus token race, argmax_v p_v / E_v, restricted to this chunk. Without masks
                 # p_v is proportional to exp(z_v - m_c): the consumer re-scores the winner
                 # exactly with the row's (m, S).
@@ -263,11 +278,13 @@ def _race_kernel(
     seeds_ptr, positions_ptr,  # [B] int64
     rates_ptr,  # [>= max_num_draft_tokens] float32 conditional rates (SYNTHETIC)
     row_stats_ptr,  # [num_rows, 8] float32 (MASKED): m, S, kth, tau, s_p, floor, s3
-    part_m_ptr, part_s_ptr, part_amax_ptr, part_aidx_ptr, part_ridx_ptr,  # [num_rows, NUM_CHUNKS]
-    race_score_ptr, race_idx_ptr, race_has_ptr,  # [B, NUM_CHUNKS] float32 / int32 / int32
+    part_f_ptr,  # [3, num_rows, NUM_CHUNKS] float32: chunk max m_c, sum exp(z - m_c), raw max
+    part_i_ptr,  # [2, num_rows, NUM_CHUNKS] int32: raw argmax, chunk winner of the bonus race
+    race_f_ptr,  # [B, NUM_CHUNKS] float32: chunk winners' scores of the residual race
+    race_i_ptr,  # [2, B, NUM_CHUNKS] int32: chunk winners' ids, chunk has a residual
     counter_ptr,  # [B] int32, zeroed by _stats_kernel
     token_ids_ptr, token_ids_stride,  # [B, width] int32 (or int64 for sampling)
-    vocab_size, width, bonus_stream,
+    num_rows, batch_size, vocab_size, width, bonus_stream,
     NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
     ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr,
     NO_DRAFTS: tl.constexpr, ALL_GREEDY: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr,
@@ -276,6 +293,12 @@ def _race_kernel(
 ):
     req = tl.program_id(0)
     chunk = tl.program_id(1)
+    plane = num_rows * NUM_CHUNKS
+    part_m_ptr = part_f_ptr
+    part_s_ptr = part_f_ptr + plane
+    part_amax_ptr = part_f_ptr + 2 * plane
+    part_aidx_ptr = part_i_ptr
+    part_ridx_ptr = part_i_ptr + plane
     draft_start, num_drafts = _request_span(cu_ptr, req, NO_DRAFTS)
     first_row = draft_start + req
     temperature = tl.load(temperature_ptr + req)
@@ -381,7 +404,7 @@ def _race_kernel(
         if not ALL_GREEDY:
             _residual_race(
                 logits_ptr, logits_stride, draft_ids_ptr, draft_probs_ptr, draft_probs_stride,
-                race_score_ptr, race_idx_ptr, race_has_ptr, counter_ptr,
+                race_f_ptr, race_i_ptr, race_i_ptr + batch_size * NUM_CHUNKS, counter_ptr,
                 token_ids_ptr, token_ids_stride,
                 req, chunk, draft_start, num_accepted, final_row, t_eff, seed, position,
                 tl.sum(tl.where(at_final, d, 0), axis=0),

@@ -23,7 +23,7 @@ from verispec.ops.triton_kernels import (
     _exp,
     _helper,
     _processed,
-    _request_of_row,
+    _request_span,
     _scale,
 )
 
@@ -56,12 +56,25 @@ def _mask_stats_kernel(
     temperature_ptr,  # [B] float32 (0 = greedy, processed as T = 1)
     top_k_ptr, top_p_ptr, min_p_ptr,  # [B] int / float32 / float32 (each HAS_*)
     row_stats_ptr,  # [num_rows, 8] float32 out: m, S, kth, tau, s_p, floor, s3
-    batch_size, vocab_size,
-    TILE: tl.constexpr, BLOCK_B: tl.constexpr, NO_DRAFTS: tl.constexpr,
+    vocab_size,
+    TILE: tl.constexpr, NO_DRAFTS: tl.constexpr,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    req = _request_of_row(cu_ptr, row, batch_size, BLOCK_B, NO_DRAFTS)
+    """Grid (B, max_num_draft_tokens + 1): row i of request r."""
+    req = tl.program_id(0)
+    index_in_request = tl.program_id(1)
+    draft_start, num_drafts = _request_span(cu_ptr, req, NO_DRAFTS)
+    if index_in_request <= num_drafts:
+        _row_thresholds(logits_ptr, logits_stride, temperature_ptr, top_k_ptr, top_p_ptr,
+                        min_p_ptr, row_stats_ptr, vocab_size, req,
+                        draft_start + req + index_in_request,
+                        TILE, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+
+
+@_helper
+def _row_thresholds(logits_ptr, logits_stride, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                    row_stats_ptr, vocab_size, req, row, TILE: tl.constexpr,
+                    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
     temperature = tl.load(temperature_ptr + req)
     t_eff = tl.where(temperature > 0.0, temperature, 1.0)
     row_offset = row.to(tl.int64) * logits_stride
@@ -155,9 +168,9 @@ def _probs_kernel(
     logits_ptr, logits_stride,  # [R, V]
     temperature_ptr,  # [R] float32 (0 = processed as T = 1)
     row_stats_ptr,  # [R, 8] float32 (MASKED)
-    part_m_ptr, part_s_ptr,  # [R, NUM_CHUNKS] float32 softmax partials (not MASKED)
+    part_f_ptr,  # [3, R, NUM_CHUNKS] float32 softmax partials m_c, S_c (not MASKED)
     probs_ptr, probs_stride,  # [R, V] float32 out
-    vocab_size,
+    num_rows, vocab_size,
     NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
     MASKED: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
     HAS_MIN_P: tl.constexpr,
@@ -178,8 +191,9 @@ def _probs_kernel(
         s3 = tl.load(st + 6)
     else:
         c = tl.arange(0, NC_P2)
-        pm = tl.load(part_m_ptr + row * NUM_CHUNKS + c, mask=c < NUM_CHUNKS, other=float("-inf"))
-        ps = tl.load(part_s_ptr + row * NUM_CHUNKS + c, mask=c < NUM_CHUNKS, other=0.0)
+        pm = tl.load(part_f_ptr + row * NUM_CHUNKS + c, mask=c < NUM_CHUNKS, other=float("-inf"))
+        ps = tl.load(part_f_ptr + num_rows * NUM_CHUNKS + row * NUM_CHUNKS + c,
+                     mask=c < NUM_CHUNKS, other=0.0)
         m = tl.max(pm, axis=0)
         s = tl.sum(ps * tl.exp(pm - tl.where(m == float("-inf"), 0.0, m)), axis=0)
         kth = 0.0

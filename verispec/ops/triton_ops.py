@@ -99,41 +99,51 @@ class _Params:
                     HAS_MIN_P=self.min_p is not None)
 
 
-def _row_statistics(logits, cu, params: _Params, batch_size: int, no_drafts: bool,
-                    chunk: int, bonus_stream: int, all_greedy: bool, bonus_race: bool):
-    """Launch the mask search (if any mask) and the chunk statistics; returns the workspace."""
+class _Workspace:
+    """Per-call scratch: two allocations, sized by shapes only (capturable in a CUDA graph)."""
+
+    def __init__(self, num_rows: int, batch_size: int, num_chunks: int, masked: bool, device):
+        part = num_rows * num_chunks
+        race = batch_size * num_chunks
+        stats = num_rows * 8 if masked else 0
+        f32 = torch.empty(3 * part + race + stats, dtype=torch.float32, device=device)
+        i32 = torch.empty(2 * part + 2 * race + batch_size, dtype=torch.int32, device=device)
+        self.num_chunks = num_chunks
+        self.part_f = f32[: 3 * part]  # [3, num_rows, NUM_CHUNKS]: m_c, S_c, raw max
+        self.race_f = f32[3 * part: 3 * part + race]  # [B, NUM_CHUNKS]
+        self.row_stats = f32[3 * part + race:] if masked else f32  # [num_rows, 8]
+        self.part_i = i32[: 2 * part]  # [2, num_rows, NUM_CHUNKS]: raw argmax, race winner
+        self.race_i = i32[2 * part: 2 * part + 2 * race]  # [2, B, NUM_CHUNKS]
+        self.counter = i32[2 * part + 2 * race:]  # [B]
+
+
+def _row_statistics(logits, cu, params: _Params, batch_size: int, rows_per_request: int,
+                    no_drafts: bool, chunk: int, bonus_stream: int, all_greedy: bool,
+                    bonus_race: bool) -> _Workspace:
+    """Launch the mask search (if any mask) and the chunk statistics."""
     num_rows, vocab_size = logits.shape
-    device = logits.device
-    num_chunks = triton.cdiv(vocab_size, chunk)
-    part_f = torch.empty((3, num_rows, num_chunks), dtype=torch.float32, device=device)
-    part_i = torch.empty((2, num_rows, num_chunks), dtype=torch.int32, device=device)
-    counter = torch.empty(max(batch_size, 1), dtype=torch.int32, device=device)
-    row_stats = part_f  # unused unless masked
+    ws = _Workspace(num_rows, batch_size, triton.cdiv(vocab_size, chunk), params.masked,
+                    logits.device)
     flags = params.mask_flags()
-    block_b = _p2(batch_size)
     dummy = params.temperature
     if params.masked:
-        row_stats = torch.empty((num_rows, 8), dtype=torch.float32, device=device)
-        _mask_stats_kernel[(num_rows,)](
+        _mask_stats_kernel[(batch_size, rows_per_request)](
             logits, logits.stride(0), cu, params.temperature,
             dummy if params.top_k is None else params.top_k,
             dummy if params.top_p is None else params.top_p,
             dummy if params.min_p is None else params.min_p,
-            row_stats, batch_size, vocab_size,
-            TILE=min(_MASK_TILE, _p2(vocab_size)), BLOCK_B=block_b, NO_DRAFTS=no_drafts,
-            num_warps=8, **flags,
+            ws.row_stats, vocab_size,
+            TILE=min(_MASK_TILE, _p2(vocab_size)), NO_DRAFTS=no_drafts, num_warps=8, **flags,
         )
     seeds = dummy if params.seeds is None else params.seeds
     positions = dummy if params.positions is None else params.positions
-    _stats_kernel[(num_rows, num_chunks)](
-        logits, logits.stride(0), cu, params.temperature, seeds, positions, row_stats,
-        part_f[0], part_f[1], part_f[2], part_i[0], part_i[1], counter,
-        batch_size, vocab_size, bonus_stream,
-        NUM_CHUNKS=num_chunks, CHUNK=chunk, BLOCK_B=block_b, NO_DRAFTS=no_drafts,
-        ALL_GREEDY=all_greedy, BONUS_RACE=bonus_race, MASKED=params.masked,
-        num_warps=_num_warps(chunk), **flags,
+    _stats_kernel[(batch_size, rows_per_request, ws.num_chunks)](
+        logits, logits.stride(0), cu, params.temperature, seeds, positions, ws.row_stats,
+        ws.part_f, ws.part_i, ws.counter, num_rows, vocab_size, bonus_stream,
+        NUM_CHUNKS=ws.num_chunks, CHUNK=chunk, NO_DRAFTS=no_drafts, ALL_GREEDY=all_greedy,
+        BONUS_RACE=bonus_race, MASKED=params.masked, num_warps=_num_warps(chunk), **flags,
     )
-    return part_f, part_i, counter, row_stats, num_chunks
+    return ws
 
 
 def _verify(logits, draft_token_ids, cu, draft_probs, params: _Params, batch_size: int,
@@ -143,24 +153,22 @@ def _verify(logits, draft_token_ids, cu, draft_probs, params: _Params, batch_siz
     num_rows, vocab_size = logits.shape
     no_drafts = draft_token_ids is None
     chunk = chunk or default_chunk_size(vocab_size)
-    part_f, part_i, counter, row_stats, num_chunks = _row_statistics(
-        logits, cu, params, batch_size, no_drafts, chunk, bonus_stream, all_greedy, True)
-    race_f = torch.empty((batch_size, num_chunks), dtype=torch.float32, device=logits.device)
-    race_i = torch.empty((2, batch_size, num_chunks), dtype=torch.int32, device=logits.device)
+    ws = _row_statistics(logits, cu, params, batch_size, max_num_draft_tokens + 1, no_drafts,
+                         chunk, bonus_stream, all_greedy, True)
     dummy = params.temperature
-    _race_kernel[(batch_size, num_chunks)](
+    _race_kernel[(batch_size, ws.num_chunks)](
         logits, logits.stride(0),
         dummy if no_drafts else draft_token_ids, cu,
         logits if draft_probs is None else draft_probs,
         0 if draft_probs is None else draft_probs.stride(0),
         params.temperature, params.seeds, params.positions,
-        dummy if rates is None else rates, row_stats,
-        part_f[0], part_f[1], part_f[2], part_i[0], part_i[1],
-        race_f, race_i[0], race_i[1], counter,
+        dummy if rates is None else rates, ws.row_stats,
+        ws.part_f, ws.part_i, ws.race_f, ws.race_i, ws.counter,
         token_ids, token_ids.stride(0) if token_ids.dim() == 2 else 1,
-        vocab_size, token_ids.shape[1] if token_ids.dim() == 2 else 1, bonus_stream,
-        NUM_CHUNKS=num_chunks, NC_P2=_p2(num_chunks), CHUNK=chunk,
-        ROWS_P2=_p2(max_num_draft_tokens + 1), WIDTH_P2=_p2(max_num_draft_tokens + 1),
+        num_rows, batch_size, vocab_size, token_ids.shape[1] if token_ids.dim() == 2 else 1,
+        bonus_stream,
+        NUM_CHUNKS=ws.num_chunks, NC_P2=_p2(ws.num_chunks, 2), CHUNK=chunk,
+        ROWS_P2=_p2(max_num_draft_tokens + 1, 2), WIDTH_P2=_p2(max_num_draft_tokens + 1, 2),
         NO_DRAFTS=no_drafts, ALL_GREEDY=all_greedy, HAS_DRAFT_PROBS=draft_probs is not None,
         SYNTHETIC=rates is not None, MASKED=params.masked, num_warps=_num_warps(chunk),
         **params.mask_flags(),
@@ -287,13 +295,13 @@ def _write_probs(logits, params: _Params, probs, chunk_size, workspace=None) -> 
     num_rows, vocab_size = logits.shape
     chunk = chunk_size or default_chunk_size(vocab_size)
     if workspace is None:
-        workspace = _row_statistics(logits, params.temperature, params, num_rows, True, chunk,
+        workspace = _row_statistics(logits, params.temperature, params, num_rows, 1, True, chunk,
                                     0, False, False)
-    part_f, _, _, row_stats, num_chunks = workspace
-    _probs_kernel[(num_rows, num_chunks)](
-        logits, logits.stride(0), params.temperature, row_stats, part_f[0], part_f[1],
-        probs, probs.stride(0), vocab_size,
-        NUM_CHUNKS=num_chunks, NC_P2=_p2(num_chunks), CHUNK=chunk, MASKED=params.masked,
+    ws = workspace
+    _probs_kernel[(num_rows, ws.num_chunks)](
+        logits, logits.stride(0), params.temperature, ws.row_stats, ws.part_f,
+        probs, probs.stride(0), num_rows, vocab_size,
+        NUM_CHUNKS=ws.num_chunks, NC_P2=_p2(ws.num_chunks, 2), CHUNK=chunk, MASKED=params.masked,
         num_warps=_num_warps(chunk), **params.mask_flags(),
     )
 

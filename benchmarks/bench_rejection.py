@@ -1,0 +1,223 @@
+"""Rejection sampling on the GPU: the Triton op and the torch op against the memory floor.
+
+For each vocabulary V, batch size B and rule (full rule with draft probabilities, one-hot rule
+without), k = 4 drafts per request, temperature 1, float32 target logits:
+
+    floor = bytes that must be read once (target logits [B (k + 1), V], plus draft probabilities
+            [B k, V] float32 for the full rule) / the device's measured copy bandwidth
+
+and the median time of each op (CUDA events around single calls, after warm-up, inputs rotated
+over enough buffer sets that L2 cannot hold them), as microseconds and as a multiple of the
+floor. At B in {1, 8} the Triton op is also timed inside a CUDA graph (one graph replaying one call
+per buffer set). Drafts are accepted about 80 % of the time per position (the drafted token's
+target probability is set near 0.8), so both the bonus path and the recovered-token path run;
+the mean acceptance length is printed. Each configuration also checks that the two ops return the
+same tokens.
+
+Prints a human table, then one JSON line.
+
+    python benchmarks/bench_rejection.py                  # the full table
+    python benchmarks/bench_rejection.py --batch-sizes 1 8 --vocab-sizes 151936 --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+from verispec.ops import rejection
+
+K = 4
+
+
+def copy_bandwidth(device, num_bytes=1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(num_bytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return 2 * num_bytes / statistics.median(times)
+
+
+def make_inputs(batch_size, vocab_size, device, seed, accept_prob=0.8):
+    """One buffer set: float32 logits with the drafted token at target probability ~accept_prob
+    (so acceptance is ~accept_prob per position), q = a perturbed copy of the target."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    num_rows = batch_size * (K + 1)
+    logits = torch.randn(num_rows, vocab_size, device=device, generator=gen)
+    cu = torch.arange(0, batch_size + 1, device=device, dtype=torch.int64) * K
+    drafts = torch.randint(0, vocab_size, (batch_size * K,), device=device, generator=gen)
+    verify_rows = torch.arange(batch_size * K, device=device)
+    verify_rows = verify_rows + verify_rows // K
+    rest = torch.logsumexp(logits[verify_rows], -1)
+    logits[verify_rows, drafts] = rest + math.log(accept_prob / (1 - accept_prob))
+    q_logits = logits[verify_rows] + 0.3 * torch.randn(
+        batch_size * K, vocab_size, device=device, generator=gen)
+    q = torch.softmax(q_logits, -1)
+    return dict(
+        target_logits=logits,
+        draft_token_ids=drafts,
+        cu_num_draft_tokens=cu,
+        draft_probs=q,
+        temperature=torch.ones(batch_size, device=device),
+        seeds=torch.randint(0, 2**62, (batch_size,), device=device, generator=gen),
+        positions=torch.randint(0, 4096, (batch_size,), device=device, generator=gen),
+    )
+
+
+def call(op, inputs, with_draft_probs, **kwargs):
+    return op(
+        inputs["target_logits"], inputs["draft_token_ids"], inputs["cu_num_draft_tokens"],
+        inputs["draft_probs"] if with_draft_probs else None, inputs["temperature"], None, None,
+        None, inputs["seeds"], inputs["positions"], K, **kwargs,
+    )
+
+
+def time_eager(fn, sets, budget_s, max_reps=200) -> float:
+    """Median microseconds of single calls, rotating over the buffer sets."""
+    for s in sets[:3]:
+        fn(s)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn(sets[0])
+    torch.cuda.synchronize()
+    estimate = time.perf_counter() - t0
+    reps = int(max(10, min(max_reps, budget_s / max(estimate, 1e-6))))
+    times = []
+    for r in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s = sets[r % len(sets)]
+        start.record()
+        fn(s)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def time_graph(fn, sets, reps=50) -> float | None:
+    """Median microseconds per call of a CUDA graph that makes one call per buffer set."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in sets[:2]:
+            fn(s)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for s in sets:
+                fn(s)
+    except Exception as exc:  # a non-capturable op: report, do not fail the table
+        print(f"  (graph capture failed: {type(exc).__name__}: {exc})")
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(sets))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    parser.add_argument("--vocab-sizes", type=int, nargs="+", default=[151936, 128256])
+    parser.add_argument("--graph-batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[0],
+                        help="Triton tokens per program to try (0 = the default)")
+    parser.add_argument("--rotate-bytes", type=float, default=256e6,
+                        help="bytes of input buffer sets to rotate over (>> L2)")
+    parser.add_argument("--quick", action="store_true", help="shorter timing budgets")
+    parser.add_argument("--skip-torch", action="store_true")
+    args = parser.parse_args()
+
+    from verispec.ops import triton_ops  # imports triton: only on a GPU machine
+
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    bandwidth = copy_bandwidth(device)
+    budget = 0.3 if args.quick else 1.0
+    print(f"device: {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); "
+          f"torch {torch.__version__}; k = {K}; float32 logits; temperature 1")
+    results = []
+    header = (f"{'V':>7} {'B':>4} {'rule':>8} {'chunk':>5} {'floor us':>9} {'triton us':>10} "
+              f"{'x floor':>8} {'graph us':>9} {'torch us':>9} {'x floor':>8} {'accept len':>10} "
+              f"{'same':>5}")
+    print(header)
+    print("-" * len(header))
+    for vocab_size in args.vocab_sizes:
+        for batch_size in args.batch_sizes:
+            set_bytes = batch_size * (2 * K + 1) * vocab_size * 4
+            num_sets = max(2, min(64, math.ceil(args.rotate_bytes / set_bytes)))
+            sets = [make_inputs(batch_size, vocab_size, device, seed) for seed in range(num_sets)]
+            for with_q in (True, False):
+                rule = "full" if with_q else "one-hot"
+                floor_bytes = batch_size * (K + 1) * vocab_size * 4
+                if with_q:
+                    floor_bytes += batch_size * K * vocab_size * 4
+                floor_us = floor_bytes / bandwidth * 1e6
+                expected = call(rejection.rejection_sample, sets[0], with_q)
+                accept_len = float((expected != -1).sum(1).float().mean())
+                torch_us = None
+                if not args.skip_torch:
+                    torch_us = time_eager(
+                        lambda s, q=with_q: call(rejection.rejection_sample, s, q), sets,
+                        budget / 2, max_reps=50)
+                for chunk in args.chunk_sizes:
+                    kw = {"chunk_size": chunk} if chunk else {}
+                    actual = call(triton_ops.rejection_sample, sets[0], with_q, **kw)
+                    same = bool(torch.equal(expected, actual))
+                    triton_us = time_eager(
+                        lambda s, q=with_q, kw=kw: call(triton_ops.rejection_sample, s, q, **kw),
+                        sets, budget)
+                    graph_us = None
+                    if batch_size in args.graph_batch_sizes:
+                        graph_us = time_graph(
+                            lambda s, q=with_q, kw=kw: call(triton_ops.rejection_sample, s, q,
+                                                            **kw), sets[:16])
+                    row = dict(
+                        vocab_size=vocab_size, batch_size=batch_size, rule=rule,
+                        chunk=chunk or triton_ops.default_chunk_size(vocab_size),
+                        floor_us=round(floor_us, 2), triton_us=round(triton_us, 2),
+                        triton_x_floor=round(triton_us / floor_us, 3),
+                        triton_graph_us=None if graph_us is None else round(graph_us, 2),
+                        torch_us=None if torch_us is None else round(torch_us, 2),
+                        torch_x_floor=None if torch_us is None else round(torch_us / floor_us, 3),
+                        mean_acceptance_length=round(accept_len, 3), same_tokens=same,
+                    )
+                    results.append(row)
+                    fmt = (lambda v, f: "-" if v is None else format(v, f))
+                    print(f"{vocab_size:>7} {batch_size:>4} {rule:>8} {row['chunk']:>5} "
+                          f"{floor_us:>9.1f} {triton_us:>10.1f} {row['triton_x_floor']:>8.2f} "
+                          f"{fmt(graph_us, '9.1f'):>9} {fmt(torch_us, '9.1f'):>9} "
+                          f"{fmt(row['torch_x_floor'], '8.2f'):>8} {accept_len:>10.2f} "
+                          f"{str(same):>5}", flush=True)
+            del sets
+            torch.cuda.empty_cache()
+    print(json.dumps(dict(benchmark="bench_rejection", device=name,
+                          copy_bandwidth_tb_s=round(bandwidth / 1e12, 3), k=K,
+                          torch=torch.__version__, results=results)))
+
+
+if __name__ == "__main__":
+    main()
