@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -299,10 +300,14 @@ def test_drafts_stop_at_max_model_len(llama_dir):
     assert proposer.num_cached_tokens[0] == 9
 
 
-def test_vocab_mismatch_is_a_clear_error(llama_dir, tmp_path):
+def test_vocab_mismatch_is_a_clear_error(llama_dir):
     with pytest.raises(ValueError, match=r"vocab_size=64.*vocab_size=100") as error:
         draft_proposer(llama_dir, 2, vocab_size=100)
     assert llama_dir in str(error.value)
+    # Without context.vocab_size, the target model's config gives it.
+    target = SimpleNamespace(config=SimpleNamespace(vocab_size=65))
+    with pytest.raises(ValueError, match=r"vocab_size=64.*vocab_size=65"):
+        draft_proposer(llama_dir, 2, vocab_size=None, target_model=target)
     with pytest.raises(ValueError, match="needs the draft model"):
         build_proposer(SpeculativeConfig(method="draft_model"), ProposerContext(vocab_size=VOCAB))
 

@@ -44,13 +44,12 @@ if TYPE_CHECKING:
     from verispec.engine.model_runner import ModelRunner
 
 
-def _as_np(token_ids) -> np.ndarray:
-    """[L] int64 host view (numpy read in place; tensors and lists converted)."""
-    if isinstance(token_ids, np.ndarray):
-        return token_ids
+def _tail(token_ids, start: int):
+    """``token_ids[start:]`` as the runner takes it (a numpy or list slice; tensors as numpy),
+    without converting the whole context."""
     if isinstance(token_ids, torch.Tensor):
-        return token_ids.numpy()
-    return np.asarray(token_ids, dtype=np.int64)
+        token_ids = token_ids.numpy()
+    return token_ids[start:]
 
 
 class ModelProposer(Proposer):
@@ -129,15 +128,15 @@ class ModelProposer(Proposer):
     ) -> None:
         """Run the catch-up forward and n_r autoregressive steps; fill the per-slot buffers."""
         cache = self.runner.kv_cache
-        contexts = [_as_np(requests[r].token_ids) for r in active]
-        num_tokens = np.array([c.shape[0] for c in contexts], dtype=np.int64)  # [B_a]
+        contexts = [requests[r].token_ids for r in active]
+        num_tokens = np.array([len(c) for c in contexts], dtype=np.int64)  # [B_a]
         feeds = []
-        for slot, context in zip(slots.tolist(), contexts):
+        for slot, context, length in zip(slots.tolist(), contexts, num_tokens.tolist()):
             # Normally the cache holds at most num_tokens - 1 (on_commit's rule); a cache that
             # holds the last committed token too is moved back one so that its logits exist.
-            num_cached = min(cache.length(slot), context.shape[0] - 1)
+            num_cached = min(cache.length(slot), length - 1)
             cache.truncate(slot, num_cached)
-            feeds.append(context[num_cached:])
+            feeds.append(_tail(context, num_cached))
         temperature = seeds = None
         if not self.greedy:
             temperature = torch.tensor(
@@ -214,7 +213,8 @@ class DraftModelProposer(ModelProposer):
     ``context.max_num_seqs`` slots x ``context.max_model_len`` positions over the same slot
     numbers as the target.
 
-    Its vocabulary must equal ``context.vocab_size``; when both tokenizers are known (the
+    Its vocabulary must equal ``context.vocab_size`` (or, when that is None, the vocabulary of
+    ``context.target_model``'s config); when both tokenizers are known (the
     draft directory's, and ``context.tokenizer`` or ``context.target_model.tokenizer``) their
     sizes must agree as well.
     """
@@ -235,8 +235,12 @@ class DraftModelProposer(ModelProposer):
         target_tokenizer = getattr(ctx, "tokenizer", None)
         if target_tokenizer is None:
             target_tokenizer = getattr(ctx.target_model, "tokenizer", None)
+        target_vocab_size = ctx.vocab_size
+        if target_vocab_size is None:  # the target's config (a runner, a model or a LoadedModel)
+            target_vocab_size = getattr(getattr(ctx.target_model, "config", None), "vocab_size",
+                                        None)
         check_vocab_sizes(
-            self.loaded.config.vocab_size, ctx.vocab_size, str(config.model),
+            self.loaded.config.vocab_size, target_vocab_size, str(config.model),
             self.loaded.tokenizer, target_tokenizer,
         )
         self.runner = ModelRunner(self.loaded.model, ctx.max_num_seqs, ctx.max_model_len,
