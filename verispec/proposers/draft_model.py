@@ -148,13 +148,13 @@ class ModelProposer(Proposer):
         rows = np.arange(active.size)  # rows of the B_a active requests still drafting
         logits = self.runner.forward(slots.tolist(), feeds, "last", self.num_layers)  # [B_a, V]
         for i in range(int(num_drafts.max())):
-            row_slots = slots_t if rows.size == active.size else slots_t[torch.from_numpy(rows)]
+            row_index = torch.from_numpy(rows).to(self.device)
+            row_slots = slots_t if rows.size == active.size else slots_t[row_index]
             if self.greedy:
                 draft_ids = torch.argmax(logits, dim=-1)  # [rows] d_{i+1}
             else:
                 # d_{i+1} occupies absolute position num_tokens + i; q = softmax(logits / T).
                 positions = torch.from_numpy(num_tokens[rows] + i).to(self.device)
-                row_index = torch.from_numpy(rows).to(self.device)
                 draft_ids, q = ops.sample_draft(
                     logits, temperature[row_index], seeds[row_index], positions
                 )
@@ -163,8 +163,9 @@ class ModelProposer(Proposer):
             keep = num_drafts[rows] > i + 1  # requests that still need d_{i+2}
             if not keep.any():
                 break
-            # Feed d_{i+1} to the requests with more drafts to produce. The runner takes host
-            # token ids: this copy is the step's one device-to-host read per draft position.
+            # Feed d_{i+1} to the requests with more drafts to produce. ``ModelRunner.forward``
+            # takes host token ids, so this is the one device-to-host read per draft position
+            # (free on the CPU; on a GPU it waits for this position's sampling).
             feed_ids = draft_ids[torch.from_numpy(np.flatnonzero(keep)).to(self.device)]
             rows = rows[keep]
             logits = self.runner.forward(

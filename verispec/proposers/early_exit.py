@@ -33,7 +33,6 @@ import torch
 
 from verispec.config import SpeculativeConfig
 from verispec.proposers.base import (
-    DraftProposal,
     ProposalRequest,
     ProposerContext,
     register_proposer,
@@ -90,19 +89,25 @@ class EarlyExitProposer(ModelProposer):
             )
         self._init_buffers(self.runner.kv_cache.num_slots, model.config.vocab_size)
 
-    def propose(self, requests: Sequence[ProposalRequest]) -> DraftProposal:
-        """Drafts for every request; with a shared cache, each slot's length is restored."""
+    def _draft(
+        self,
+        requests: Sequence[ProposalRequest],
+        active: np.ndarray,  # [B_a] indices into requests with n_r > 0
+        slots: np.ndarray,  # [B_a] their slots
+        num_drafts: np.ndarray,  # [B_a] their n_r
+    ) -> None:
+        """Draft as ``ModelProposer._draft``; with a shared cache, restore each slot's length."""
         if not self.shares_target_cache:
-            return super().propose(requests)
+            return super()._draft(requests, active, slots, num_drafts)
         cache = self.runner.kv_cache
-        slots = [int(r.slot) for r in requests]
-        # What the target's rows hold for these slots; only rows below num_tokens can be live
-        # afterwards (from num_tokens on, layers < N now hold drafts).
-        restore = np.minimum(cache.lengths_np[slots], [len(r.token_ids) for r in requests])
+        # What the target's rows held; only rows below num_tokens can stay live (from
+        # num_tokens on, layers < N now hold drafts).
+        num_tokens = [len(requests[r].token_ids) for r in active]
+        restore = np.minimum(cache.lengths_np[slots], num_tokens)
         try:
-            return super().propose(requests)
+            super()._draft(requests, active, slots, num_drafts)
         finally:
-            for slot, length in zip(slots, restore.tolist()):
+            for slot, length in zip(slots.tolist(), restore.tolist()):
                 cache.truncate(slot, min(length, cache.length(slot)))
 
     def on_commit(self, slots: Sequence[int], num_committed_tokens: Sequence[int]) -> None:
