@@ -82,6 +82,8 @@ def test_own_cache_holds_only_the_drafting_layers(target):
     assert not proposer.shares_target_cache
     assert proposer.runner.model is target.model  # no second model
     assert cache.num_layers == 2 and cache.k.shape[:3] == (2, 4, MAX_MODEL_LEN)
+    # The dtype a runner picks for its cache (it may be wider than the model's).
+    assert cache.k.dtype == ModelRunner(target.model, 1, 8).kv_cache.k.dtype
     assert early_exit(target, 2).runner.model is target.model  # a LoadedModel works too
 
 

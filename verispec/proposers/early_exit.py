@@ -81,10 +81,11 @@ class EarlyExitProposer(ModelProposer):
         else:
             # A runner over the target model whose cache has only the N drafting layers
             # (model.forward pairs layer i with cache layer i). Built with 0 slots, then given
-            # the N-layer cache, so the full-depth cache is never allocated.
+            # the N-layer cache (in the dtype the runner chose for its cache), so the
+            # full-depth cache is never allocated.
             self.runner = ModelRunner(model, 0, ctx.max_model_len, ctx.device)
             self.runner.kv_cache = KVCache(
-                model.config, ctx.max_num_seqs, ctx.max_model_len, self.runner.dtype,
+                model.config, ctx.max_num_seqs, ctx.max_model_len, self.runner.kv_cache.k.dtype,
                 ctx.device, num_layers=num_layers,
             )
         self._init_buffers(self.runner.kv_cache.num_slots, model.config.vocab_size)
