@@ -32,13 +32,18 @@ class ModelRunner:
         num_slots: int,
         max_model_len: int,
         device: torch.device | str = "cpu",
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.config = model.config
         self.device = torch.device(device)
         self.dtype = model.embed_weight.dtype
         self.max_model_len = max_model_len
-        self.kv_cache = KVCache(self.config, num_slots, max_model_len, self.dtype, self.device)
+        if kv_cache_dtype is None:
+            # On CPU, SDPA over a bfloat16 cache is several times slower than over float32.
+            kv_cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        self.kv_cache = KVCache(self.config, num_slots, max_model_len, kv_cache_dtype,
+                                self.device)
         # Angles in float32, then rounded to the model dtype once (as HF does per forward).
         cos, sin = rope_tables(self.config, max_model_len)
         self.cos = cos.to(self.device, self.dtype)  # [max_model_len, head_dim]

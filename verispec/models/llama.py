@@ -30,7 +30,7 @@ class AttentionMetadata:
     """Everything the layers of one forward share; built once per step by the model runner."""
 
     cos: torch.Tensor  # [B, S, 1, head_dim] model dtype
-    sin: torch.Tensor  # [B, S, 1, head_dim] model dtype
+    sin: torch.Tensor  # [B, S, 1, head_dim] model dtype, signed (see rope.apply_rope)
     write_slots: torch.Tensor  # [N] int64: cache slot of each valid new token
     write_positions: torch.Tensor  # [N] int64: its position (= cache row)
     valid_index: torch.Tensor | None  # [N] int64 into the flattened [B * S] tokens; None = all
@@ -98,24 +98,26 @@ class Attention(nn.Module):
             k = self.k_norm(qkv[..., self.q_size : self.q_size + self.kv_size].view(B, S, hkv, d))
             q, k = apply_rope(q, meta.cos, meta.sin), apply_rope(k, meta.cos, meta.sin)
 
+        # The cache may be wider than the model dtype (float32 for a bfloat16 model on CPU, where
+        # SDPA is several times faster in float32); attention then runs in the cache dtype.
         new_k, new_v = k.reshape(B * S, hkv, d), v.reshape(B * S, hkv, d)
         if meta.valid_index is not None:  # drop padding tokens: they must not touch the cache
             new_k, new_v = new_k[meta.valid_index], new_v[meta.valid_index]
         index = (meta.write_slots, meta.write_positions)
-        k_cache.index_put_(index, new_k)
-        v_cache.index_put_(index, new_v)
+        k_cache.index_put_(index, new_k.to(k_cache.dtype))
+        v_cache.index_put_(index, new_v.to(v_cache.dtype))
 
         keys = k_cache[meta.read_slots, : meta.kv_len]  # [B, kv_len, hkv, d]
         values = v_cache[meta.read_slots, : meta.kv_len]
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),  # [B, hq, S, d]
+            q.transpose(1, 2).to(k_cache.dtype),  # [B, hq, S, d]
             keys.transpose(1, 2),  # [B, hkv, kv_len, d]
             values.transpose(1, 2),
             attn_mask=meta.attn_mask,
             is_causal=meta.is_causal,
             scale=self.scale,
             enable_gqa=hq != hkv,
-        )  # [B, hq, S, d]
+        ).to(x.dtype)  # [B, hq, S, d]
         return F.linear(out.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight, self.o_bias)
 
 
@@ -146,8 +148,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, dtype)
 
     def forward(self, x, meta, k_cache, v_cache):
-        x = x + self.attn(self.input_norm(x), meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attn_norm(x))
+        # x is this forward's own residual stream (the embedding output, then this layer's
+        # sums), so the residual adds may run in place.
+        x.add_(self.attn(self.input_norm(x), meta, k_cache, v_cache))
+        return x.add_(self.mlp(self.post_attn_norm(x)))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -38,22 +38,30 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 def rope_tables(config: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for positions ``0 .. max_len - 1``: two [max_len, head_dim] float32 tables.
+    """cos and signed sin for positions ``0 .. max_len - 1``: two [max_len, head_dim] float32
+    tables.
 
-    Row p is ``cos(p * theta)`` duplicated over both halves (the rotate-half layout of HF Llama).
+    Row p of cos is ``cos(p * theta)`` over both halves (the rotate-half layout of HF Llama); row
+    p of the signed sin is ``[-sin(p * theta), sin(p * theta)]``, the sign of ``rotate_half``
+    folded in (see ``apply_rope``).
     """
     inv_freq = inverse_frequencies(config)
     positions = torch.arange(max_len, dtype=torch.float32)
     angles = positions[:, None] * inv_freq[None, :]  # [max_len, head_dim // 2]
     emb = torch.cat((angles, angles), dim=-1)
-    return emb.cos(), emb.sin()
+    sin = emb.sin()
+    half = sin.shape[-1] // 2
+    sin[:, :half].neg_()
+    return emb.cos(), sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [B, S, H, D] by the angles of its positions; cos, sin [B, S, 1, D] in x's dtype.
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, S, H, D] by the angles of its positions; cos, signed_sin [B, S, 1, D] in
+    x's dtype.
 
-    ``x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``.
+    HF's ``x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``, written as
+    ``x * cos + [x2, x1] * [-sin, sin]``: the same products (negation is exact), one op fewer.
     """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
