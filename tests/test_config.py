@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from verispec import SpeculativeConfig, acceptance_length_to_rates, unconditional_to_conditional_rates
+from verispec import (
+    SpeculativeConfig,
+    acceptance_length_to_rates,
+    unconditional_to_conditional_rates,
+)
 
 
 @pytest.mark.parametrize(
