@@ -176,9 +176,10 @@ def _stats_kernel(
     MASKED: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
     HAS_MIN_P: tl.constexpr,
 ):
-    """Grid (B, max_num_draft_tokens + 1, NUM_CHUNKS): row i of request r, one chunk."""
-    req = tl.program_id(0)
-    index_in_request = tl.program_id(1)  # == num_drafts on the bonus row
+    """Grid (max_num_draft_tokens + 1, B, NUM_CHUNKS): row i of request r, one chunk. The row
+    index varies fastest, so the bonus rows (which also race) spread over every wave."""
+    index_in_request = tl.program_id(0)  # == num_drafts on the bonus row
+    req = tl.program_id(1)
     chunk = tl.program_id(2)
     if (index_in_request == 0) & (chunk == 0):
         tl.store(counter_ptr + req, 0)
@@ -238,8 +239,8 @@ def _row_chunk_stats(
         if BONUS_RACE:
             if (temperature != 0.0) & is_bonus:
                 # Bonus token race, argmax_v p_v / E_v, restricted to this chunk. Without masks
-                # p_v is proportional to exp(z_v - m_c): the consumer re-scores the winner
-                # exactly with the row's (m, S).
+                # p_v is proportional to exp(z_v - m_c). This only picks the chunk's candidate
+                # (fast exp and division); _decide_kernel re-scores each candidate exactly.
                 seed = tl.load(seeds_ptr + req)
                 position = tl.load(positions_ptr + req) + num_drafts
                 noise = _noise_tile(seed, position, bonus_stream, chunk * CHUNK, CHUNK // 4)
@@ -249,8 +250,8 @@ def _row_chunk_stats(
                                    tl.load(st + 3), tl.load(st + 4), tl.load(st + 5),
                                    tl.load(st + 6), HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
                 else:
-                    w = _exp(z - m_safe)
-                score = tl.where(valid, tl.math.div_rn(w, noise), -1.0)
+                    w = tl.exp(z - m_safe)
+                score = tl.where(valid, tl.math.fdiv(w, noise), -1.0)
                 _, ridx = _argmax_tile(score, ids)
                 tl.store(part_ridx_ptr + out, ridx)
 
@@ -269,7 +270,7 @@ def _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, r
 
 
 @triton.jit
-def _race_kernel(
+def _decide_kernel(
     logits_ptr, logits_stride,  # [num_rows, V]
     draft_ids_ptr,  # [num_draft_tokens] int
     cu_ptr,  # [B + 1] int, leading 0 (unused with NO_DRAFTS)
@@ -280,19 +281,18 @@ def _race_kernel(
     row_stats_ptr,  # [num_rows, 8] float32 (MASKED): m, S, kth, tau, s_p, floor, s3
     part_f_ptr,  # [3, num_rows, NUM_CHUNKS] float32: chunk max m_c, sum exp(z - m_c), raw max
     part_i_ptr,  # [2, num_rows, NUM_CHUNKS] int32: raw argmax, chunk winner of the bonus race
-    race_f_ptr,  # [B, NUM_CHUNKS] float32: chunk winners' scores of the residual race
-    race_i_ptr,  # [2, B, NUM_CHUNKS] int32: chunk winners' ids, chunk has a residual
-    counter_ptr,  # [B] int32, zeroed by _stats_kernel
+    record_ptr,  # [B] int32 out: num_accepted where a recovered token must be raced, else -1
     token_ids_ptr, token_ids_stride,  # [B, width] int32 (or int64 for sampling)
-    num_rows, batch_size, vocab_size, width, bonus_stream,
-    NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
-    ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr,
+    num_rows, width, bonus_stream,
+    NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, ROWS_P2: tl.constexpr,
+    WIDTH_P2: tl.constexpr,
     NO_DRAFTS: tl.constexpr, ALL_GREEDY: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr,
     SYNTHETIC: tl.constexpr, MASKED: tl.constexpr, HAS_TOP_K: tl.constexpr,
     HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
 ):
+    """Grid (B,): verify request r's drafts from the row statistics; write its output row,
+    unless its recovered token must be raced over the final row (then ``record[r]``)."""
     req = tl.program_id(0)
-    chunk = tl.program_id(1)
     plane = num_rows * NUM_CHUNKS
     part_m_ptr = part_f_ptr
     part_s_ptr = part_f_ptr + plane
@@ -385,33 +385,86 @@ def _race_kernel(
     floor_f = tl.sum(tl.where(at_final, floor, 0.0), axis=0)
     s3_f = tl.sum(tl.where(at_final, s3, 0.0), axis=0)
     if greedy | (rejected == 0):
-        if chunk == 0:
-            if not ALL_GREEDY:
-                if greedy == 0:
-                    # Bonus token: the best chunk winner, each re-scored as the twin scores it.
-                    c_ok = c < NUM_CHUNKS
-                    ridx = tl.load(part_ridx_ptr + final_row * NUM_CHUNKS + c, mask=c_ok, other=0)
-                    x_w = tl.load(logits_ptr + final_row * logits_stride + ridx, mask=c_ok,
-                                  other=0.0)
-                    w = _processed(_scale(x_w.to(tl.float32), t_eff), m_f, s_f, kth_f, tau_f,
-                                   s_p_f, floor_f, s3_f, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
-                    noise = _noise_at(seed, position + num_drafts, bonus_stream, ridx)
-                    score = tl.where(c_ok, tl.math.div_rn(w, noise), -1.0)
-                    _, token = _argmax_vec(score, ridx)
-            _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
-                          num_accepted, token, width, WIDTH_P2, NO_DRAFTS)
-    else:
         if not ALL_GREEDY:
-            _residual_race(
-                logits_ptr, logits_stride, draft_ids_ptr, draft_probs_ptr, draft_probs_stride,
-                race_f_ptr, race_i_ptr, race_i_ptr + batch_size * NUM_CHUNKS, counter_ptr,
-                token_ids_ptr, token_ids_stride,
-                req, chunk, draft_start, num_accepted, final_row, t_eff, seed, position,
-                tl.sum(tl.where(at_final, d, 0), axis=0),
-                m_f, s_f, kth_f, tau_f, s_p_f, floor_f, s3_f, vocab_size, width,
-                NUM_CHUNKS, NC_P2, CHUNK, WIDTH_P2, NO_DRAFTS, HAS_DRAFT_PROBS,
-                HAS_TOP_K, HAS_TOP_P, HAS_MIN_P,
-            )
+            if greedy == 0:
+                # Bonus token: the best chunk winner, each re-scored as the twin scores it.
+                c_ok = c < NUM_CHUNKS
+                ridx = tl.load(part_ridx_ptr + final_row * NUM_CHUNKS + c, mask=c_ok, other=0)
+                x_w = tl.load(logits_ptr + final_row * logits_stride + ridx, mask=c_ok, other=0.0)
+                w = _processed(_scale(x_w.to(tl.float32), t_eff), m_f, s_f, kth_f, tau_f,
+                               s_p_f, floor_f, s3_f, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+                noise = _noise_at(seed, position + num_drafts, bonus_stream, ridx)
+                score = tl.where(c_ok, tl.math.div_rn(w, noise), -1.0)
+                _, token = _argmax_vec(score, ridx)
+        _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
+                      num_accepted, token, width, WIDTH_P2, NO_DRAFTS)
+        tl.store(record_ptr + req, -1)
+    else:
+        tl.store(record_ptr + req, num_accepted.to(tl.int32))
+
+
+@triton.jit
+def _race_kernel(
+    logits_ptr, logits_stride,  # [num_rows, V]
+    draft_ids_ptr,  # [num_draft_tokens] int
+    cu_ptr,  # [B + 1] int, leading 0
+    draft_probs_ptr, draft_probs_stride,  # [num_draft_tokens, V] float32 (HAS_DRAFT_PROBS)
+    temperature_ptr,  # [B] float32
+    seeds_ptr, positions_ptr,  # [B] int64
+    row_stats_ptr,  # [num_rows, 8] float32 (MASKED): m, S, kth, tau, s_p, floor, s3
+    part_f_ptr,  # [3, num_rows, NUM_CHUNKS] float32: chunk max m_c, sum exp(z - m_c), raw max
+    record_ptr,  # [B] int32: num_accepted of a request whose recovered token is raced, else -1
+    race_f_ptr,  # [B, NUM_CHUNKS] float32: chunk winners' ranking scores
+    race_i_ptr,  # [2, B, NUM_CHUNKS] int32: chunk winners' ids, chunk has a residual
+    counter_ptr,  # [B] int32, zeroed by _stats_kernel
+    token_ids_ptr, token_ids_stride,  # [B, width] int32
+    num_rows, batch_size, vocab_size, width,
+    NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
+    WIDTH_P2: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr, MASKED: tl.constexpr,
+    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+):
+    """Grid (B, NUM_CHUNKS): the recovered token of request r at its first rejection, raced
+    over one chunk of the final row per program; the last program of the request picks it."""
+    req = tl.program_id(0)
+    chunk = tl.program_id(1)
+    record = tl.load(record_ptr + req)
+    if record >= 0:
+        num_accepted = record.to(tl.int64)
+        draft_start = tl.load(cu_ptr + req).to(tl.int64)
+        final_row = draft_start + req + num_accepted
+        temperature = tl.load(temperature_ptr + req)
+        if MASKED:
+            st = row_stats_ptr + final_row * 8
+            m = tl.load(st)
+            s = tl.load(st + 1)
+            kth = tl.load(st + 2)
+            tau = tl.load(st + 3)
+            s_p = tl.load(st + 4)
+            floor = tl.load(st + 5)
+            s3 = tl.load(st + 6)
+        else:
+            c = tl.arange(0, NC_P2)
+            part = final_row * NUM_CHUNKS + c
+            pm = tl.load(part_f_ptr + part, mask=c < NUM_CHUNKS, other=float("-inf"))
+            ps = tl.load(part_f_ptr + num_rows * NUM_CHUNKS + part, mask=c < NUM_CHUNKS,
+                         other=0.0)
+            m = tl.max(pm, axis=0)
+            s = tl.sum(ps * tl.exp(pm - tl.where(m == float("-inf"), 0.0, m)), axis=0)
+            kth = 0.0
+            tau = 0.0
+            s_p = 1.0
+            floor = 0.0
+            s3 = 1.0
+        _residual_race(
+            logits_ptr, logits_stride, draft_ids_ptr, draft_probs_ptr, draft_probs_stride,
+            race_f_ptr, race_i_ptr, race_i_ptr + batch_size * NUM_CHUNKS, counter_ptr,
+            token_ids_ptr, token_ids_stride,
+            req, chunk, draft_start, num_accepted, final_row, temperature,
+            tl.load(seeds_ptr + req), tl.load(positions_ptr + req),
+            tl.load(draft_ids_ptr + draft_start + num_accepted).to(tl.int32),
+            m, s, kth, tau, s_p, floor, s3, vocab_size, width,
+            NUM_CHUNKS, NC_P2, CHUNK, WIDTH_P2, HAS_DRAFT_PROBS, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P,
+        )
 
 
 @_helper
@@ -421,27 +474,22 @@ def _residual_race(
     req, chunk, draft_start, num_accepted, final_row, t_eff, seed, position, rejected_id,
     m, s, kth, tau, s_p, floor, s3, vocab_size, width,
     NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
-    WIDTH_P2: tl.constexpr, NO_DRAFTS: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr,
+    WIDTH_P2: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
 ):
     """Recovered token at the first rejection: race over one chunk of the final row, then the
-    last program of the request combines the chunk winners and writes the output row."""
+    last program of the request re-scores the chunk winners exactly and writes the output row.
+    Inside a chunk the ranking uses the fast division (it only picks the chunk's candidate)."""
     ids = _tile_ids(chunk * CHUNK, CHUNK // 4)
     valid = ids < vocab_size
     x = tl.load(logits_ptr + final_row * logits_stride + ids, mask=valid, other=float("-inf"))
     p = _processed(_scale(x.to(tl.float32), t_eff), m, s, kth, tau, s_p, floor, s3,
                    HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
-    if HAS_DRAFT_PROBS:
-        # full rule: residual max(0, p - q) of the rejected draft's q
-        q = tl.load(draft_probs_ptr + (draft_start + num_accepted) * draft_probs_stride + ids,
-                    mask=valid, other=0.0)
-        w = tl.maximum(p - q, 0.0)
-    else:
-        # one-hot rule: residual = p with the rejected draft zeroed
-        w = tl.where(ids == rejected_id, 0.0, p)
+    w = _residual(p, ids, draft_probs_ptr + (draft_start + num_accepted) * draft_probs_stride,
+                  valid, rejected_id, HAS_DRAFT_PROBS)
     position = position + num_accepted
     noise = _noise_tile(seed, position, RESIDUAL_STREAM, chunk * CHUNK, CHUNK // 4)
-    best, best_id = _argmax_tile(tl.where(valid, tl.math.div_rn(w, noise), -1.0), ids)
+    best, best_id = _argmax_tile(tl.where(valid, tl.math.fdiv(w, noise), -1.0), ids)
     has_residual = tl.max(tl.max(w, axis=1), axis=0) > 0.0
     slot = req * NUM_CHUNKS + chunk
     tl.store(race_score_ptr + slot, best)
@@ -453,10 +501,17 @@ def _residual_race(
         c = tl.arange(0, NC_P2)
         c_ok = c < NUM_CHUNKS
         base = req * NUM_CHUNKS + c
-        scores = tl.load(race_score_ptr + base, mask=c_ok, other=-1.0, volatile=True)
-        chunk_ids = tl.load(race_idx_ptr + base, mask=c_ok, other=BIG_INDEX, volatile=True)
+        chunk_ids = tl.load(race_idx_ptr + base, mask=c_ok, other=0, volatile=True)
         any_residual = tl.max(tl.load(race_has_ptr + base, mask=c_ok, other=0, volatile=True), 0)
-        _, token = _argmax_vec(scores, chunk_ids)
+        # exact scores of the chunk winners: residual / E, as the twin computes them
+        x_w = tl.load(logits_ptr + final_row * logits_stride + chunk_ids, mask=c_ok, other=0.0)
+        p_w = _processed(_scale(x_w.to(tl.float32), t_eff), m, s, kth, tau, s_p, floor, s3,
+                         HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+        w_w = _residual(p_w, chunk_ids,
+                        draft_probs_ptr + (draft_start + num_accepted) * draft_probs_stride,
+                        c_ok, rejected_id, HAS_DRAFT_PROBS)
+        noise_w = _noise_at(seed, position, RESIDUAL_STREAM, chunk_ids)
+        _, token = _argmax_vec(tl.where(c_ok, tl.math.div_rn(w_w, noise_w), -1.0), chunk_ids)
         if any_residual == 0:
             # Empty residual (p = q up to rounding): sample from p, on the same stream.
             best = -2.0
@@ -472,4 +527,16 @@ def _residual_race(
                 token = tl.where(b > best, b_id, token)
                 best = tl.maximum(b, best)
         _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
-                      num_accepted, token, width, WIDTH_P2, NO_DRAFTS)
+                      num_accepted, token, width, WIDTH_P2, False)
+
+
+@_helper
+def _residual(p, ids, q_row_ptr, valid, rejected_id, HAS_DRAFT_PROBS: tl.constexpr):
+    """The residual weights at ``ids``: max(0, p - q) (full rule) or p with the rejected draft
+    zeroed (one-hot rule)."""
+    if HAS_DRAFT_PROBS:
+        q = tl.load(q_row_ptr + ids, mask=valid, other=0.0)
+        w = tl.maximum(p - q, 0.0)
+    else:
+        w = tl.where(ids == rejected_id, 0.0, p)
+    return w

@@ -14,7 +14,7 @@ import triton
 
 from verispec.ops import philox
 from verispec.ops.backend import Backend
-from verispec.ops.triton_kernels import _race_kernel, _stats_kernel
+from verispec.ops.triton_kernels import INTERPRET, _decide_kernel, _race_kernel, _stats_kernel
 from verispec.ops.triton_kernels_masks import _mask_stats_kernel, _probs_kernel
 
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -62,6 +62,42 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def _specialization(arg) -> tuple:
+    """What Triton specializes a compiled kernel on, for one runtime argument."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, bool):
+        return bool, arg
+    if isinstance(arg, int):
+        return int, arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31
+    return type(arg),
+
+
+# Compiled kernels by (kernel, constants, specialization): Triton's own cache, keyed so that a
+# hit skips its per-call argument binding (tens of microseconds of host time per launch).
+_COMPILED: dict = {}
+
+
+def _launch(kernel, grid: tuple, args: tuple, num_warps: int, **constexprs) -> None:
+    """``kernel[grid](*args, num_warps=num_warps, **constexprs)``, cheaper on the host."""
+    if INTERPRET:
+        kernel[grid](*args, num_warps=num_warps, **constexprs)
+        return
+    key = (kernel, num_warps, tuple(constexprs.items()), tuple(map(_specialization, args)))
+    entry = _COMPILED.get(key)
+    if entry is None:
+        compiled = kernel[grid](*args, num_warps=num_warps, **constexprs)
+        positions = [(True, constexprs[n]) if n in constexprs else (False, None)
+                     for n in kernel.arg_names]
+        _COMPILED[key] = (compiled, positions)
+        return
+    compiled, positions = entry
+    it = iter(args)
+    full = [value if is_const else next(it) for is_const, value in positions]
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    compiled[grid](*full)
+
+
 _INT = (torch.int32, torch.int64)
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -100,21 +136,35 @@ class _Params:
 
 
 class _Workspace:
-    """Per-call scratch: two allocations, sized by shapes only (capturable in a CUDA graph)."""
+    """Per-call scratch: two allocations, sized by shapes only (capturable in a CUDA graph);
+    every segment starts on a 16-byte boundary."""
 
     def __init__(self, num_rows: int, batch_size: int, num_chunks: int, masked: bool, device):
         part = num_rows * num_chunks
         race = batch_size * num_chunks
-        stats = num_rows * 8 if masked else 0
-        f32 = torch.empty(3 * part + race + stats, dtype=torch.float32, device=device)
-        i32 = torch.empty(2 * part + 2 * race + batch_size, dtype=torch.int32, device=device)
+        f_sizes = [3 * part, race, num_rows * 8 if masked else 0]
+        i_sizes = [2 * part, 2 * race, batch_size, batch_size]
+        f32 = torch.empty(sum(map(_pad4, f_sizes)), dtype=torch.float32, device=device)
+        i32 = torch.empty(sum(map(_pad4, i_sizes)), dtype=torch.int32, device=device)
         self.num_chunks = num_chunks
-        self.part_f = f32[: 3 * part]  # [3, num_rows, NUM_CHUNKS]: m_c, S_c, raw max
-        self.race_f = f32[3 * part: 3 * part + race]  # [B, NUM_CHUNKS]
-        self.row_stats = f32[3 * part + race:] if masked else f32  # [num_rows, 8]
-        self.part_i = i32[: 2 * part]  # [2, num_rows, NUM_CHUNKS]: raw argmax, race winner
-        self.race_i = i32[2 * part: 2 * part + 2 * race]  # [2, B, NUM_CHUNKS]
-        self.counter = i32[2 * part + 2 * race:]  # [B]
+        # [3, num_rows, NUM_CHUNKS]: m_c, S_c, raw max;  [B, NUM_CHUNKS];  [num_rows, 8]
+        self.part_f, self.race_f, self.row_stats = _segments(f32, f_sizes)
+        if not masked:
+            self.row_stats = f32  # unused
+        # [2, num_rows, NUM_CHUNKS]: raw argmax, race winner;  [2, B, NUM_CHUNKS];  [B];  [B]
+        self.part_i, self.race_i, self.counter, self.record = _segments(i32, i_sizes)
+
+
+def _pad4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+def _segments(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    out, start = [], 0
+    for size in sizes:
+        out.append(buffer[start: start + size])
+        start += _pad4(size)
+    return out
 
 
 def _row_statistics(logits, cu, params: _Params, batch_size: int, rows_per_request: int,
@@ -127,21 +177,23 @@ def _row_statistics(logits, cu, params: _Params, batch_size: int, rows_per_reque
     flags = params.mask_flags()
     dummy = params.temperature
     if params.masked:
-        _mask_stats_kernel[(batch_size, rows_per_request)](
-            logits, logits.stride(0), cu, params.temperature,
-            dummy if params.top_k is None else params.top_k,
-            dummy if params.top_p is None else params.top_p,
-            dummy if params.min_p is None else params.min_p,
-            ws.row_stats, vocab_size,
-            TILE=min(_MASK_TILE, _p2(vocab_size)), NO_DRAFTS=no_drafts, num_warps=8, **flags,
+        _launch(
+            _mask_stats_kernel, (batch_size, rows_per_request),
+            (logits, logits.stride(0), cu, params.temperature,
+             dummy if params.top_k is None else params.top_k,
+             dummy if params.top_p is None else params.top_p,
+             dummy if params.min_p is None else params.min_p,
+             ws.row_stats, vocab_size),
+            8, TILE=min(_MASK_TILE, _p2(vocab_size)), NO_DRAFTS=no_drafts, **flags,
         )
     seeds = dummy if params.seeds is None else params.seeds
     positions = dummy if params.positions is None else params.positions
-    _stats_kernel[(batch_size, rows_per_request, ws.num_chunks)](
-        logits, logits.stride(0), cu, params.temperature, seeds, positions, ws.row_stats,
-        ws.part_f, ws.part_i, ws.counter, num_rows, vocab_size, bonus_stream,
-        NUM_CHUNKS=ws.num_chunks, CHUNK=chunk, NO_DRAFTS=no_drafts, ALL_GREEDY=all_greedy,
-        BONUS_RACE=bonus_race, MASKED=params.masked, num_warps=_num_warps(chunk), **flags,
+    _launch(
+        _stats_kernel, (rows_per_request, batch_size, ws.num_chunks),
+        (logits, logits.stride(0), cu, params.temperature, seeds, positions, ws.row_stats,
+         ws.part_f, ws.part_i, ws.counter, num_rows, vocab_size, bonus_stream),
+        _num_warps(chunk), NUM_CHUNKS=ws.num_chunks, CHUNK=chunk, NO_DRAFTS=no_drafts,
+        ALL_GREEDY=all_greedy, BONUS_RACE=bonus_race, MASKED=params.masked, **flags,
     )
     return ws
 
@@ -156,23 +208,34 @@ def _verify(logits, draft_token_ids, cu, draft_probs, params: _Params, batch_siz
     ws = _row_statistics(logits, cu, params, batch_size, max_num_draft_tokens + 1, no_drafts,
                          chunk, bonus_stream, all_greedy, True)
     dummy = params.temperature
-    _race_kernel[(batch_size, ws.num_chunks)](
-        logits, logits.stride(0),
-        dummy if no_drafts else draft_token_ids, cu,
-        logits if draft_probs is None else draft_probs,
-        0 if draft_probs is None else draft_probs.stride(0),
-        params.temperature, params.seeds, params.positions,
-        dummy if rates is None else rates, ws.row_stats,
-        ws.part_f, ws.part_i, ws.race_f, ws.race_i, ws.counter,
-        token_ids, token_ids.stride(0) if token_ids.dim() == 2 else 1,
-        num_rows, batch_size, vocab_size, token_ids.shape[1] if token_ids.dim() == 2 else 1,
-        bonus_stream,
-        NUM_CHUNKS=ws.num_chunks, NC_P2=_p2(ws.num_chunks, 2), CHUNK=chunk,
-        ROWS_P2=_p2(max_num_draft_tokens + 1, 2), WIDTH_P2=_p2(max_num_draft_tokens + 1, 2),
-        NO_DRAFTS=no_drafts, ALL_GREEDY=all_greedy, HAS_DRAFT_PROBS=draft_probs is not None,
-        SYNTHETIC=rates is not None, MASKED=params.masked, num_warps=_num_warps(chunk),
-        **params.mask_flags(),
+    draft_ids = dummy if no_drafts else draft_token_ids
+    q = logits if draft_probs is None else draft_probs
+    q_stride = 0 if draft_probs is None else draft_probs.stride(0)
+    out_stride = token_ids.stride(0) if token_ids.dim() == 2 else 1
+    width = token_ids.shape[1] if token_ids.dim() == 2 else 1
+    flags = params.mask_flags()
+    rows_p2 = _p2(max_num_draft_tokens + 1, 2)
+    _launch(
+        _decide_kernel, (batch_size,),
+        (logits, logits.stride(0), draft_ids, cu, q, q_stride, params.temperature,
+         params.seeds, params.positions, dummy if rates is None else rates, ws.row_stats,
+         ws.part_f, ws.part_i, ws.record, token_ids, out_stride, num_rows, width, bonus_stream),
+        4, NUM_CHUNKS=ws.num_chunks, NC_P2=_p2(ws.num_chunks, 2), ROWS_P2=rows_p2,
+        WIDTH_P2=rows_p2, NO_DRAFTS=no_drafts, ALL_GREEDY=all_greedy,
+        HAS_DRAFT_PROBS=draft_probs is not None, SYNTHETIC=rates is not None,
+        MASKED=params.masked, **flags,
     )
+    if not (no_drafts or all_greedy):  # else no request has a recovered token to race
+        _launch(
+            _race_kernel, (batch_size, ws.num_chunks),
+            (logits, logits.stride(0), draft_ids, cu, q, q_stride, params.temperature,
+             params.seeds, params.positions, ws.row_stats, ws.part_f, ws.record, ws.race_f,
+             ws.race_i, ws.counter, token_ids, out_stride, num_rows, batch_size, vocab_size,
+             width),
+            _num_warps(chunk), NUM_CHUNKS=ws.num_chunks, NC_P2=_p2(ws.num_chunks, 2),
+            CHUNK=chunk, WIDTH_P2=rows_p2, HAS_DRAFT_PROBS=draft_probs is not None,
+            MASKED=params.masked, **flags,
+        )
     return token_ids
 
 
@@ -298,13 +361,13 @@ def _write_probs(logits, params: _Params, probs, chunk_size, workspace=None) -> 
         workspace = _row_statistics(logits, params.temperature, params, num_rows, 1, True, chunk,
                                     0, False, False)
     ws = workspace
-    _probs_kernel[(num_rows, ws.num_chunks)](
-        logits, logits.stride(0), params.temperature, ws.row_stats, ws.part_f,
-        probs, probs.stride(0), num_rows, vocab_size,
-        NUM_CHUNKS=ws.num_chunks, NC_P2=_p2(ws.num_chunks, 2), CHUNK=chunk, MASKED=params.masked,
-        num_warps=_num_warps(chunk), **params.mask_flags(),
+    _launch(
+        _probs_kernel, (num_rows, ws.num_chunks),
+        (logits, logits.stride(0), params.temperature, ws.row_stats, ws.part_f, probs,
+         probs.stride(0), num_rows, vocab_size),
+        _num_warps(chunk), NUM_CHUNKS=ws.num_chunks, NC_P2=_p2(ws.num_chunks, 2), CHUNK=chunk,
+        MASKED=params.masked, **params.mask_flags(),
     )
-
 
 def sample_draft(
     logits: torch.Tensor,
