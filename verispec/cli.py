@@ -19,7 +19,7 @@ from verispec.sampling_params import SamplingParams
 ENGINE_FLAGS: dict[str, dict] = {
     "model": dict(default=None, help="local HF model directory or .gguf file "
                   "(default: the bundled SmolLM2-135M-Instruct)"),
-    "dtype": dict(default="float32", choices=["float32", "bfloat16"]),
+    "dtype": dict(default="bfloat16", choices=["bfloat16", "float32"]),
     "max_model_len": dict(type=int, default=None, help="most tokens per request"),
     "max_num_seqs": dict(type=int, default=8, help="requests running at once"),
     "device": dict(default="cpu"),

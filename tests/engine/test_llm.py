@@ -31,7 +31,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return LLM(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=3)
+    return LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=3)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def small_vocab_llm(tmp_path_factory):
     """No tokenizer, vocab 256: token-id prompts only, and cheap sampling."""
     path = tmp_path_factory.mktemp("tiny_qwen3")
     save_tiny_model(path, "Qwen3ForCausalLM", vocab_size=256)
-    return LLM(str(path), max_model_len=MAX_MODEL_LEN, max_num_seqs=3)
+    return LLM(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=3)
 
 
 def random_prompts(n: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
