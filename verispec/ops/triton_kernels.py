@@ -345,6 +345,28 @@ def _decide_kernel(
             m_safe = tl.where(m == float("-inf"), 0.0, m)
             s = tl.sum(ps * tl.exp(pm - m_safe[:, None]), axis=1)
 
+    # --- the bonus token, in case every draft passes: the best of the bonus row's chunk
+    # winners, each re-scored as the twin scores it (issued before the verification so that
+    # its loads overlap it) ---
+    bonus_token = tl.sum(i * 0, axis=0)
+    if not ALL_GREEDY:
+        bonus_row = first_row + num_drafts
+        c_ok = c < NUM_CHUNKS * (temperature != 0.0).to(tl.int32)  # greedy: no race winners
+        ridx = tl.load(part_ridx_ptr + bonus_row * NUM_CHUNKS + c, mask=c_ok, other=0)
+        x_w = tl.load(logits_ptr + bonus_row * logits_stride + ridx, mask=c_ok, other=0.0)
+        noise = _noise_at(seed, position + num_drafts, bonus_stream, ridx)
+        at_bonus = i == num_drafts
+        w = _processed(_scale(x_w.to(tl.float32), t_eff),
+                       tl.sum(tl.where(at_bonus, m, 0.0), axis=0),
+                       tl.sum(tl.where(at_bonus, s, 0.0), axis=0),
+                       tl.sum(tl.where(at_bonus, kth, 0.0), axis=0),
+                       tl.sum(tl.where(at_bonus, tau, 0.0), axis=0),
+                       tl.sum(tl.where(at_bonus, s_p, 0.0), axis=0),
+                       tl.sum(tl.where(at_bonus, floor, 0.0), axis=0),
+                       tl.sum(tl.where(at_bonus, s3, 0.0), axis=0),
+                       HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+        _, bonus_token = _argmax_vec(tl.where(c_ok, tl.math.div_rn(w, noise), -1.0), ridx)
+
     # --- verification: accept d_i ... the leading run of accepts counts ---
     num_accepted = num_drafts * 0
     d = i * 0
@@ -374,28 +396,11 @@ def _decide_kernel(
 
     # --- the final row: recovered at the first rejection, else the bonus row ---
     rejected = num_accepted < num_drafts
-    final_row = first_row + num_accepted
     at_final = i == num_accepted
     token = tl.sum(tl.where(at_final, row_argmax, 0), axis=0)
-    m_f = tl.sum(tl.where(at_final, m, 0.0), axis=0)
-    s_f = tl.sum(tl.where(at_final, s, 0.0), axis=0)
-    kth_f = tl.sum(tl.where(at_final, kth, 0.0), axis=0)
-    tau_f = tl.sum(tl.where(at_final, tau, 0.0), axis=0)
-    s_p_f = tl.sum(tl.where(at_final, s_p, 0.0), axis=0)
-    floor_f = tl.sum(tl.where(at_final, floor, 0.0), axis=0)
-    s3_f = tl.sum(tl.where(at_final, s3, 0.0), axis=0)
     if greedy | (rejected == 0):
         if not ALL_GREEDY:
-            if greedy == 0:
-                # Bonus token: the best chunk winner, each re-scored as the twin scores it.
-                c_ok = c < NUM_CHUNKS
-                ridx = tl.load(part_ridx_ptr + final_row * NUM_CHUNKS + c, mask=c_ok, other=0)
-                x_w = tl.load(logits_ptr + final_row * logits_stride + ridx, mask=c_ok, other=0.0)
-                w = _processed(_scale(x_w.to(tl.float32), t_eff), m_f, s_f, kth_f, tau_f,
-                               s_p_f, floor_f, s3_f, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
-                noise = _noise_at(seed, position + num_drafts, bonus_stream, ridx)
-                score = tl.where(c_ok, tl.math.div_rn(w, noise), -1.0)
-                _, token = _argmax_vec(score, ridx)
+            token = tl.where(greedy, token, bonus_token)
         _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
                       num_accepted, token, width, WIDTH_P2, NO_DRAFTS)
         tl.store(record_ptr + req, -1)
@@ -414,16 +419,17 @@ def _race_kernel(
     row_stats_ptr,  # [num_rows, 8] float32 (MASKED): m, S, kth, tau, s_p, floor, s3
     part_f_ptr,  # [3, num_rows, NUM_CHUNKS] float32: chunk max m_c, sum exp(z - m_c), raw max
     record_ptr,  # [B] int32: num_accepted of a request whose recovered token is raced, else -1
-    race_f_ptr,  # [B, NUM_CHUNKS] float32: chunk winners' ranking scores
-    race_i_ptr,  # [2, B, NUM_CHUNKS] int32: chunk winners' ids, chunk has a residual
+    race_f_ptr,  # [B, NUM_RACE_CHUNKS] float32: chunk winners' ranking scores
+    race_i_ptr,  # [2, B, NUM_RACE_CHUNKS] int32: chunk winners' ids, chunk has a residual
     counter_ptr,  # [B] int32, zeroed by _stats_kernel
     token_ids_ptr, token_ids_stride,  # [B, width] int32
     num_rows, batch_size, vocab_size, width,
-    NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, RACE_CHUNK: tl.constexpr,
+    NUM_RACE_CHUNKS: tl.constexpr, NRC_P2: tl.constexpr,
     WIDTH_P2: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr, MASKED: tl.constexpr,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
 ):
-    """Grid (B, NUM_CHUNKS): the recovered token of request r at its first rejection, raced
+    """Grid (B, NUM_RACE_CHUNKS): the recovered token of request r at its first rejection, raced
     over one chunk of the final row per program; the last program of the request picks it."""
     req = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -457,13 +463,14 @@ def _race_kernel(
             s3 = 1.0
         _residual_race(
             logits_ptr, logits_stride, draft_ids_ptr, draft_probs_ptr, draft_probs_stride,
-            race_f_ptr, race_i_ptr, race_i_ptr + batch_size * NUM_CHUNKS, counter_ptr,
+            race_f_ptr, race_i_ptr, race_i_ptr + batch_size * NUM_RACE_CHUNKS, counter_ptr,
             token_ids_ptr, token_ids_stride,
             req, chunk, draft_start, num_accepted, final_row, temperature,
             tl.load(seeds_ptr + req), tl.load(positions_ptr + req),
             tl.load(draft_ids_ptr + draft_start + num_accepted).to(tl.int32),
             m, s, kth, tau, s_p, floor, s3, vocab_size, width,
-            NUM_CHUNKS, NC_P2, CHUNK, WIDTH_P2, HAS_DRAFT_PROBS, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P,
+            NUM_RACE_CHUNKS, NRC_P2, RACE_CHUNK, WIDTH_P2, HAS_DRAFT_PROBS,
+            HAS_TOP_K, HAS_TOP_P, HAS_MIN_P,
         )
 
 
@@ -483,10 +490,16 @@ def _residual_race(
     ids = _tile_ids(chunk * CHUNK, CHUNK // 4)
     valid = ids < vocab_size
     x = tl.load(logits_ptr + final_row * logits_stride + ids, mask=valid, other=float("-inf"))
-    p = _processed(_scale(x.to(tl.float32), t_eff), m, s, kth, tau, s_p, floor, s3,
-                   HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
-    w = _residual(p, ids, draft_probs_ptr + (draft_start + num_accepted) * draft_probs_stride,
-                  valid, rejected_id, HAS_DRAFT_PROBS)
+    z = _scale(x.to(tl.float32), t_eff)
+    if HAS_DRAFT_PROBS or HAS_TOP_K or HAS_TOP_P or HAS_MIN_P:
+        p = _processed(z, m, s, kth, tau, s_p, floor, s3, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+        w = _residual(p, ids,
+                      draft_probs_ptr + (draft_start + num_accepted) * draft_probs_stride,
+                      valid, rejected_id, HAS_DRAFT_PROBS)
+    else:
+        # one-hot rule without masks: the residual is proportional to exp(z - m) off the
+        # rejected draft, which is all the ranking needs
+        w = tl.where(ids == rejected_id, 0.0, tl.exp(z - m))
     position = position + num_accepted
     noise = _noise_tile(seed, position, RESIDUAL_STREAM, chunk * CHUNK, CHUNK // 4)
     best, best_id = _argmax_tile(tl.where(valid, tl.math.fdiv(w, noise), -1.0), ids)

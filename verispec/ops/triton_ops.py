@@ -31,6 +31,12 @@ def default_chunk_size(vocab_size: int) -> int:
     return min(_MAX_CHUNK, _p2(vocab_size))
 
 
+def _race_chunk(chunk: int) -> int:
+    """Tokens per program of the recovered-token race: half a statistics chunk (at least 16);
+    the race costs more arithmetic per token, so it is spread over more programs."""
+    return max(16, chunk // 2)
+
+
 def _num_warps(chunk: int) -> int:
     return max(1, min(8, chunk // 512))
 
@@ -139,14 +145,16 @@ class _Workspace:
     """Per-call scratch: two allocations, sized by shapes only (capturable in a CUDA graph);
     every segment starts on a 16-byte boundary."""
 
-    def __init__(self, num_rows: int, batch_size: int, num_chunks: int, masked: bool, device):
+    def __init__(self, num_rows: int, batch_size: int, num_chunks: int, num_race_chunks: int,
+                 masked: bool, device):
         part = num_rows * num_chunks
-        race = batch_size * num_chunks
+        race = batch_size * num_race_chunks
         f_sizes = [3 * part, race, num_rows * 8 if masked else 0]
         i_sizes = [2 * part, 2 * race, batch_size, batch_size]
         f32 = torch.empty(sum(map(_pad4, f_sizes)), dtype=torch.float32, device=device)
         i32 = torch.empty(sum(map(_pad4, i_sizes)), dtype=torch.int32, device=device)
         self.num_chunks = num_chunks
+        self.num_race_chunks = num_race_chunks
         # [3, num_rows, NUM_CHUNKS]: m_c, S_c, raw max;  [B, NUM_CHUNKS];  [num_rows, 8]
         self.part_f, self.race_f, self.row_stats = _segments(f32, f_sizes)
         if not masked:
@@ -172,8 +180,8 @@ def _row_statistics(logits, cu, params: _Params, batch_size: int, rows_per_reque
                     bonus_race: bool) -> _Workspace:
     """Launch the mask search (if any mask) and the chunk statistics."""
     num_rows, vocab_size = logits.shape
-    ws = _Workspace(num_rows, batch_size, triton.cdiv(vocab_size, chunk), params.masked,
-                    logits.device)
+    ws = _Workspace(num_rows, batch_size, triton.cdiv(vocab_size, chunk),
+                    triton.cdiv(vocab_size, _race_chunk(chunk)), params.masked, logits.device)
     flags = params.mask_flags()
     dummy = params.temperature
     if params.masked:
@@ -226,14 +234,17 @@ def _verify(logits, draft_token_ids, cu, draft_probs, params: _Params, batch_siz
         MASKED=params.masked, **flags,
     )
     if not (no_drafts or all_greedy):  # else no request has a recovered token to race
+        race_chunk = _race_chunk(chunk)
         _launch(
-            _race_kernel, (batch_size, ws.num_chunks),
+            _race_kernel, (batch_size, ws.num_race_chunks),
             (logits, logits.stride(0), draft_ids, cu, q, q_stride, params.temperature,
              params.seeds, params.positions, ws.row_stats, ws.part_f, ws.record, ws.race_f,
              ws.race_i, ws.counter, token_ids, out_stride, num_rows, batch_size, vocab_size,
              width),
-            _num_warps(chunk), NUM_CHUNKS=ws.num_chunks, NC_P2=_p2(ws.num_chunks, 2),
-            CHUNK=chunk, WIDTH_P2=rows_p2, HAS_DRAFT_PROBS=draft_probs is not None,
+            _num_warps(race_chunk * 2), NUM_CHUNKS=ws.num_chunks, NC_P2=_p2(ws.num_chunks, 2),
+            RACE_CHUNK=race_chunk, NUM_RACE_CHUNKS=ws.num_race_chunks,
+            NRC_P2=_p2(ws.num_race_chunks, 2), WIDTH_P2=rows_p2,
+            HAS_DRAFT_PROBS=draft_probs is not None,
             MASKED=params.masked, **flags,
         )
     return token_ids
