@@ -167,6 +167,8 @@ def main() -> None:
                         help="Triton tokens per program to try (0 = the default)")
     parser.add_argument("--rotate-bytes", type=float, default=256e6,
                         help="bytes of input buffer sets to rotate over (>> L2)")
+    parser.add_argument("--flush-bytes", type=float, default=1e9,
+                        help="bytes written before each timed call (evicts L2, hides host time)")
     parser.add_argument("--quick", action="store_true", help="shorter timing budgets")
     parser.add_argument("--skip-torch", action="store_true")
     args = parser.parse_args()
@@ -177,7 +179,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(device)
     bandwidth = copy_bandwidth(device)
     budget = 0.3 if args.quick else 1.0
-    flush = torch.empty(int(args.rotate_bytes) // 4, dtype=torch.float32, device=device)
+    flush = torch.empty(int(args.flush_bytes) // 4, dtype=torch.float32, device=device)
     print(f"device: {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); "
           f"torch {torch.__version__}; k = {K}; float32 logits; temperature 1")
     results = []

@@ -281,7 +281,9 @@ def _decide_kernel(
     row_stats_ptr,  # [num_rows, 8] float32 (MASKED): m, S, kth, tau, s_p, floor, s3
     part_f_ptr,  # [3, num_rows, NUM_CHUNKS] float32: chunk max m_c, sum exp(z - m_c), raw max
     part_i_ptr,  # [2, num_rows, NUM_CHUNKS] int32: raw argmax, chunk winner of the bonus race
-    record_ptr,  # [B] int32 out: num_accepted where a recovered token must be raced, else -1
+    record_ptr,  # [B, 2] int32 out: (num_accepted, rejected draft) where a recovered token
+    #              must be raced, else (-1, -1)
+    record_f_ptr,  # [B, 8] float32 out: the final row's m, S, kth, tau, s_p, floor, s3
     token_ids_ptr, token_ids_stride,  # [B, width] int32 (or int64 for sampling)
     num_rows, width, bonus_stream,
     NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, ROWS_P2: tl.constexpr,
@@ -403,9 +405,19 @@ def _decide_kernel(
             token = tl.where(greedy, token, bonus_token)
         _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
                       num_accepted, token, width, WIDTH_P2, NO_DRAFTS)
-        tl.store(record_ptr + req, -1)
+        tl.store(record_ptr + 2 * req, -1)
     else:
-        tl.store(record_ptr + req, num_accepted.to(tl.int32))
+        # everything _race_kernel needs about the final row, so it starts with one load
+        tl.store(record_ptr + 2 * req, num_accepted.to(tl.int32))
+        tl.store(record_ptr + 2 * req + 1, tl.sum(tl.where(at_final, d, 0), axis=0))
+        out = record_f_ptr + 8 * req
+        tl.store(out, tl.sum(tl.where(at_final, m, 0.0), axis=0))
+        tl.store(out + 1, tl.sum(tl.where(at_final, s, 0.0), axis=0))
+        tl.store(out + 2, tl.sum(tl.where(at_final, kth, 0.0), axis=0))
+        tl.store(out + 3, tl.sum(tl.where(at_final, tau, 0.0), axis=0))
+        tl.store(out + 4, tl.sum(tl.where(at_final, s_p, 0.0), axis=0))
+        tl.store(out + 5, tl.sum(tl.where(at_final, floor, 0.0), axis=0))
+        tl.store(out + 6, tl.sum(tl.where(at_final, s3, 0.0), axis=0))
 
 
 @triton.jit
@@ -416,59 +428,38 @@ def _race_kernel(
     draft_probs_ptr, draft_probs_stride,  # [num_draft_tokens, V] float32 (HAS_DRAFT_PROBS)
     temperature_ptr,  # [B] float32
     seeds_ptr, positions_ptr,  # [B] int64
-    row_stats_ptr,  # [num_rows, 8] float32 (MASKED): m, S, kth, tau, s_p, floor, s3
-    part_f_ptr,  # [3, num_rows, NUM_CHUNKS] float32: chunk max m_c, sum exp(z - m_c), raw max
-    record_ptr,  # [B] int32: num_accepted of a request whose recovered token is raced, else -1
+    record_ptr,  # [B, 2] int32: (num_accepted, rejected draft), or -1: nothing to race
+    record_f_ptr,  # [B, 8] float32: the final row's m, S, kth, tau, s_p, floor, s3
     race_f_ptr,  # [B, NUM_RACE_CHUNKS] float32: chunk winners' ranking scores
     race_i_ptr,  # [2, B, NUM_RACE_CHUNKS] int32: chunk winners' ids, chunk has a residual
     counter_ptr,  # [B] int32, zeroed by _stats_kernel
     token_ids_ptr, token_ids_stride,  # [B, width] int32
-    num_rows, batch_size, vocab_size, width,
-    NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, RACE_CHUNK: tl.constexpr,
-    NUM_RACE_CHUNKS: tl.constexpr, NRC_P2: tl.constexpr,
-    WIDTH_P2: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr, MASKED: tl.constexpr,
+    batch_size, vocab_size, width,
+    RACE_CHUNK: tl.constexpr, NUM_RACE_CHUNKS: tl.constexpr, NRC_P2: tl.constexpr,
+    WIDTH_P2: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
 ):
-    """Grid (B, NUM_RACE_CHUNKS): the recovered token of request r at its first rejection, raced
-    over one chunk of the final row per program; the last program of the request picks it."""
+    """Grid (B, NUM_RACE_CHUNKS): the recovered token of request r at its first rejection,
+    raced over one chunk of the final row per program; the last program of the request picks
+    it. Requests with nothing to race exit after one load."""
     req = tl.program_id(0)
     chunk = tl.program_id(1)
-    record = tl.load(record_ptr + req)
+    record = tl.load(record_ptr + 2 * req)
     if record >= 0:
         num_accepted = record.to(tl.int64)
         draft_start = tl.load(cu_ptr + req).to(tl.int64)
-        final_row = draft_start + req + num_accepted
+        st = record_f_ptr + 8 * req
         temperature = tl.load(temperature_ptr + req)
-        if MASKED:
-            st = row_stats_ptr + final_row * 8
-            m = tl.load(st)
-            s = tl.load(st + 1)
-            kth = tl.load(st + 2)
-            tau = tl.load(st + 3)
-            s_p = tl.load(st + 4)
-            floor = tl.load(st + 5)
-            s3 = tl.load(st + 6)
-        else:
-            c = tl.arange(0, NC_P2)
-            part = final_row * NUM_CHUNKS + c
-            pm = tl.load(part_f_ptr + part, mask=c < NUM_CHUNKS, other=float("-inf"))
-            ps = tl.load(part_f_ptr + num_rows * NUM_CHUNKS + part, mask=c < NUM_CHUNKS,
-                         other=0.0)
-            m = tl.max(pm, axis=0)
-            s = tl.sum(ps * tl.exp(pm - tl.where(m == float("-inf"), 0.0, m)), axis=0)
-            kth = 0.0
-            tau = 0.0
-            s_p = 1.0
-            floor = 0.0
-            s3 = 1.0
         _residual_race(
             logits_ptr, logits_stride, draft_ids_ptr, draft_probs_ptr, draft_probs_stride,
             race_f_ptr, race_i_ptr, race_i_ptr + batch_size * NUM_RACE_CHUNKS, counter_ptr,
             token_ids_ptr, token_ids_stride,
-            req, chunk, draft_start, num_accepted, final_row, temperature,
+            req, chunk, draft_start, num_accepted, draft_start + req + num_accepted,
+            tl.where(temperature > 0.0, temperature, 1.0),
             tl.load(seeds_ptr + req), tl.load(positions_ptr + req),
-            tl.load(draft_ids_ptr + draft_start + num_accepted).to(tl.int32),
-            m, s, kth, tau, s_p, floor, s3, vocab_size, width,
+            tl.load(record_ptr + 2 * req + 1),
+            tl.load(st), tl.load(st + 1), tl.load(st + 2), tl.load(st + 3), tl.load(st + 4),
+            tl.load(st + 5), tl.load(st + 6), vocab_size, width,
             NUM_RACE_CHUNKS, NRC_P2, RACE_CHUNK, WIDTH_P2, HAS_DRAFT_PROBS,
             HAS_TOP_K, HAS_TOP_P, HAS_MIN_P,
         )

@@ -10,7 +10,6 @@ token ids as the torch twins; see those for the contracts.
 from __future__ import annotations
 
 import torch
-import triton
 
 from verispec.ops import philox
 from verispec.ops.backend import Backend
@@ -23,7 +22,12 @@ _MASK_TILE = 2048  # tokens per loop step of the one-program-per-row threshold s
 
 
 def _p2(n: int, least: int = 16) -> int:
-    return max(least, triton.next_power_of_2(max(int(n), 1)))
+    """The next power of two >= n (and >= least)."""
+    return max(least, 1 << (max(int(n), 1) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def default_chunk_size(vocab_size: int) -> int:
@@ -149,17 +153,17 @@ class _Workspace:
                  masked: bool, device):
         part = num_rows * num_chunks
         race = batch_size * num_race_chunks
-        f_sizes = [3 * part, race, num_rows * 8 if masked else 0]
-        i_sizes = [2 * part, 2 * race, batch_size, batch_size]
+        f_sizes = [3 * part, race, num_rows * 8 if masked else 0, 8 * batch_size]
+        i_sizes = [2 * part, 2 * race, batch_size, 2 * batch_size]
         f32 = torch.empty(sum(map(_pad4, f_sizes)), dtype=torch.float32, device=device)
         i32 = torch.empty(sum(map(_pad4, i_sizes)), dtype=torch.int32, device=device)
         self.num_chunks = num_chunks
         self.num_race_chunks = num_race_chunks
         # [3, num_rows, NUM_CHUNKS]: m_c, S_c, raw max;  [B, NUM_CHUNKS];  [num_rows, 8]
-        self.part_f, self.race_f, self.row_stats = _segments(f32, f_sizes)
+        self.part_f, self.race_f, self.row_stats, self.record_f = _segments(f32, f_sizes)
         if not masked:
             self.row_stats = f32  # unused
-        # [2, num_rows, NUM_CHUNKS]: raw argmax, race winner;  [2, B, NUM_CHUNKS];  [B];  [B]
+        # [2, num_rows, NUM_CHUNKS]: raw argmax, race winner;  [2, B, NUM_CHUNKS];  [B];  [B, 2]
         self.part_i, self.race_i, self.counter, self.record = _segments(i32, i_sizes)
 
 
@@ -168,11 +172,8 @@ def _pad4(n: int) -> int:
 
 
 def _segments(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    out, start = [], 0
-    for size in sizes:
-        out.append(buffer[start: start + size])
-        start += _pad4(size)
-    return out
+    padded = [_pad4(size) for size in sizes]
+    return [part[:size] for part, size in zip(buffer.split(padded), sizes)]
 
 
 def _row_statistics(logits, cu, params: _Params, batch_size: int, rows_per_request: int,
@@ -180,8 +181,8 @@ def _row_statistics(logits, cu, params: _Params, batch_size: int, rows_per_reque
                     bonus_race: bool) -> _Workspace:
     """Launch the mask search (if any mask) and the chunk statistics."""
     num_rows, vocab_size = logits.shape
-    ws = _Workspace(num_rows, batch_size, triton.cdiv(vocab_size, chunk),
-                    triton.cdiv(vocab_size, _race_chunk(chunk)), params.masked, logits.device)
+    ws = _Workspace(num_rows, batch_size, _cdiv(vocab_size, chunk),
+                    _cdiv(vocab_size, _race_chunk(chunk)), params.masked, logits.device)
     flags = params.mask_flags()
     dummy = params.temperature
     if params.masked:
@@ -227,7 +228,8 @@ def _verify(logits, draft_token_ids, cu, draft_probs, params: _Params, batch_siz
         _decide_kernel, (batch_size,),
         (logits, logits.stride(0), draft_ids, cu, q, q_stride, params.temperature,
          params.seeds, params.positions, dummy if rates is None else rates, ws.row_stats,
-         ws.part_f, ws.part_i, ws.record, token_ids, out_stride, num_rows, width, bonus_stream),
+         ws.part_f, ws.part_i, ws.record, ws.record_f, token_ids, out_stride, num_rows, width,
+         bonus_stream),
         4, NUM_CHUNKS=ws.num_chunks, NC_P2=_p2(ws.num_chunks, 2), ROWS_P2=rows_p2,
         WIDTH_P2=rows_p2, NO_DRAFTS=no_drafts, ALL_GREEDY=all_greedy,
         HAS_DRAFT_PROBS=draft_probs is not None, SYNTHETIC=rates is not None,
@@ -238,14 +240,11 @@ def _verify(logits, draft_token_ids, cu, draft_probs, params: _Params, batch_siz
         _launch(
             _race_kernel, (batch_size, ws.num_race_chunks),
             (logits, logits.stride(0), draft_ids, cu, q, q_stride, params.temperature,
-             params.seeds, params.positions, ws.row_stats, ws.part_f, ws.record, ws.race_f,
-             ws.race_i, ws.counter, token_ids, out_stride, num_rows, batch_size, vocab_size,
-             width),
-            _num_warps(race_chunk * 2), NUM_CHUNKS=ws.num_chunks, NC_P2=_p2(ws.num_chunks, 2),
-            RACE_CHUNK=race_chunk, NUM_RACE_CHUNKS=ws.num_race_chunks,
+             params.seeds, params.positions, ws.record, ws.record_f, ws.race_f, ws.race_i,
+             ws.counter, token_ids, out_stride, batch_size, vocab_size, width),
+            _num_warps(race_chunk), RACE_CHUNK=race_chunk, NUM_RACE_CHUNKS=ws.num_race_chunks,
             NRC_P2=_p2(ws.num_race_chunks, 2), WIDTH_P2=rows_p2,
-            HAS_DRAFT_PROBS=draft_probs is not None,
-            MASKED=params.masked, **flags,
+            HAS_DRAFT_PROBS=draft_probs is not None, **flags,
         )
     return token_ids
 
