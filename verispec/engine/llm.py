@@ -18,6 +18,7 @@ from verispec.engine import inputs
 from verispec.engine.model_runner import ModelRunner
 from verispec.engine.request import Request, RequestOutput
 from verispec.engine.scheduler import Scheduler
+from verispec.engine.spec_decode import SpeculativeDecoder
 from verispec.models.loader import load_model, parse_dtype
 from verispec.sample.sampler import Sampler, SamplingTensors, draw_seed
 from verispec.sampling_params import SamplingParams
@@ -43,8 +44,8 @@ class LLM:
     max_model_len : most tokens (prompt + output) per request; default
         ``min(max_position_embeddings, 2048)``
     max_num_seqs : requests running at once (KV cache slots)
-    speculative_config : SpeculativeConfig or a dict of vLLM ``speculative_config`` keys
-        (accepted and validated; speculation itself is not wired into the step yet)
+    speculative_config : SpeculativeConfig or a dict of vLLM ``speculative_config`` keys;
+        None (or ``method="none"``) decodes one token per step
     device : torch device, default ``"cpu"``
     """
 
@@ -68,7 +69,10 @@ class LLM:
                 f"device must be a torch device such as 'cpu', got {device!r}"
             ) from None
         if isinstance(speculative_config, dict):
-            speculative_config = SpeculativeConfig.from_dict(speculative_config)
+            if speculative_config.get("method") == "none":
+                speculative_config = None
+            else:
+                speculative_config = SpeculativeConfig.from_dict(speculative_config)
         elif speculative_config is not None and not isinstance(
             speculative_config, SpeculativeConfig
         ):
@@ -95,6 +99,10 @@ class LLM:
         self.runner = ModelRunner(self.loaded.model, max_num_seqs, max_model_len, self.device)
         self.scheduler = Scheduler(max_num_seqs)
         self.sampler = Sampler()
+        self.spec = None if speculative_config is None else SpeculativeDecoder(
+            speculative_config, self.runner, config.vocab_size, max_num_seqs, max_model_len,
+            tokenizer=self.tokenizer,
+        )
         self._next_request_id = 0
         self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
 
@@ -133,6 +141,7 @@ class LLM:
             token_ids=ids,
             finish_reason=request.finish_reason,
             metrics=request.metrics,
+            spec_stats=request.spec_stats,
         )
 
     # ----------------------------------------------------------------- the step loop
@@ -140,9 +149,17 @@ class LLM:
     def step(self) -> list[Request]:
         """Run one engine step; returns the requests that finished in it."""
         batch, is_prefill = self.scheduler.schedule()
-        logits = self._run(batch, is_prefill)
-        token_ids = self._sample(batch, logits)
-        return [r for r, t in zip(batch, token_ids) if self._commit(r, [t])]
+        if self.spec is None or is_prefill:
+            outputs = [[t] for t in self._sample(batch, self._run(batch, is_prefill))]
+        else:  # propose, verify, accept
+            outputs = self.spec.step(batch, self._sampling_tensors(batch))
+        finished = [r for r, tokens in zip(batch, outputs) if self._commit(r, tokens)]
+        if self.spec is not None:
+            if is_prefill:
+                for r in batch:
+                    self.spec.admit(r)
+            self.spec.on_committed(batch)
+        return finished
 
     def _run(self, batch: list[Request], is_prefill: bool) -> torch.Tensor:
         """[B, V] logits of the next token of each request."""
@@ -256,6 +273,15 @@ class LLM:
         for i, request in requests:
             outputs[i] = self._output(request)
         return outputs  # type: ignore[return-value]
+
+    def get_metrics(self) -> dict:
+        """Aggregate metrics since start-up: speculative decoding counters and rates with vLLM's
+        definitions (REFERENCE §8) under ``"spec_decoding"`` (None without speculation)."""
+        return {"spec_decoding": None if self.spec is None else self.spec.stats.to_dict()}
+
+    def spec_decoding_log_line(self, elapsed_s: float) -> str | None:
+        """The vLLM-format metrics line over all steps so far (None without speculation)."""
+        return None if self.spec is None else self.spec.stats.log_line(elapsed_s)
 
     def generate_stream(
         self, prompt: Any, sampling_params: SamplingParams | None = None

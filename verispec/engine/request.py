@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from verispec.engine.metrics import SpecDecodingStats
 from verispec.sampling_params import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "error")
@@ -66,6 +67,8 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     metrics: RequestMetrics | None = None
+    # Speculative decoding counters of this request (None without speculation).
+    spec_stats: SpecDecodingStats | None = None
 
     @property
     def finished(self) -> bool:
@@ -97,6 +100,7 @@ class Request:
         self._token_buf[: self.num_prompt_tokens] = prompt_token_ids
         self.num_tokens = self.num_prompt_tokens
         self.max_num_draft_tokens = 0  # set by a speculative engine step
+        self.spec_stats: SpecDecodingStats | None = None  # set at admission when speculating
         self.finish_reason: str | None = None
         self.stop_text_len: int | None = None  # text cut before a stop string
         self.metrics = RequestMetrics(time.perf_counter() if arrival_time is None

@@ -1,0 +1,171 @@
+"""The speculative decode step: propose, verify, accept, commit (REFERENCE §3, §5, §8).
+
+One step for a batch of running requests:
+
+1. each request gets ``max_num_draft_tokens`` = k cut by ``max_model_len`` and its remaining
+   ``max_tokens`` (and by the per-request switch below); the proposer drafts ``n_r`` tokens;
+2. one target forward over ``[last committed token, d_1 .. d_{n_r}]`` of every request returns
+   the ``n_r + 1`` rows of each in the flattened layout of REFERENCE §2;
+3. the rejection sampler keeps the accepted drafts and adds the recovered or bonus token;
+4. the engine commits the output tokens in order (a stop inside an accepted run ends the request
+   there), rolls the target cache back to the committed tokens, and the proposer rolls its own.
+
+Switching speculation off where it does not pay: verifying n extra tokens costs more than a plain
+decode step (on CPU in float32 about 11 % per extra token, in bfloat16 about 3 %, see
+docs/benchmarks.md). Each request keeps an estimate of its per-token acceptance rate alpha (an
+exponential average of accepted / drafted over its steps with drafts) and drafts
+``n = argmax_n E(n) / (1 + beta n)`` tokens, with ``E(n) = (1 - alpha^(n+1)) / (1 - alpha)`` the
+expected tokens per step (Leviathan et al.) and ``beta`` the relative cost of one more verified
+token. A request whose drafts keep failing therefore drops to ``n = 0`` (a plain decode step);
+every ``REPROBE_STEPS`` steps it drafts again so a request whose text becomes predictable (a
+quoted passage, code being repeated) is noticed. Synthetic mode never switches off: the user asked
+for a given acceptance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from verispec.config import SpeculativeConfig
+from verispec.engine.metrics import SpecDecodingLogger, SpecDecodingStats
+from verispec.engine.model_runner import ModelRunner
+from verispec.engine.request import Request
+from verispec.proposers import ProposerContext, build_proposer
+from verispec.sample.rejection_sampler import RejectionSampler
+from verispec.sample.sampler import SamplingTensors
+
+ALPHA_PRIOR = 0.6  # a new request's assumed per-token acceptance
+ALPHA_DECAY = 0.7  # weight of the old estimate in the exponential average
+REPROBE_STEPS = 16
+
+
+def verify_cost_per_token(device: torch.device, dtype: torch.dtype) -> float:
+    """beta: the extra cost of one more verified token relative to a one-token decode step."""
+    if device.type == "cuda":
+        return 0.01
+    return 0.11 if dtype == torch.float32 else 0.03
+
+
+def best_num_drafts(alpha: float, max_n: int, beta: float) -> int:
+    """``argmax_{0 <= n <= max_n} E(n) / (1 + beta n)`` with ``E(n) = sum_{i<=n} alpha^i``."""
+    best_n, best_value, expected, power = 0, 1.0, 1.0, 1.0
+    for n in range(1, max_n + 1):
+        power *= alpha
+        expected += power
+        value = expected / (1.0 + beta * n)
+        if value > best_value * (1.0 + 1e-9):
+            best_n, best_value = n, value
+    return best_n
+
+
+class SpeculativeDecoder:
+    """Owns the proposer, the rejection sampler and the speculative metrics of an engine."""
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        runner: ModelRunner,
+        vocab_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        tokenizer=None,
+        log_interval_s: float = 5.0,
+    ) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.runner = runner
+        self.max_model_len = max_model_len
+        context = ProposerContext(
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            vocab_size=vocab_size,
+            device=runner.device,
+            dtype=runner.dtype,
+            target_model=runner,
+        )
+        self.proposer = build_proposer(config, context)
+        self.rejection_sampler = RejectionSampler(config, runner.device)
+        self.adaptive = not config.is_synthetic
+        self.beta = verify_cost_per_token(runner.device, runner.dtype)
+        self.logger = SpecDecodingLogger(self.k, log_interval_s)
+        self._alpha = np.full(max_num_seqs, ALPHA_PRIOR)  # per slot
+        self._steps_off = np.zeros(max_num_seqs, dtype=np.int64)
+
+    @property
+    def stats(self) -> SpecDecodingStats:
+        """Totals over every step so far."""
+        return self.logger.total
+
+    def admit(self, request: Request) -> None:
+        """A request took a slot: reset its acceptance estimate and its stats."""
+        self._alpha[request.slot] = ALPHA_PRIOR
+        self._steps_off[request.slot] = 0
+        request.spec_stats = SpecDecodingStats(self.k)
+
+    def release(self, request: Request) -> None:
+        """A request left its slot."""
+        self.proposer.free(request.slot)
+
+    def _plan(self, batch: Sequence[Request]) -> None:
+        """Set each request's ``max_num_draft_tokens`` for this step."""
+        for r in batch:
+            room = min(self.k, self.max_model_len - r.num_tokens - 1,
+                       r.params.max_tokens - r.num_output_tokens - 1)
+            n = max(0, room)
+            if self.adaptive and n > 0:
+                planned = best_num_drafts(self._alpha[r.slot], n, self.beta)
+                if planned == 0:
+                    self._steps_off[r.slot] += 1
+                    if self._steps_off[r.slot] >= REPROBE_STEPS:
+                        self._steps_off[r.slot] = 0
+                        planned = 1  # probe: one draft, its outcome updates alpha
+                n = planned
+            r.max_num_draft_tokens = n
+
+    def step(self, batch: Sequence[Request], sampling: SamplingTensors) -> list[list[int]]:
+        """Propose, verify and accept for ``batch``; returns each request's output tokens (to be
+        committed by the engine, then ``on_committed``)."""
+        self._plan(batch)
+        proposal = self.proposer.propose(batch)
+        num_drafts = proposal.num_draft_tokens_cpu  # [B] host
+        cu = proposal.cu_num_draft_tokens.numpy()
+        drafts = proposal.draft_token_ids.tolist()  # the verify forward takes host token lists
+        new_tokens = [
+            [r.last_token_id] + drafts[cu[i]:cu[i + 1]] for i, r in enumerate(batch)
+        ]
+        target_logits = self.runner.forward([r.slot for r in batch], new_tokens, logits="all")
+        # Draft i of request r occupies position num_tokens + i (num_tokens counts the prompt).
+        positions = torch.tensor([r.num_tokens for r in batch], device=self.runner.device)
+        token_ids = self.rejection_sampler(
+            target_logits,
+            proposal.draft_token_ids.to(self.runner.device),
+            proposal.cu_num_draft_tokens.to(self.runner.device),
+            proposal.draft_probs,
+            sampling,
+            positions,
+        ).tolist()  # the step's one host sync
+        outputs = [[t for t in row if t != -1] for row in token_ids]
+        step_stats = SpecDecodingStats(self.k)
+        for r, n, out in zip(batch, num_drafts, outputs):
+            n, accepted = int(n), len(out) - 1
+            if n > 0:
+                step_stats.observe(n, accepted)
+                r.spec_stats.observe(n, accepted)
+                self._alpha[r.slot] = (ALPHA_DECAY * self._alpha[r.slot]
+                                       + (1 - ALPHA_DECAY) * accepted / n)
+        self.logger.observe(step_stats)
+        self.logger.maybe_log()
+        return outputs
+
+    def on_committed(self, batch: Sequence[Request]) -> None:
+        """After the engine committed the step: roll the proposer's cache of each request still
+        running back to its committed tokens; free finished ones."""
+        running = [r for r in batch if not r.finished]
+        if running:
+            self.proposer.on_commit([r.slot for r in running], [r.num_tokens for r in running])
+        for r in batch:
+            if r.finished:
+                self.release(r)
