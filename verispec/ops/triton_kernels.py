@@ -171,16 +171,17 @@ def _stats_kernel(
     part_i_ptr,  # [2, num_rows, NUM_CHUNKS] int32: raw argmax, chunk winner of the bonus race
     counter_ptr,  # [B] int32, zeroed here for _race_kernel
     num_rows, vocab_size, bonus_stream,
-    NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
+    ROWS: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
     NO_DRAFTS: tl.constexpr, ALL_GREEDY: tl.constexpr, BONUS_RACE: tl.constexpr,
     MASKED: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
     HAS_MIN_P: tl.constexpr,
 ):
-    """Grid (max_num_draft_tokens + 1, B, NUM_CHUNKS): row i of request r, one chunk. The row
-    index varies fastest, so the bonus rows (which also race) spread over every wave."""
-    index_in_request = tl.program_id(0)  # == num_drafts on the bonus row
-    req = tl.program_id(1)
-    chunk = tl.program_id(2)
+    """Grid (B * ROWS, NUM_CHUNKS), ROWS = max_num_draft_tokens + 1: row i of request r, one
+    chunk. The row index varies fastest, so the bonus rows (which also race) spread over every
+    wave of programs."""
+    index_in_request = tl.program_id(0) % ROWS  # == num_drafts on the bonus row
+    req = tl.program_id(0) // ROWS
+    chunk = tl.program_id(1)
     if (index_in_request == 0) & (chunk == 0):
         tl.store(counter_ptr + req, 0)
     draft_start, num_drafts = _request_span(cu_ptr, req, NO_DRAFTS)

@@ -198,11 +198,12 @@ def _row_statistics(logits, cu, params: _Params, batch_size: int, rows_per_reque
     seeds = dummy if params.seeds is None else params.seeds
     positions = dummy if params.positions is None else params.positions
     _launch(
-        _stats_kernel, (rows_per_request, batch_size, ws.num_chunks),
+        _stats_kernel, (batch_size * rows_per_request, ws.num_chunks),
         (logits, logits.stride(0), cu, params.temperature, seeds, positions, ws.row_stats,
          ws.part_f, ws.part_i, ws.counter, num_rows, vocab_size, bonus_stream),
-        _num_warps(chunk), NUM_CHUNKS=ws.num_chunks, CHUNK=chunk, NO_DRAFTS=no_drafts,
-        ALL_GREEDY=all_greedy, BONUS_RACE=bonus_race, MASKED=params.masked, **flags,
+        _num_warps(chunk), ROWS=rows_per_request, NUM_CHUNKS=ws.num_chunks, CHUNK=chunk,
+        NO_DRAFTS=no_drafts, ALL_GREEDY=all_greedy, BONUS_RACE=bonus_race, MASKED=params.masked,
+        **flags,
     )
     return ws
 
