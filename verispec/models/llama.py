@@ -104,12 +104,14 @@ class Attention(nn.Module):
 
         # The cache may be wider than the model dtype (float32 for a bfloat16 model on CPU, where
         # SDPA is several times faster in float32); attention then runs in the cache dtype.
-        new_k, new_v = k.reshape(B * S, hkv, d), v.reshape(B * S, hkv, d)
+        # One copy each: the dtype cast (when it happens) also makes the rows contiguous.
+        new_k = k.to(k_cache.dtype).reshape(B * S, hkv, d)
+        new_v = v.to(v_cache.dtype).reshape(B * S, hkv, d)
         if meta.valid_index is not None:  # drop padding tokens: they must not touch the cache
             new_k, new_v = new_k[meta.valid_index], new_v[meta.valid_index]
         index = (meta.write_slots, meta.write_positions)
-        k_cache.index_put_(index, new_k.to(k_cache.dtype))
-        v_cache.index_put_(index, new_v.to(v_cache.dtype))
+        k_cache.index_put_(index, new_k)
+        v_cache.index_put_(index, new_v)
 
         keys = k_cache[meta.read_slots, : meta.kv_len]  # [B, kv_len, hkv, d]
         values = v_cache[meta.read_slots, : meta.kv_len]
