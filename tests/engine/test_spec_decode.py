@@ -1,0 +1,268 @@
+"""Speculative decoding through the whole engine, on tiny random models.
+
+Strategy: properties that must hold for any weights.
+- Greedy: speculative output == non-speculative output, token for token, for every proposer.
+- Sampling exactness: 20 000 seeded requests per configuration; the distribution of each of the
+  first three generated tokens with speculation (n-gram, draft model and early exit; greedy and
+  probabilistic drafts) is compared with the same engine without speculation by a two-sample
+  chi-square test (p >= 1e-6). Different seed ranges, so the two samples are independent.
+- Synthetic mode: configured mean acceptance length 2.5 with k = 4 is what the engine measures.
+- A draft model identical to the target accepts (nearly) everything.
+- Stop conditions inside an accepted run, max_tokens exact, and after every step the target cache
+  holds the committed tokens but the last, the draft cache the committed tokens it has consumed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from tests.models.utils import copy_bundled_tokenizer, requires_bundled
+from verispec import LLM, SamplingParams
+from verispec.engine.spec_decode import best_num_drafts
+
+VOCAB = 16
+MAX_MODEL_LEN = 64
+P_VALUE_THRESHOLD = 1e-6
+
+
+def save_llama(path, *, num_layers=3, vocab_size=VOCAB, seed=0, hidden=32) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.2,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save_llama(tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    return save_llama(tmp_path_factory.mktemp("draft"), num_layers=1, seed=1)
+
+
+def spec_configs(draft_dir):
+    return {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                  "prompt_lookup_max": 3},
+        "draft_model_greedy": {"method": "draft_model", "model": draft_dir,
+                               "num_speculative_tokens": 3},
+        "draft_model_probabilistic": {"method": "draft_model", "model": draft_dir,
+                                      "num_speculative_tokens": 3,
+                                      "draft_sample_method": "probabilistic"},
+        "early_exit_greedy": {"method": "early_exit", "num_draft_layers": 1,
+                              "num_speculative_tokens": 3},
+        "early_exit_probabilistic": {"method": "early_exit", "num_draft_layers": 2,
+                                     "num_speculative_tokens": 3,
+                                     "draft_sample_method": "probabilistic"},
+    }
+
+
+PROMPT = [3, 4, 5, 3, 4, 5, 3, 4]  # repetitive, so n-gram finds drafts
+
+
+def engine(target_dir, spec=None, max_num_seqs=8, max_model_len=MAX_MODEL_LEN):
+    return LLM(target_dir, dtype="float32", max_model_len=max_model_len,
+               max_num_seqs=max_num_seqs, speculative_config=spec)
+
+
+@pytest.mark.parametrize(
+    "name", ["ngram", "draft_model_greedy", "draft_model_probabilistic", "early_exit_greedy"]
+)
+def test_greedy_speculative_equals_plain(name, target_dir, draft_dir):
+    rng = np.random.default_rng(0)
+    prompts = [PROMPT] + [rng.integers(3, VOCAB, size=rng.integers(2, 20)).tolist()
+                          for _ in range(7)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = engine(target_dir).generate(prompts, params)
+    llm = engine(target_dir, spec_configs(draft_dir)[name], max_num_seqs=3)
+    spec = llm.generate(prompts, params)
+    for a, b in zip(plain, spec):
+        assert a.token_ids == b.token_ids
+    assert llm.get_metrics()["spec_decoding"]["num_drafts"] > 0
+
+
+def _first_tokens(llm, num_requests, seed_base, params_kwargs):
+    params = [SamplingParams(seed=seed_base + i, max_tokens=3, ignore_eos=True, **params_kwargs)
+              for i in range(num_requests)]
+    outs = llm.generate([PROMPT] * num_requests, params)
+    tokens = np.array([o.token_ids for o in outs])  # [N, 3]
+    return np.stack([np.bincount(tokens[:, j], minlength=VOCAB) for j in range(3)])
+
+
+def _two_sample_p(a: np.ndarray, b: np.ndarray) -> float:
+    keep = (a + b) > 0
+    table = np.stack([a[keep], b[keep]])
+    # merge sparse columns (expected counts under 5) into one
+    sparse = table.sum(0) < 10
+    if sparse.any():
+        table = np.concatenate([table[:, ~sparse], table[:, sparse].sum(1, keepdims=True)], 1)
+    if table.shape[1] < 2:
+        return 1.0
+    return float(stats.chi2_contingency(table)[1])
+
+
+NUM_REQUESTS = 20_000
+SAMPLING = {"temperature": 0.9, "top_p": 0.95}
+
+
+@pytest.fixture(scope="module")
+def plain_counts(target_dir):
+    return _first_tokens(engine(target_dir, max_num_seqs=2048), NUM_REQUESTS, 0, SAMPLING)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name",
+    ["ngram", "draft_model_greedy", "draft_model_probabilistic", "early_exit_greedy",
+     "early_exit_probabilistic"],
+)
+def test_sampling_exactness_through_engine(name, target_dir, draft_dir, plain_counts):
+    llm = engine(target_dir, spec_configs(draft_dir)[name], max_num_seqs=2048)
+    counts = _first_tokens(llm, NUM_REQUESTS, 10_000_000, SAMPLING)
+    metrics = llm.get_metrics()["spec_decoding"]
+    assert metrics["num_drafts"] > 1000  # speculation really happened
+    for position in range(3):
+        p = _two_sample_p(plain_counts[position], counts[position])
+        assert p >= P_VALUE_THRESHOLD, f"{name}: generated token {position} p-value {p:.3g}"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_synthetic_mean_acceptance_length(temperature, target_dir):
+    spec = {"method": "early_exit", "num_draft_layers": 1, "num_speculative_tokens": 4,
+            "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.5}
+    llm = engine(target_dir, spec, max_num_seqs=64, max_model_len=256)
+    params = [SamplingParams(temperature=temperature, max_tokens=200, ignore_eos=True, seed=i)
+              for i in range(64)]
+    llm.generate([PROMPT] * 64, params)
+    metrics = llm.get_metrics()["spec_decoding"]
+    assert metrics["num_drafts"] >= 2000
+    assert metrics["mean_acceptance_length"] == pytest.approx(2.5, abs=0.05)
+
+
+def test_identical_draft_model_accepts_everything(target_dir):
+    k = 3
+    spec = {"method": "draft_model", "model": target_dir, "num_speculative_tokens": k}
+    llm = engine(target_dir, spec, max_model_len=256)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, VOCAB, size=10).tolist() for _ in range(8)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=200,
+                                                ignore_eos=True))
+    metrics = llm.get_metrics()["spec_decoding"]
+    assert metrics["draft_acceptance_rate"] >= 0.98
+    assert metrics["mean_acceptance_length"] >= 0.98 * (k + 1)
+    assert all(o.spec_stats.num_drafts > 0 for o in outs)
+
+
+@pytest.fixture(scope="module")
+def text_model_dir(tmp_path_factory):
+    """A tiny model with the bundled tokenizer, for stop strings."""
+    path = tmp_path_factory.mktemp("text")
+    save_llama(path, vocab_size=49152, hidden=32, num_layers=2, seed=4)
+    copy_bundled_tokenizer(str(path))
+    return str(path)
+
+
+@requires_bundled
+def test_stops_inside_an_accepted_run(text_model_dir):
+    spec = {"method": "draft_model", "model": text_model_dir, "num_speculative_tokens": 5}
+    prompt = [100, 200, 300, 400]
+    plain = engine(text_model_dir, max_model_len=128).generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
+    llm = engine(text_model_dir, spec, max_model_len=128)
+    ref = plain.token_ids
+    # a stop token in the middle of what the identical draft gets accepted in one step
+    cut = next(i for i in range(3, 20) if ref[i] not in ref[:i])
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=30,
+                                              stop_token_ids=[ref[cut]]))[0]
+    assert out.token_ids == ref[: cut + 1] and out.finish_reason == "stop"
+    # max_tokens is exact even when k + 1 tokens could be accepted at once
+    for max_tokens in (1, 2, 7, 9):
+        out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                  ignore_eos=True))[0]
+        assert out.token_ids == ref[:max_tokens] and out.finish_reason == "length"
+    # a stop string inside an accepted run: the text ends before it, no token after its end
+    text = llm.tokenizer.decode(ref)
+    stop = text[len(text) // 3: len(text) // 3 + 3]
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=30, stop=[stop],
+                                              ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and stop not in out.text
+    assert text.startswith(out.text)
+    assert len(out.token_ids) < len(ref)
+    assert stop in llm.tokenizer.decode(out.token_ids)
+    assert stop not in llm.tokenizer.decode(out.token_ids[:-1])
+
+
+@pytest.mark.parametrize("name", ["draft_model_greedy", "draft_model_probabilistic", "ngram"])
+def test_cache_lengths_follow_committed_tokens_after_every_step(name, target_dir, draft_dir):
+    llm = engine(target_dir, spec_configs(draft_dir)[name], max_num_seqs=4)
+    proposer = llm.spec.proposer
+    rng = np.random.default_rng(2)
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=int(rng.integers(5, 40)),
+                             ignore_eos=True)
+              for i, t in enumerate([0.0, 1.0, 0.7, 0.0, 1.0, 0.0])]
+    requests = []
+    for i, p in enumerate(params):
+        request = llm._make_request(PROMPT[: 2 + i], p)
+        llm.scheduler.add(request)
+        requests.append(request)
+    target_cache = llm.runner.kv_cache
+    draft_cache = getattr(getattr(proposer, "runner", None), "kv_cache", None)
+    steps = 0
+    while llm.scheduler.has_unfinished:
+        drafts_before = {r.request_id: r.spec_stats.num_drafts if r.spec_stats else 0
+                         for r in requests}
+        llm.step()
+        steps += 1
+        for r in llm.scheduler.running:
+            assert target_cache.length(r.slot) == r.num_tokens - 1
+            if draft_cache is not None:
+                # never more than the committed tokens; after a step in which the request
+                # drafted, every committed token but the last one or two (d_k and the bonus
+                # after an all-accepted step; the proposer catches up lazily)
+                assert draft_cache.length(r.slot) <= r.num_tokens - 1
+                if r.spec_stats.num_drafts > drafts_before[r.request_id]:
+                    assert draft_cache.length(r.slot) >= r.num_tokens - 2
+    assert steps > 5
+    for r, p in zip(requests, params):
+        assert r.finished and r.num_output_tokens == p.max_tokens
+    assert all(n == 0 for n in target_cache.lengths_np)
+    if draft_cache is not None:
+        assert all(n == 0 for n in draft_cache.lengths_np)
+
+
+def test_mixed_batch_with_and_without_drafts(target_dir, draft_dir):
+    """Greedy and sampled requests, some with drafts and some without, one batch; the greedy
+    ones equal the plain engine, the seeded ones are reproducible."""
+    prompts = [PROMPT, [9, 10], PROMPT[:5], [11, 12, 13]]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=5, seed=6, max_tokens=20, ignore_eos=True)]
+    spec = spec_configs(draft_dir)["ngram"]
+    first = engine(target_dir, spec).generate(prompts, params)
+    again = engine(target_dir, spec, max_num_seqs=2).generate(prompts, params)
+    plain = engine(target_dir).generate(prompts, params)
+    for i in range(4):
+        assert first[i].token_ids == again[i].token_ids
+        if params[i].temperature == 0.0:
+            assert first[i].token_ids == plain[i].token_ids
+
+
+def test_best_num_drafts_switches_off_when_it_does_not_pay():
+    assert best_num_drafts(0.9, 5, 0.03) == 5
+    assert best_num_drafts(0.05, 5, 0.11) == 0
+    assert best_num_drafts(0.0, 5, 0.0) == 0
+    assert best_num_drafts(1.0, 4, 0.11) == 4
+    assert 0 < best_num_drafts(0.5, 8, 0.11) < 8
