@@ -25,6 +25,7 @@ Prints a human table, then one JSON line.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -105,6 +106,7 @@ def time_gpu(fn, sets, flush, budget_s, max_reps=200) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s = sets[r % len(sets)]
         flush.zero_()
+        torch.cuda._sleep(1_000_000)  # ~0.6 ms of GPU time: the host enqueues the call meanwhile
         start.record()
         fn(s)
         end.record()
@@ -165,6 +167,8 @@ def main() -> None:
     parser.add_argument("--graph-batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[0],
                         help="Triton tokens per program to try (0 = the default)")
+    parser.add_argument("--race-chunk-sizes", type=int, nargs="+", default=[0],
+                        help="Triton tokens per program of the recovered-token race (0 = default)")
     parser.add_argument("--rotate-bytes", type=float, default=256e6,
                         help="bytes of input buffer sets to rotate over (>> L2)")
     parser.add_argument("--flush-bytes", type=float, default=1e9,
@@ -183,9 +187,9 @@ def main() -> None:
     print(f"device: {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); "
           f"torch {torch.__version__}; k = {K}; float32 logits; temperature 1")
     results = []
-    header = (f"{'V':>7} {'B':>4} {'rule':>8} {'chunk':>5} {'floor us':>9} {'triton us':>10} "
-              f"{'x floor':>8} {'graph us':>9} {'host us':>8} {'torch us':>9} {'x floor':>8} "
-              f"{'accept len':>10} {'same':>5}")
+    header = (f"{'V':>7} {'B':>4} {'rule':>8} {'chunk':>5} {'race':>5} {'floor us':>9} "
+              f"{'triton us':>10} {'x floor':>8} {'graph us':>9} {'host us':>8} {'torch us':>9} "
+              f"{'x floor':>8} {'accept len':>10} {'same':>5}")
     print(header)
     print("-" * len(header))
     for vocab_size in args.vocab_sizes:
@@ -206,8 +210,9 @@ def main() -> None:
                     torch_us = time_gpu(
                         lambda s, q=with_q: call(rejection.rejection_sample, s, q), sets, flush,
                         budget / 2, max_reps=50)
-                for chunk in args.chunk_sizes:
-                    kw = {"chunk_size": chunk} if chunk else {}
+                for chunk, race_chunk in itertools.product(args.chunk_sizes,
+                                                           args.race_chunk_sizes):
+                    kw = {"chunk_size": chunk or None, "race_chunk_size": race_chunk or None}
                     actual = call(triton_ops.rejection_sample, sets[0], with_q, **kw)
                     same = bool(torch.equal(expected, actual))
                     def op(s, q=with_q, kw=kw):
@@ -223,6 +228,8 @@ def main() -> None:
                     row = dict(
                         vocab_size=vocab_size, batch_size=batch_size, rule=rule,
                         chunk=chunk or triton_ops.default_chunk_size(vocab_size),
+                        race_chunk=race_chunk or (chunk or triton_ops.default_chunk_size(
+                            vocab_size)) // 2,
                         floor_us=round(floor_us, 2), triton_us=round(triton_us, 2),
                         triton_x_floor=round(triton_us / floor_us, 3),
                         triton_graph_us=None if graph_us is None else round(graph_us, 2),
@@ -233,6 +240,7 @@ def main() -> None:
                     )
                     results.append(row)
                     print(f"{vocab_size:>7} {batch_size:>4} {rule:>8} {row['chunk']:>5} "
+                          f"{row['race_chunk']:>5} "
                           f"{floor_us:>9.1f} {triton_us:>10.1f} {row['triton_x_floor']:>8.2f} "
                           f"{fmt(graph_us, '9.1f'):>9} {host_us:>8.1f} {fmt(torch_us, '9.1f'):>9} "
                           f"{fmt(row['torch_x_floor'], '8.2f'):>8} {accept_len:>10.2f} "

@@ -69,14 +69,15 @@ def make_batch(num_drafts, vocab_size, device, *, seed=0, dtype=torch.float32, s
 
 
 def _run_both(batch, *, draft_probs=True, top_k=None, top_p=None, min_p=None, rates=None,
-              all_greedy=False, chunk_size=None, max_num_draft_tokens=K):
+              all_greedy=False, chunk_size=None, race_chunk_size=None, max_num_draft_tokens=K):
     args = (
         batch["target_logits"], batch["draft_token_ids"], batch["cu_num_draft_tokens"],
         batch["draft_probs"] if draft_probs else None, batch["temperature"], top_k, top_p, min_p,
         batch["seeds"], batch["positions"], max_num_draft_tokens, rates, all_greedy,
     )
     expected = rejection.rejection_sample(*args)
-    actual = triton_ops.rejection_sample(*args, chunk_size=chunk_size)
+    actual = triton_ops.rejection_sample(*args, chunk_size=chunk_size,
+                                         race_chunk_size=race_chunk_size)
     return expected, actual
 
 
@@ -123,11 +124,14 @@ def test_rejection_parity_low_precision_logits(dtype, device):
         _assert_same(*_run_both(batch, draft_probs=draft_probs))
 
 
-@pytest.mark.parametrize("chunk_size", [16, 64])
-def test_rejection_parity_chunk_sizes(chunk_size, device):
-    """The chunked statistics and race combine: many chunks, a partial last chunk."""
+@pytest.mark.parametrize("chunk_size, race_chunk_size", [(16, None), (64, 16)])
+def test_rejection_parity_chunk_sizes(chunk_size, race_chunk_size, device):
+    """The chunked statistics and race combine: many chunks, a partial last chunk, race chunks
+    smaller than the statistics chunks."""
     batch = make_batch(NUM_DRAFTS[:6], 150, device, seed=chunk_size)
-    _assert_same(*_run_both(batch, draft_probs=chunk_size != 64, chunk_size=chunk_size))
+    expected, actual = _run_both(batch, draft_probs=chunk_size != 64, chunk_size=chunk_size,
+                                 race_chunk_size=race_chunk_size)
+    _assert_same(expected, actual)
 
 
 def test_rejection_parity_all_greedy(device):

@@ -35,10 +35,10 @@ def default_chunk_size(vocab_size: int) -> int:
     return min(_MAX_CHUNK, _p2(vocab_size))
 
 
-def _race_chunk(chunk: int) -> int:
-    """Tokens per program of the recovered-token race: half a statistics chunk (at least 16);
-    the race costs more arithmetic per token, so it is spread over more programs."""
-    return max(16, chunk // 2)
+def _race_chunk(chunk: int, race_chunk: int | None = None) -> int:
+    """Tokens per program of the recovered-token race: half a statistics chunk (at least 16)
+    unless given; the race costs more arithmetic per token, so it is spread over more programs."""
+    return race_chunk or max(16, chunk // 2)
 
 
 def _num_warps(chunk: int) -> int:
@@ -178,11 +178,12 @@ def _segments(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
 
 def _row_statistics(logits, cu, params: _Params, batch_size: int, rows_per_request: int,
                     no_drafts: bool, chunk: int, bonus_stream: int, all_greedy: bool,
-                    bonus_race: bool) -> _Workspace:
+                    bonus_race: bool, race_chunk: int | None = None) -> _Workspace:
     """Launch the mask search (if any mask) and the chunk statistics."""
     num_rows, vocab_size = logits.shape
     ws = _Workspace(num_rows, batch_size, _cdiv(vocab_size, chunk),
-                    _cdiv(vocab_size, _race_chunk(chunk)), params.masked, logits.device)
+                    _cdiv(vocab_size, _race_chunk(chunk, race_chunk)), params.masked,
+                    logits.device)
     flags = params.mask_flags()
     dummy = params.temperature
     if params.masked:
@@ -210,13 +211,15 @@ def _row_statistics(logits, cu, params: _Params, batch_size: int, rows_per_reque
 
 def _verify(logits, draft_token_ids, cu, draft_probs, params: _Params, batch_size: int,
             max_num_draft_tokens: int, rates, all_greedy: bool, bonus_stream: int,
-            token_ids: torch.Tensor, chunk: int | None) -> torch.Tensor:
-    """Shared launch of rejection sampling (and of sampling: no drafts, one bonus row each)."""
+            token_ids: torch.Tensor, chunk: int | None,
+            race_chunk: int | None = None) -> tuple[torch.Tensor, _Workspace]:
+    """Shared launch of rejection sampling (and of sampling: no drafts, one bonus row each).
+    Returns the output and the workspace (its row statistics serve ``_write_probs``)."""
     num_rows, vocab_size = logits.shape
     no_drafts = draft_token_ids is None
     chunk = chunk or default_chunk_size(vocab_size)
     ws = _row_statistics(logits, cu, params, batch_size, max_num_draft_tokens + 1, no_drafts,
-                         chunk, bonus_stream, all_greedy, True)
+                         chunk, bonus_stream, all_greedy, True, race_chunk)
     dummy = params.temperature
     draft_ids = dummy if no_drafts else draft_token_ids
     q = logits if draft_probs is None else draft_probs
@@ -237,7 +240,7 @@ def _verify(logits, draft_token_ids, cu, draft_probs, params: _Params, batch_siz
         MASKED=params.masked, **flags,
     )
     if not (no_drafts or all_greedy):  # else no request has a recovered token to race
-        race_chunk = _race_chunk(chunk)
+        race_chunk = _race_chunk(chunk, race_chunk)
         _launch(
             _race_kernel, (batch_size, ws.num_race_chunks),
             (logits, logits.stride(0), draft_ids, cu, q, q_stride, params.temperature,
@@ -247,7 +250,7 @@ def _verify(logits, draft_token_ids, cu, draft_probs, params: _Params, batch_siz
             NRC_P2=_p2(ws.num_race_chunks, 2), WIDTH_P2=rows_p2,
             HAS_DRAFT_PROBS=draft_probs is not None, **flags,
         )
-    return token_ids
+    return token_ids, ws
 
 
 def rejection_sample(
@@ -266,11 +269,13 @@ def rejection_sample(
     all_greedy: bool = False,
     *,
     chunk_size: int | None = None,
+    race_chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Verify the drafts of a batch; the contract is ``verispec.ops.rejection.rejection_sample``.
 
-    ``chunk_size`` (tokens per program, a power of two >= 16) is a tuning knob for tests and
-    benchmarks; the default suits the vocabulary size.
+    ``chunk_size`` (tokens per program of the row statistics) and ``race_chunk_size`` (of the
+    recovered-token race), powers of two >= 16, are tuning knobs for tests and benchmarks; the
+    defaults suit the vocabulary size.
 
     Returns
     -------
@@ -305,7 +310,7 @@ def rejection_sample(
         draft_token_ids = cu_num_draft_tokens
     return _verify(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, params,
                    batch_size, max_num_draft_tokens, rates, all_greedy, philox.SAMPLE_STREAM,
-                   token_ids, chunk_size)
+                   token_ids, chunk_size, race_chunk_size)[0]
 
 
 def sample(
@@ -335,7 +340,7 @@ def sample(
     if num_rows == 0:
         return token_ids
     return _verify(logits, None, params.temperature, None, params, num_rows, 0, None,
-                   all_greedy, int(stream), token_ids, chunk_size)
+                   all_greedy, int(stream), token_ids, chunk_size)[0]
 
 
 def processed_probs(
@@ -395,9 +400,17 @@ def sample_draft(
     (draft_token_ids [R] int64, draft_probs [R, V] float32 = q)
     """
     num_rows, vocab_size = logits.shape
-    ids = sample(logits, temperature, None, None, None, seeds, positions, philox.DRAFT_STREAM,
-                 chunk_size=chunk_size)
-    probs = processed_probs(logits, temperature, chunk_size=chunk_size)
+    _check_rows("logits", logits, num_rows, vocab_size, _LOGITS_DTYPES, logits.device)
+    params = _Params(num_rows, logits.device, temperature, None, None, None, seeds, positions,
+                     False)
+    ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    probs = torch.empty((num_rows, vocab_size), dtype=torch.float32, device=logits.device)
+    if num_rows == 0:
+        return ids, probs
+    # one pass of row statistics serves the race (draft stream) and the written q
+    ids, ws = _verify(logits, None, params.temperature, None, params, num_rows, 0, None, False,
+                      philox.DRAFT_STREAM, ids, chunk_size)
+    _write_probs(logits, params, probs, chunk_size, ws)
     return ids, probs
 
 
