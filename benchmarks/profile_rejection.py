@@ -1,0 +1,80 @@
+"""Per-kernel GPU times (torch.profiler) and host-side launch cost of the Triton rejection op,
+beside a plain read of the same logits (what the statistics kernel should approach).
+
+    python benchmarks/profile_rejection.py
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, "benchmarks")
+from bench_rejection import call, make_inputs  # noqa: E402
+
+from verispec.ops import triton_ops  # noqa: E402
+
+
+@triton.jit
+def _tiny(x_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+
+
+@triton.jit
+def _read(x_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    i = c * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row.to(tl.int64) * V + i, mask=i < V, other=0.0)
+    tl.store(out_ptr + row * tl.num_programs(1) + c, tl.sum(x, 0))
+
+
+def host_us(fn, n=200):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+dev = torch.device("cuda")
+x = torch.zeros(16, device=dev)
+print(f"host us per launch, tiny kernel: {host_us(lambda: _tiny[(1,)](x, 16, BLOCK=16)):.1f}")
+for B in (1, 8, 32, 256):
+    s = make_inputs(B, 151936, dev, 0)
+    for q in (True, False):
+        def op(s=s, q=q):
+            return call(triton_ops.rejection_sample, s, q)
+
+        print(f"B={B} q={q} host us per op call: {host_us(op):.1f}")
+    out = torch.empty(B * 5, 38, device=dev)
+    def g(s=s, out=out, B=B):
+        return _read[(B * 5, 38)](s["target_logits"], out, 151936, BLOCK=4096, num_warps=8)
+
+    for _ in range(3):
+        g()
+    torch.cuda.synchronize()
+    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    st.record()
+    for _ in range(20):
+        g()
+    en.record()
+    en.synchronize()
+    print(f"B={B} plain read kernel of the logits: {st.elapsed_time(en) / 20 * 1e3:.1f} us")
+    for q in (True, False):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                call(triton_ops.rejection_sample, s, q)
+            torch.cuda.synchronize()
+        print(f"--- B={B} draft_probs={q}")
+        for e in prof.key_averages():
+            if e.device_time_total > 0:
+                print(f"  {e.key:<24} {e.device_time_total / e.count:9.1f} us x {e.count}")
