@@ -3,27 +3,30 @@
 
 Every op runs on the flattened layout: request r owns target rows ``cu[r] + r ... cu[r+1] + r``
 (its n_r verify rows, then its bonus row). A plain sampling call is the same layout with no drafts
-(``NO_DRAFTS``: row r is request r's bonus row). Two launches do the work:
+(``NO_DRAFTS``: row r is request r's bonus row). Three launches do the work:
 
-``_stats_kernel``  grid (num_rows, NUM_CHUNKS). Reads each target row once, in chunks of CHUNK
-    tokens, and writes per chunk: the softmax partials (chunk max m_c, sum_v exp(z_v - m_c)), the
-    raw-logit argmax (greedy rows) and, on the bonus row of a random request, the chunk winner of
-    the exponential race for the bonus token (the race needs noise; only bonus rows pay for it).
-``_race_kernel``   grid (B, NUM_CHUNKS). Every program first verifies its request's drafts from
-    the partials, vectorised over the draft index (no row is read again for this: p_i(d_i) is
-    one gathered logit and the row's (m, S)). Then:
-      greedy request       -> argmax of the final row, from the partials;
-      every draft accepted -> the bonus token: the best of the chunk winners, scored exactly;
-      first rejection at a -> the recovered token: each program races one chunk of the final row
-                              (re-read once, with the rejected draft's q row if any) and the last
-                              program to finish (an atomic counter) picks the winner and writes.
+``_stats_kernel``   grid (B * (k + 1), NUM_CHUNKS). Reads each target row once, in chunks of
+    CHUNK tokens, and writes per chunk: the softmax partials (chunk max m_c, sum_v exp(z_v - m_c)),
+    the raw-logit argmax (greedy rows) and, on the bonus row of a random request, the chunk's
+    candidate of the exponential race for the bonus token (noise is paid on bonus rows only).
+``_decide_kernel``  grid (B,). Verifies the request's drafts from the partials, vectorised over the
+    draft index: p_i(d_i) is one gathered logit and the row's (m, S), q_i(d_i) one gathered
+    probability, so no row is read again. Writes the output row directly when the request is
+    greedy (argmax from the partials) or every draft passed (the bonus token: the best chunk
+    candidate, each re-scored exactly as the twin scores it); otherwise records the first
+    rejection for:
+``_race_kernel``    grid (B, NUM_RACE_CHUNKS), in ``triton_kernels_race``. Races the recovered
+    token over the final row (read a second time, with the rejected draft's q row under the full
+    rule); the last program of the request (an atomic counter) picks the winner and writes.
 
-So each target row is read once, plus the final row of a request rejected by a random target;
-each draft-probability row is touched at one entry, plus the row of the first rejection.
+So each target row is read once, plus the final row of a request whose draft a random target
+rejected; each draft-probability row is read at one entry, plus the row of that rejected draft.
 Masks (top-k, top-p, min-p) need row-wide thresholds first: ``triton_kernels_masks``.
 
 Float semantics follow the torch twin: z = logits / T with IEEE division (``div_rn``), p = exp(z -
 m) / S, score = p / E with E = -log(u); on CUDA exp and log are libdevice's (those torch uses).
+Within a chunk a race candidate may be ranked with faster arithmetic; every candidate that can
+win is re-scored with the twin's arithmetic before the final argmax.
 """
 
 from __future__ import annotations
@@ -419,129 +422,3 @@ def _decide_kernel(
         tl.store(out + 4, tl.sum(tl.where(at_final, s_p, 0.0), axis=0))
         tl.store(out + 5, tl.sum(tl.where(at_final, floor, 0.0), axis=0))
         tl.store(out + 6, tl.sum(tl.where(at_final, s3, 0.0), axis=0))
-
-
-@triton.jit
-def _race_kernel(
-    logits_ptr, logits_stride,  # [num_rows, V]
-    draft_ids_ptr,  # [num_draft_tokens] int
-    cu_ptr,  # [B + 1] int, leading 0
-    draft_probs_ptr, draft_probs_stride,  # [num_draft_tokens, V] float32 (HAS_DRAFT_PROBS)
-    temperature_ptr,  # [B] float32
-    seeds_ptr, positions_ptr,  # [B] int64
-    record_ptr,  # [B, 2] int32: (num_accepted, rejected draft), or -1: nothing to race
-    record_f_ptr,  # [B, 8] float32: the final row's m, S, kth, tau, s_p, floor, s3
-    race_f_ptr,  # [B, NUM_RACE_CHUNKS] float32: chunk winners' ranking scores
-    race_i_ptr,  # [2, B, NUM_RACE_CHUNKS] int32: chunk winners' ids, chunk has a residual
-    counter_ptr,  # [B] int32, zeroed by _stats_kernel
-    token_ids_ptr, token_ids_stride,  # [B, width] int32
-    batch_size, vocab_size, width,
-    RACE_CHUNK: tl.constexpr, NUM_RACE_CHUNKS: tl.constexpr, NRC_P2: tl.constexpr,
-    WIDTH_P2: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr,
-    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-):
-    """Grid (B, NUM_RACE_CHUNKS): the recovered token of request r at its first rejection,
-    raced over one chunk of the final row per program; the last program of the request picks
-    it. Requests with nothing to race exit after one load."""
-    req = tl.program_id(0)
-    chunk = tl.program_id(1)
-    record = tl.load(record_ptr + 2 * req)
-    if record >= 0:
-        num_accepted = record.to(tl.int64)
-        draft_start = tl.load(cu_ptr + req).to(tl.int64)
-        st = record_f_ptr + 8 * req
-        temperature = tl.load(temperature_ptr + req)
-        _residual_race(
-            logits_ptr, logits_stride, draft_ids_ptr, draft_probs_ptr, draft_probs_stride,
-            race_f_ptr, race_i_ptr, race_i_ptr + batch_size * NUM_RACE_CHUNKS, counter_ptr,
-            token_ids_ptr, token_ids_stride,
-            req, chunk, draft_start, num_accepted, draft_start + req + num_accepted,
-            tl.where(temperature > 0.0, temperature, 1.0),
-            tl.load(seeds_ptr + req), tl.load(positions_ptr + req),
-            tl.load(record_ptr + 2 * req + 1),
-            tl.load(st), tl.load(st + 1), tl.load(st + 2), tl.load(st + 3), tl.load(st + 4),
-            tl.load(st + 5), tl.load(st + 6), vocab_size, width,
-            NUM_RACE_CHUNKS, NRC_P2, RACE_CHUNK, WIDTH_P2, HAS_DRAFT_PROBS,
-            HAS_TOP_K, HAS_TOP_P, HAS_MIN_P,
-        )
-
-
-@_helper
-def _residual_race(
-    logits_ptr, logits_stride, draft_ids_ptr, draft_probs_ptr, draft_probs_stride,
-    race_score_ptr, race_idx_ptr, race_has_ptr, counter_ptr, token_ids_ptr, token_ids_stride,
-    req, chunk, draft_start, num_accepted, final_row, t_eff, seed, position, rejected_id,
-    m, s, kth, tau, s_p, floor, s3, vocab_size, width,
-    NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
-    WIDTH_P2: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr,
-    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-):
-    """Recovered token at the first rejection: race over one chunk of the final row, then the
-    last program of the request re-scores the chunk winners exactly and writes the output row.
-    Inside a chunk the ranking uses the fast division (it only picks the chunk's candidate)."""
-    ids = _tile_ids(chunk * CHUNK, CHUNK // 4)
-    valid = ids < vocab_size
-    x = tl.load(logits_ptr + final_row * logits_stride + ids, mask=valid, other=float("-inf"))
-    z = _scale(x.to(tl.float32), t_eff)
-    if HAS_DRAFT_PROBS or HAS_TOP_K or HAS_TOP_P or HAS_MIN_P:
-        p = _processed(z, m, s, kth, tau, s_p, floor, s3, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
-        w = _residual(p, ids,
-                      draft_probs_ptr + (draft_start + num_accepted) * draft_probs_stride,
-                      valid, rejected_id, HAS_DRAFT_PROBS)
-    else:
-        # one-hot rule without masks: the residual is proportional to exp(z - m) off the
-        # rejected draft, which is all the ranking needs
-        w = tl.where(ids == rejected_id, 0.0, tl.exp(z - m))
-    position = position + num_accepted
-    noise = _noise_tile(seed, position, RESIDUAL_STREAM, chunk * CHUNK, CHUNK // 4)
-    best, best_id = _argmax_tile(tl.where(valid, tl.math.fdiv(w, noise), -1.0), ids)
-    has_residual = tl.max(tl.max(w, axis=1), axis=0) > 0.0
-    slot = req * NUM_CHUNKS + chunk
-    tl.store(race_score_ptr + slot, best)
-    tl.store(race_idx_ptr + slot, best_id)
-    tl.store(race_has_ptr + slot, has_residual.to(tl.int32))
-    tl.debug_barrier()
-    num_done = tl.atomic_add(counter_ptr + req, 1, sem="acq_rel")
-    if num_done == NUM_CHUNKS - 1:
-        c = tl.arange(0, NC_P2)
-        c_ok = c < NUM_CHUNKS
-        base = req * NUM_CHUNKS + c
-        chunk_ids = tl.load(race_idx_ptr + base, mask=c_ok, other=0, volatile=True)
-        any_residual = tl.max(tl.load(race_has_ptr + base, mask=c_ok, other=0, volatile=True), 0)
-        # exact scores of the chunk winners: residual / E, as the twin computes them
-        x_w = tl.load(logits_ptr + final_row * logits_stride + chunk_ids, mask=c_ok, other=0.0)
-        p_w = _processed(_scale(x_w.to(tl.float32), t_eff), m, s, kth, tau, s_p, floor, s3,
-                         HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
-        w_w = _residual(p_w, chunk_ids,
-                        draft_probs_ptr + (draft_start + num_accepted) * draft_probs_stride,
-                        c_ok, rejected_id, HAS_DRAFT_PROBS)
-        noise_w = _noise_at(seed, position, RESIDUAL_STREAM, chunk_ids)
-        _, token = _argmax_vec(tl.where(c_ok, tl.math.div_rn(w_w, noise_w), -1.0), chunk_ids)
-        if any_residual == 0:
-            # Empty residual (p = q up to rounding): sample from p, on the same stream.
-            best = -2.0
-            for cc in range(0, NUM_CHUNKS):
-                ids = _tile_ids(cc * CHUNK, CHUNK // 4)
-                valid = ids < vocab_size
-                x = tl.load(logits_ptr + final_row * logits_stride + ids, mask=valid,
-                            other=float("-inf"))
-                p = _processed(_scale(x.to(tl.float32), t_eff), m, s, kth, tau, s_p, floor, s3,
-                               HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
-                noise = _noise_tile(seed, position, RESIDUAL_STREAM, cc * CHUNK, CHUNK // 4)
-                b, b_id = _argmax_tile(tl.where(valid, tl.math.div_rn(p, noise), -1.0), ids)
-                token = tl.where(b > best, b_id, token)
-                best = tl.maximum(b, best)
-        _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
-                      num_accepted, token, width, WIDTH_P2, False)
-
-
-@_helper
-def _residual(p, ids, q_row_ptr, valid, rejected_id, HAS_DRAFT_PROBS: tl.constexpr):
-    """The residual weights at ``ids``: max(0, p - q) (full rule) or p with the rejected draft
-    zeroed (one-hot rule)."""
-    if HAS_DRAFT_PROBS:
-        q = tl.load(q_row_ptr + ids, mask=valid, other=0.0)
-        w = tl.maximum(p - q, 0.0)
-    else:
-        w = tl.where(ids == rejected_id, 0.0, p)
-    return w

@@ -13,8 +13,9 @@ import torch
 
 from verispec.ops import philox
 from verispec.ops.backend import Backend
-from verispec.ops.triton_kernels import INTERPRET, _decide_kernel, _race_kernel, _stats_kernel
+from verispec.ops.triton_kernels import INTERPRET, _decide_kernel, _stats_kernel
 from verispec.ops.triton_kernels_masks import _mask_stats_kernel, _probs_kernel
+from verispec.ops.triton_kernels_race import _race_kernel
 
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_CHUNK = 4096  # tokens per program: 16 KB of float32 logits
