@@ -4,7 +4,8 @@ Imported only when the ``triton`` backend is chosen (``verispec.ops.backend``). 
 shapes, dtypes and contiguity, allocate fixed-size outputs and workspaces (sizes depend on shapes
 only: no host sync, capturable in a CUDA graph) and launch the kernels of
 ``triton_kernels`` / ``triton_kernels_masks``. For the same inputs and seeds they return the same
-token ids as the torch twins; see those for the contracts.
+token ids as the torch twins; see those for the contracts. A first call per shape class compiles
+the kernels: make it before capturing a CUDA graph.
 """
 
 from __future__ import annotations
