@@ -20,7 +20,7 @@ from verispec.ops.triton_kernels_race import _race_kernel
 
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_CHUNK = 4096  # tokens per program: 16 KB of float32 logits
-_MASK_TILE = 2048  # tokens per loop step of the one-program-per-row threshold search
+_MASK_TILE = 8192  # tokens per loop step of the one-program-per-row threshold search
 
 
 def _p2(n: int, least: int = 16) -> int:
