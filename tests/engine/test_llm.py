@@ -146,6 +146,15 @@ def test_stream_matches_generate(llm):
     assert chunks[-1].finish_reason == final.finish_reason
 
 
+def test_stream_stopped_early_releases_its_slot(llm):
+    stream = llm.generate_stream([5, 6, 7], SamplingParams(temperature=0, max_tokens=30))
+    next(stream)
+    stream.close()
+    assert not llm.scheduler.has_unfinished
+    assert all(n == 0 for n in llm.runner.kv_cache.lengths_np)
+    assert len(llm.generate([5, 6], SamplingParams(max_tokens=3))[0].token_ids) == 3
+
+
 def test_metrics(llm):
     out = llm.generate([5, 6], SamplingParams(temperature=0, max_tokens=6))[0]
     m = out.metrics

@@ -268,8 +268,12 @@ class LLM:
                 )
         for _, request in requests:
             self.scheduler.add(request)
-        while self.scheduler.has_unfinished:
-            self.step()
+        try:
+            while self.scheduler.has_unfinished:
+                self.step()
+        except BaseException:  # e.g. KeyboardInterrupt: leave the engine clean for the next call
+            self._abort([r for _, r in requests])
+            raise
         for i, request in requests:
             outputs[i] = self._output(request)
         return outputs  # type: ignore[return-value]
@@ -291,9 +295,21 @@ class LLM:
         request = self._make_request(prompt, sampling_params or SamplingParams())
         self.scheduler.add(request)
         shown = ""
-        while not request.finished:
-            self.step()
-            output = self._output(request)
-            if output.text != shown or request.finished:
-                shown = output.text
-                yield output
+        try:
+            while not request.finished:
+                self.step()
+                output = self._output(request)
+                if output.text != shown or request.finished:
+                    shown = output.text
+                    yield output
+        finally:  # the consumer may stop early: release the request's slot
+            self._abort([request])
+
+    def _abort(self, requests: Sequence[Request]) -> None:
+        for request in requests:
+            if not request.finished:
+                if request.slot >= 0:
+                    self.runner.kv_cache.free(request.slot)
+                    if self.spec is not None:
+                        self.spec.release(request)
+                self.scheduler.abort(request)

@@ -44,3 +44,10 @@ class Scheduler:
         """Release the request's slot (it may be reused by the next step's prefill)."""
         self.running.remove(request)
         heapq.heappush(self._free_slots, request.slot)
+
+    def abort(self, request: Request) -> None:
+        """Drop an unfinished request, waiting or running (its slot is released)."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self.running:
+            self.finish(request)
