@@ -75,7 +75,11 @@ def main() -> None:
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice, one per core)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
