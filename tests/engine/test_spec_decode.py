@@ -266,3 +266,4 @@ def test_best_num_drafts_switches_off_when_it_does_not_pay():
     assert best_num_drafts(0.0, 5, 0.0) == 0
     assert best_num_drafts(1.0, 4, 0.11) == 4
     assert 0 < best_num_drafts(0.5, 8, 0.11) < 8
+
