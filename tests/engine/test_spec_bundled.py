@@ -6,11 +6,16 @@ model, early exit after 12 layers) at k = 1, 3, 5 must give the plain engine's t
 divergence is accepted only where the target's top two logits differ by less than 1e-5 at that
 position (float rounding between a one-token and a multi-token forward may flip such a tie); the
 test recomputes those logits and checks that this is why.
+
+The full grid (3 proposers x k in {1, 3, 5} x 20 prompts x 64 tokens) takes tens of minutes on a
+2-core CPU, too long for CI: CI runs n-gram at k = 3 on all 20 prompts and the model-based
+proposers at k = 3 on 4 prompts x 32 tokens; ``VERISPEC_FULL_SPEC_GRID=1`` runs the full grid.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -53,13 +58,20 @@ def spec_config(method: str, k: int) -> dict:
     return config
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "early_exit"])
+FULL_GRID = os.environ.get("VERISPEC_FULL_SPEC_GRID") == "1"
+GRID = [(m, k) for m in ("ngram", "draft_model", "early_exit") for k in (1, 3, 5)]
+CI_GRID = [("ngram", 3), ("draft_model", 3), ("early_exit", 3)]
+
+
+@pytest.mark.parametrize(("method", "k"), GRID if FULL_GRID else CI_GRID)
 def test_greedy_speculative_equals_plain_on_bundled(method, k):
-    reference = plain_outputs()
-    llm = LLM(dtype="float32", max_model_len=512, max_num_seqs=len(CHATS),
+    full = FULL_GRID or method == "ngram"
+    num_prompts, max_tokens = (len(CHATS), MAX_TOKENS) if full else (4, 32)
+    reference = [(p, ref[:max_tokens]) for p, ref in plain_outputs()[:num_prompts]]
+    llm = LLM(dtype="float32", max_model_len=512, max_num_seqs=num_prompts,
               speculative_config=spec_config(method, k))
-    outs = llm.generate(CHATS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    outs = llm.generate(CHATS[:num_prompts],
+                        SamplingParams(temperature=0.0, max_tokens=max_tokens))
     assert llm.get_metrics()["spec_decoding"]["num_drafts"] > 0
     checker = bundled_llm()
     for out, (prompt_ids, ref) in zip(outs, reference):
