@@ -61,6 +61,72 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=f.name, type=kind, default=default, help=help_text)
 
 
+# SpeculativeConfig field -> (flag, options). Defaults are None so that a flag the user gave can
+# be told from one they did not (a --speculative-config JSON plus such flags is an error).
+SPEC_FLAGS: dict[str, tuple[str, dict]] = {
+    "method": ("--speculative-method", dict(
+        help="proposer, or none (default: ngram)")),
+    "num_speculative_tokens": ("--num-speculative-tokens", dict(type=int, help="k (default 3)")),
+    "model": ("--draft-model", dict(help="draft model directory or .gguf (draft_model)")),
+    "num_draft_layers": ("--draft-layers", dict(type=int, help="N target layers (early_exit)")),
+    "draft_sample_method": ("--draft-sample-method", dict(choices=["greedy", "probabilistic"])),
+    "prompt_lookup_min": ("--prompt-lookup-min", dict(type=int)),
+    "prompt_lookup_max": ("--prompt-lookup-max", dict(type=int)),
+    "synthetic_acceptance_length": ("--synthetic-acceptance-length", dict(
+        type=float, help="benchmark at this mean acceptance length (synthetic mode)")),
+    "synthetic_acceptance_rates": ("--synthetic-acceptance-rates", dict(
+        help="comma-separated unconditional per-position rates (synthetic mode)")),
+}
+
+
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    from verispec.proposers import available_proposers
+
+    group = parser.add_argument_group("speculative decoding (SpeculativeConfig fields)")
+    for name, (flag, options) in SPEC_FLAGS.items():
+        if name == "method":
+            options = dict(options, choices=available_proposers() + ["none"])
+        group.add_argument(flag, dest="spec_" + name, default=None, **options)
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help="a vLLM speculative_config dict as JSON (instead of the flags above)")
+
+
+def speculative_config(args: argparse.Namespace):
+    """The SpeculativeConfig the flags describe, or None for ``--speculative-method none``."""
+    import json
+
+    from verispec.config import SpeculativeConfig
+
+    given = {name: getattr(args, "spec_" + name) for name in SPEC_FLAGS
+             if getattr(args, "spec_" + name) is not None}
+    if args.speculative_config is not None:
+        if given:
+            flags = ", ".join(SPEC_FLAGS[name][0] for name in given)
+            raise ValueError(f"--speculative-config cannot be combined with {flags}")
+        try:
+            config = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"--speculative-config is not valid JSON ({e}): {args.speculative_config!r}"
+            ) from None
+        if isinstance(config, dict) and config.get("method") == "none":
+            return None
+        return SpeculativeConfig.from_dict(config)
+    if given.get("method", "ngram") == "none":
+        return None
+    rates = given.get("synthetic_acceptance_rates")
+    if rates is not None:
+        try:
+            given["synthetic_acceptance_rates"] = [float(x) for x in rates.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"--synthetic-acceptance-rates must be comma-separated numbers, got {rates!r}"
+            ) from None
+    if "synthetic_acceptance_rates" in given or "synthetic_acceptance_length" in given:
+        given["rejection_sample_method"] = "synthetic"
+    return SpeculativeConfig(**given)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in ENGINE_FLAGS}
 
@@ -78,6 +144,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chat", action="store_true",
                         help="send the prompt as plain text, without the chat template")
     add_engine_args(parser)
+    add_speculative_args(parser)
     add_sampling_args(parser)
 
 
@@ -85,7 +152,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from verispec.engine.llm import LLM
 
     params = sampling_params(args)
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**engine_kwargs(args), speculative_config=speculative_config(args))
     chat = not args.no_chat and getattr(llm.tokenizer, "chat_template", None)
     prompt = [{"role": "user", "content": args.prompt}] if chat else args.prompt
     start = time.perf_counter()
@@ -103,6 +170,68 @@ def run_generate(args: argparse.Namespace) -> int:
         f"time to first token {ttft or 0:.3f} s; finish_reason={output.finish_reason}]",
         file=sys.stderr,
     )
+    line = llm.spec_decoding_log_line(elapsed)
+    if line:
+        print(line, file=sys.stderr)
+    return 0
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", default="grounded",
+                        help="built-in set (grounded, free, all) or a JSONL file of "
+                        '{"prompt": ...} lines')
+    parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--k-values", default=None,
+                        help="comma-separated k to sweep (default: --num-speculative-tokens)")
+    parser.add_argument("--no-chat", action="store_true", help="prompts without chat template")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="draw per-position acceptance and speedup against k")
+    add_engine_args(parser)
+    add_speculative_args(parser)
+    add_sampling_args(parser)
+    parser.set_defaults(max_tokens=64)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import dataclasses as dc
+    import json
+
+    from verispec.engine.bench import run_bench as bench
+    from verispec.engine.bench_prompts import get_prompts
+    from verispec.engine.bench_utils import plot_acceptance_and_speedup, print_table
+
+    config = speculative_config(args)
+    if config is None:
+        raise ValueError("verispec bench compares against speculation: pick a method")
+    ks = ([int(k) for k in args.k_values.split(",")] if args.k_values
+          else [config.num_speculative_tokens])
+    configs = []
+    for k in ks:
+        fields = {f.name: getattr(config, f.name) for f in dc.fields(config) if f.init}
+        if config.is_synthetic and config.synthetic_acceptance_rates is not None and k != len(
+                config.synthetic_acceptance_rates):
+            raise ValueError("--k-values cannot change k with --synthetic-acceptance-rates")
+        configs.append(type(config)(**dict(fields, num_speculative_tokens=k)))
+    prompts = get_prompts(args.prompts)[: args.num_prompts]
+    if not args.no_chat:
+        prompts = [[{"role": "user", "content": p}] for p in prompts]
+    rows = bench(engine_kwargs(args), configs, prompts, sampling_params(args), args.batch_size)
+    columns = ["method", "k", "tokens_per_s", "speedup", "mean_acceptance_length",
+               "acceptance_rate_per_pos", "predicted_speedup", "c", "verify_cost"]
+    print_table([{c: r.get(c) for c in columns} for r in rows])
+    for r in rows[1:]:
+        print(r["log_line"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    if args.plot:
+        plot_acceptance_and_speedup(rows, args.plot)
+    print(json.dumps({"bench": rows}))
     return 0
 
 
@@ -112,6 +241,8 @@ def run_generate(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "generate": ("generate text for a prompt, streamed to the terminal", add_generate_args,
                  run_generate),
+    "bench": ("tokens/s and acceptance with and without speculation on a prompt set",
+              add_bench_args, run_bench),
 }
 
 

@@ -104,6 +104,7 @@ class LLM:
             tokenizer=self.tokenizer,
         )
         self._next_request_id = 0
+        self.num_steps = 0  # engine steps run (prefill and decode)
         self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
 
     # ----------------------------------------------------------------- requests in and out
@@ -149,6 +150,7 @@ class LLM:
     def step(self) -> list[Request]:
         """Run one engine step; returns the requests that finished in it."""
         batch, is_prefill = self.scheduler.schedule()
+        self.num_steps += 1
         if self.spec is None or is_prefill:
             outputs = [[t] for t in self._sample(batch, self._run(batch, is_prefill))]
         else:  # propose, verify, accept

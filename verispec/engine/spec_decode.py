@@ -27,6 +27,7 @@ given acceptance.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -94,6 +95,10 @@ class SpeculativeDecoder:
         self.adaptive = not config.is_synthetic
         self.beta = verify_cost_per_token(runner.device, runner.dtype)
         self.logger = SpecDecodingLogger(self.k, log_interval_s)
+        # Wall time spent proposing and verifying, for reports only (never for decisions).
+        self.propose_time_s = 0.0
+        self.verify_time_s = 0.0
+        self.num_steps = 0
         self._alpha = np.full(max_num_seqs, ALPHA_PRIOR)  # per slot
         self._steps_off = np.zeros(max_num_seqs, dtype=np.int64)
 
@@ -132,10 +137,12 @@ class SpeculativeDecoder:
         """Propose, verify and accept for ``batch``; returns each request's output tokens (to be
         committed by the engine, then ``on_committed``)."""
         self._plan(batch)
+        start = time.perf_counter()
         proposal = self.proposer.propose(batch)
         num_drafts = proposal.num_draft_tokens_cpu  # [B] host
         cu = proposal.cu_num_draft_tokens.numpy()
         drafts = proposal.draft_token_ids.tolist()  # the verify forward takes host token lists
+        proposed = time.perf_counter()
         new_tokens = [
             [r.last_token_id] + drafts[cu[i]:cu[i + 1]] for i, r in enumerate(batch)
         ]
@@ -150,6 +157,9 @@ class SpeculativeDecoder:
             sampling,
             positions,
         ).tolist()  # the step's one host sync
+        self.propose_time_s += proposed - start
+        self.verify_time_s += time.perf_counter() - proposed
+        self.num_steps += 1
         outputs = [[t for t in row if t != -1] for row in token_ids]
         step_stats = SpecDecodingStats(self.k)
         for r, n, out in zip(batch, num_drafts, outputs):
