@@ -41,7 +41,7 @@ from verispec.proposers import ProposerContext, build_proposer
 from verispec.sample.rejection_sampler import RejectionSampler
 from verispec.sample.sampler import SamplingTensors
 
-ALPHA_PRIOR = 0.6  # a new request's assumed per-token acceptance
+ALPHA_PRIOR = 0.8  # a new request starts optimistic: full k, backing off as drafts fail
 ALPHA_DECAY = 0.7  # weight of the old estimate in the exponential average
 REPROBE_STEPS = 16
 
