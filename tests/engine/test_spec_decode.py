@@ -19,6 +19,7 @@ import pytest
 from scipy import stats
 
 from tests.models.utils import copy_bundled_tokenizer, requires_bundled
+from tests.proposers.test_draft_model import save_llama
 from verispec import LLM, SamplingParams
 from verispec.engine.spec_decode import best_num_drafts
 
@@ -27,29 +28,15 @@ MAX_MODEL_LEN = 64
 P_VALUE_THRESHOLD = 1e-6
 
 
-def save_llama(path, *, num_layers=3, vocab_size=VOCAB, seed=0, hidden=32) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.2,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).eval().save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    return save_llama(tmp_path_factory.mktemp("target"))
+    return save_llama(tmp_path_factory.mktemp("target"), vocab_size=VOCAB)
 
 
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory):
-    return save_llama(tmp_path_factory.mktemp("draft"), num_layers=1, seed=1)
+    return save_llama(tmp_path_factory.mktemp("draft"), num_layers=1, seed=1,
+                      vocab_size=VOCAB)
 
 
 def spec_configs(draft_dir):
@@ -169,7 +156,7 @@ def test_identical_draft_model_accepts_everything(target_dir):
 def text_model_dir(tmp_path_factory):
     """A tiny model with the bundled tokenizer, for stop strings."""
     path = tmp_path_factory.mktemp("text")
-    save_llama(path, vocab_size=49152, hidden=32, num_layers=2, seed=4)
+    save_llama(path, vocab_size=49152, num_layers=2, seed=4)
     copy_bundled_tokenizer(str(path))
     return str(path)
 
