@@ -147,3 +147,33 @@ def test_bundled_model_matches_hf():
         ref = hf_logits(hf, ids + [28, 29, 30])[-3:]
         rows = [runner.forward([0], [[t]])[0] for t in (28, 29, 30)]
         assert_close(torch.stack(rows), ref)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 37])
+@pytest.mark.parametrize("splits", [2, 3, 4])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_split_linear_matches_f_linear(rows, splits, with_bias):
+    """``linear`` with row blocks (the CPU float32 decode path) computes F.linear: a [B, S, in]
+    input, weights whose row count the split divides, and a weight it does not divide (plain
+    F.linear fallback)."""
+    from verispec.models.llama import linear
+
+    gen = torch.Generator().manual_seed(rows * 10 + splits)
+    for out_features in (24, 25):
+        weight = torch.randn(out_features, 16, generator=gen)
+        bias = torch.randn(out_features, generator=gen) if with_bias else None
+        x = torch.randn(1, rows, 16, generator=gen)
+        ref = torch.nn.functional.linear(x, weight, bias)
+        ours = linear(x, weight, bias, splits)
+        assert ours.shape == ref.shape == (1, rows, out_features)
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_runner_splits_cpu_float32_matmuls(tiny):
+    """The model runner turns the row-block matmuls on for CPU float32 (one block per thread)
+    (bfloat16 keeps torch's own matmul, which already uses every thread)."""
+    _, loaded = tiny
+    ModelRunner(loaded.model, num_slots=1, max_model_len=64)
+    assert loaded.model.matmul_splits == torch.get_num_threads()
+    assert all(layer.mlp.matmul_splits == torch.get_num_threads()
+               for layer in loaded.model.layers)

@@ -42,6 +42,9 @@ class ModelRunner:
         if kv_cache_dtype is None:
             # On CPU, SDPA over a bfloat16 cache is several times slower than over float32.
             kv_cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            # One weight block per thread (see models.llama.linear for the measurement).
+            model.set_matmul_splits(torch.get_num_threads())
         self.kv_cache = KVCache(self.config, num_slots, max_model_len, kv_cache_dtype,
                                 self.device)
         # Angles in float32, then rounded to the model dtype once (as HF does per forward).

@@ -60,6 +60,34 @@ class RMSNorm(nn.Module):
         return normed[..., :n] * self.weight
 
 
+def linear(
+    x: torch.Tensor,  # [..., in_features]
+    weight: torch.Tensor,  # [out_features, in_features]
+    bias: torch.Tensor | None,  # [out_features] or None
+    splits: int = 1,
+) -> torch.Tensor:
+    """``F.linear``, or with ``splits > 1`` the same product computed as ``splits`` blocks of the
+    weight's rows in one ``bmm`` (each output element is still one dot product over the input).
+
+    Why: on CPU, torch's float32 ``F.linear`` goes to MKL's sgemm, which for a few rows (decode, a
+    verify step) runs on one thread; ``bmm`` over row blocks gives each thread its own block.
+    Measured on a 2-core AMD EPYC over the bundled model's 121 weight matrices: 1 row 47.7 ->
+    30.7 ms, 5 rows 81.3 -> 49.2 ms, 64 rows 251 -> 181 ms (docs/benchmarks.md). Not used for
+    bfloat16, whose CPU matmul (oneDNN) already uses every thread.
+    """
+    out_features, in_features = weight.shape
+    if splits <= 1 or out_features % splits:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, in_features)
+    blocks = weight.view(splits, out_features // splits, in_features)
+    y = torch.bmm(rows.expand(splits, -1, -1), blocks.transpose(1, 2))  # [splits, M, out/splits]
+    if rows.shape[0] == 1:  # [splits, 1, out/splits] is already the row's memory layout
+        y = y.view(*x.shape[:-1], out_features)
+    else:
+        y = y.transpose(0, 1).reshape(*x.shape[:-1], out_features)
+    return y if bias is None else y.add_(bias)
+
+
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     # Uninitialised: every parameter is overwritten by the loader (which checks none is missed).
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
@@ -80,6 +108,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
         self.scale = c.head_dim**-0.5
+        self.matmul_splits = 1  # see LlamaForCausalLM.set_matmul_splits
 
     def forward(
         self,
@@ -89,7 +118,7 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,  # [num_slots, max_model_len, num_kv_heads, head_dim]
     ) -> torch.Tensor:
         B, S, _ = x.shape
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.matmul_splits)
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         v = qkv[..., self.q_size + self.kv_size :].view(B, S, hkv, d)
         if self.q_norm is None:
@@ -124,7 +153,8 @@ class Attention(nn.Module):
             scale=self.scale,
             enable_gqa=hq != hkv,
         ).to(x.dtype)  # [B, hq, S, d]
-        return F.linear(out.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight, self.o_bias)
+        return linear(out.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight, self.o_bias,
+                      self.matmul_splits)
 
 
 class MLP(nn.Module):
@@ -138,11 +168,12 @@ class MLP(nn.Module):
         self.gate_up_bias = _param(2 * c.intermediate_size, dtype=dtype) if c.mlp_bias else None
         self.down_weight = _param(c.hidden_size, c.intermediate_size, dtype=dtype)
         self.down_bias = _param(c.hidden_size, dtype=dtype) if c.mlp_bias else None
+        self.matmul_splits = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.matmul_splits)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        return linear(F.silu(gate) * up, self.down_weight, self.down_bias, self.matmul_splits)
 
 
 class DecoderLayer(nn.Module):
@@ -168,6 +199,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config
+        self.matmul_splits = 1
         self.embed_weight = _param(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)
@@ -196,4 +228,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab_size] float32 logits."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight, None, self.matmul_splits).float()
+
+    def set_matmul_splits(self, splits: int) -> None:
+        """Compute every weight matmul as ``splits`` row blocks in one bmm (see ``linear``)."""
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP, LlamaForCausalLM)):
+                module.matmul_splits = splits
