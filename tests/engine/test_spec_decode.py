@@ -254,3 +254,57 @@ def test_best_num_drafts_switches_off_when_it_does_not_pay():
     assert best_num_drafts(1.0, 4, 0.11) == 4
     assert 0 < best_num_drafts(0.5, 8, 0.11) < 8
 
+
+
+def test_step_without_drafts_is_a_plain_decode_step(target_dir):
+    """When no request drafts, the speculative engine takes the plain decode path; its sampled
+    tokens are the bonus tokens of the rejection sampler, so seeded sampled requests equal the
+    plain engine's token for token (every request switched off from the first step)."""
+    prompts = [[9, 10], PROMPT, [1, 2, 3, 4, 5, 6]]
+    params = [SamplingParams(temperature=t, seed=s, top_k=k, max_tokens=16, ignore_eos=True)
+              for t, s, k in ((1.0, 3, 0), (0.7, 4, 6), (0.0, 5, 0))]
+    llm = engine(target_dir, {"method": "ngram", "num_speculative_tokens": 3,
+                              "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+
+    def plan_nothing(batch):
+        for r in batch:
+            r.max_num_draft_tokens = 0
+
+    llm.spec._plan = plan_nothing
+    spec = llm.generate(prompts, params)
+    plain = engine(target_dir).generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert llm.spec.num_steps == 15 and llm.spec.stats.num_drafts == 0
+
+
+def test_failed_probes_back_off():
+    """A request whose drafts always fail is switched off and probed at doubling intervals
+    (16, 32, 64, ... capped at MAX_REPROBE_STEPS); a passing probe resets the interval."""
+    from types import SimpleNamespace
+
+    from verispec.engine import spec_decode as sd
+
+    dec = sd.SpeculativeDecoder.__new__(sd.SpeculativeDecoder)
+    dec.k, dec.max_model_len, dec.adaptive, dec.beta = 4, 10_000, True, 0.35
+    dec._alpha = np.full(1, sd.ALPHA_PRIOR)
+    dec._steps_off = np.zeros(1, dtype=np.int64)
+    dec._probe_interval = np.full(1, sd.REPROBE_STEPS)
+    dec._probing = np.zeros(1, dtype=bool)
+    params = SimpleNamespace(max_tokens=100_000)
+    req = SimpleNamespace(slot=0, num_tokens=10, num_output_tokens=0, params=params,
+                          max_num_draft_tokens=0)
+    drafted_at = []
+    for step in range(2000):
+        dec._plan([req])
+        if req.max_num_draft_tokens:
+            drafted_at.append(step)
+            dec._observe(0, req.max_num_draft_tokens, 0)  # every draft fails
+    gaps = np.diff(drafted_at).tolist()
+    assert drafted_at[0] == 0  # the optimistic prior drafts at once
+    probe_gaps = [g for g in gaps if g > 1]
+    assert probe_gaps[:5] == [16, 32, 64, 128, 256]  # each failed probe doubles the interval
+    assert set(probe_gaps[5:]) == {sd.MAX_REPROBE_STEPS}
+    assert len(drafted_at) < 20  # a fixed interval of 16 would probe ~120 times
+    dec._probing[0] = True  # a probe that passes resets the interval
+    dec._observe(0, 1, 1)
+    assert dec._probe_interval[0] == sd.REPROBE_STEPS

@@ -20,9 +20,15 @@ per-token acceptance rate alpha (an exponential average of accepted / drafted ov
 with drafts) and drafts ``n = argmax_n E(n) / (1 + beta n)`` tokens, with
 ``E(n) = (1 - alpha^(n+1)) / (1 - alpha)`` the expected tokens per step (Leviathan et al.). A
 request whose drafts keep failing therefore drops to ``n = 0`` (a plain decode step); every
-``REPROBE_STEPS`` steps it drafts again so a request whose text becomes predictable (a quoted
-passage, code being repeated) is noticed. Synthetic mode never switches off: the user asked for a
-given acceptance.
+``REPROBE_STEPS`` steps it drafts one token again so a request whose text becomes predictable (a
+quoted passage, code being repeated) is noticed; each failed probe doubles that interval (up to
+``MAX_REPROBE_STEPS``), a passing one resets it, so free text pays almost nothing for probing.
+Synthetic mode never switches off: the user asked for a given acceptance.
+
+A step in which no request drafted (the n-gram found no match, or every request is switched off)
+is a plain decode step: one row per request through the plain sampler. Its tokens are the ones
+the rejection sampler would emit as bonus tokens (same stream, same position: REFERENCE §4), so
+this changes cost, never output.
 """
 
 from __future__ import annotations
@@ -39,11 +45,12 @@ from verispec.engine.model_runner import ModelRunner
 from verispec.engine.request import Request
 from verispec.proposers import ProposerContext, build_proposer
 from verispec.sample.rejection_sampler import RejectionSampler
-from verispec.sample.sampler import SamplingTensors
+from verispec.sample.sampler import Sampler, SamplingTensors
 
 ALPHA_PRIOR = 0.8  # a new request starts optimistic: full k, backing off as drafts fail
 ALPHA_DECAY = 0.7  # weight of the old estimate in the exponential average
 REPROBE_STEPS = 16
+MAX_REPROBE_STEPS = 256
 
 
 def verify_cost_per_token(device: torch.device, dtype: torch.dtype) -> float:
@@ -92,6 +99,7 @@ class SpeculativeDecoder:
         )
         self.proposer = build_proposer(config, context)
         self.rejection_sampler = RejectionSampler(config, runner.device)
+        self.sampler = Sampler()  # steps in which nobody drafted
         self.adaptive = not config.is_synthetic
         self.beta = verify_cost_per_token(runner.device, runner.dtype)
         self.logger = SpecDecodingLogger(self.k, log_interval_s)
@@ -101,6 +109,8 @@ class SpeculativeDecoder:
         self.num_steps = 0
         self._alpha = np.full(max_num_seqs, ALPHA_PRIOR)  # per slot
         self._steps_off = np.zeros(max_num_seqs, dtype=np.int64)
+        self._probe_interval = np.full(max_num_seqs, REPROBE_STEPS)  # per slot
+        self._probing = np.zeros(max_num_seqs, dtype=bool)
 
     @property
     def stats(self) -> SpecDecodingStats:
@@ -111,6 +121,8 @@ class SpeculativeDecoder:
         """A request took a slot: reset its acceptance estimate and its stats."""
         self._alpha[request.slot] = ALPHA_PRIOR
         self._steps_off[request.slot] = 0
+        self._probe_interval[request.slot] = REPROBE_STEPS
+        self._probing[request.slot] = False
         request.spec_stats = SpecDecodingStats(self.k)
 
     def release(self, request: Request) -> None:
@@ -127,11 +139,21 @@ class SpeculativeDecoder:
                 planned = best_num_drafts(self._alpha[r.slot], n, self.beta)
                 if planned == 0:
                     self._steps_off[r.slot] += 1
-                    if self._steps_off[r.slot] >= REPROBE_STEPS:
+                    if self._steps_off[r.slot] >= self._probe_interval[r.slot]:
                         self._steps_off[r.slot] = 0
+                        self._probing[r.slot] = True
                         planned = 1  # probe: one draft, its outcome updates alpha
                 n = planned
             r.max_num_draft_tokens = n
+
+    def _observe(self, slot: int, num_drafts: int, num_accepted: int) -> None:
+        """Update a request's acceptance estimate (and probe interval) after a step with drafts."""
+        self._alpha[slot] = (ALPHA_DECAY * self._alpha[slot]
+                             + (1 - ALPHA_DECAY) * num_accepted / num_drafts)
+        if self._probing[slot]:
+            self._probing[slot] = False
+            interval = REPROBE_STEPS if num_accepted else 2 * self._probe_interval[slot]
+            self._probe_interval[slot] = min(interval, MAX_REPROBE_STEPS)
 
     def step(self, batch: Sequence[Request], sampling: SamplingTensors) -> list[list[int]]:
         """Propose, verify and accept for ``batch``; returns each request's output tokens (to be
@@ -140,6 +162,8 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         proposal = self.proposer.propose(batch)
         num_drafts = proposal.num_draft_tokens_cpu  # [B] host
+        if not num_drafts.any():
+            return self._plain_step(batch, sampling, start)
         cu = proposal.cu_num_draft_tokens.numpy()
         drafts = proposal.draft_token_ids.tolist()  # the verify forward takes host token lists
         proposed = time.perf_counter()
@@ -167,11 +191,22 @@ class SpeculativeDecoder:
             if n > 0:
                 step_stats.observe(n, accepted)
                 r.spec_stats.observe(n, accepted)
-                self._alpha[r.slot] = (ALPHA_DECAY * self._alpha[r.slot]
-                                       + (1 - ALPHA_DECAY) * accepted / n)
+                self._observe(r.slot, n, accepted)
         self.logger.observe(step_stats)
         self.logger.maybe_log()
         return outputs
+
+    def _plain_step(self, batch: Sequence[Request], sampling: SamplingTensors,
+                    start: float) -> list[list[int]]:
+        """Nobody drafted: one decode row per request, sampled as its bonus token would be."""
+        proposed = time.perf_counter()
+        logits = self.runner.forward([r.slot for r in batch], [[r.last_token_id] for r in batch])
+        positions = torch.tensor([r.num_tokens for r in batch], device=self.runner.device)
+        token_ids = self.sampler(logits, sampling, positions).tolist()  # the one host sync
+        self.propose_time_s += proposed - start
+        self.verify_time_s += time.perf_counter() - proposed
+        self.num_steps += 1
+        return [[t] for t in token_ids]
 
     def on_committed(self, batch: Sequence[Request]) -> None:
         """After the engine committed the step: roll the proposer's cache of each request still
