@@ -1,5 +1,6 @@
 """Per-kernel GPU times (torch.profiler) and host-side launch cost of the Triton rejection op,
-beside a plain read of the same logits (what the statistics kernel should approach).
+for both launch plans, beside a plain read of the same logits (what the statistics pass should
+approach).
 
     python benchmarks/profile_rejection.py
 """
@@ -69,12 +70,20 @@ for B in (1, 8, 32, 256):
     en.record()
     en.synchronize()
     print(f"B={B} plain read kernel of the logits: {st.elapsed_time(en) / 20 * 1e3:.1f} us")
+    # both launch plans for each rule: three launches, and the one-launch kernel (plus the
+    # fill that zeroes its counters); the default is one launch for the one-hot rule
     for q in (True, False):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                call(triton_ops.rejection_sample, s, q)
-            torch.cuda.synchronize()
-        print(f"--- B={B} draft_probs={q}")
-        for e in prof.key_averages():
-            if e.device_time_total > 0:
-                print(f"  {e.key:<24} {e.device_time_total / e.count:9.1f} us x {e.count}")
+        for fused in (False, True):
+            with torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    call(triton_ops.rejection_sample, s, q, fused=fused)
+                torch.cuda.synchronize()
+            print(f"--- B={B} draft_probs={q} {'one launch' if fused else 'three launches'}")
+            total = 0.0
+            for e in prof.key_averages():
+                if e.device_time_total > 0:
+                    total += e.device_time_total / 10
+                    print(f"  {e.key[:40]:<40} {e.device_time_total / e.count:9.1f} us x "
+                          f"{e.count}")
+            print(f"  {'sum of kernel times per call':<40} {total:9.1f} us")

@@ -69,7 +69,9 @@ def make_batch(num_drafts, vocab_size, device, *, seed=0, dtype=torch.float32, s
 
 
 def _run_both(batch, *, draft_probs=True, top_k=None, top_p=None, min_p=None, rates=None,
-              all_greedy=False, chunk_size=None, race_chunk_size=None, max_num_draft_tokens=K):
+              all_greedy=False, chunk_size=None, race_chunk_size=None, max_num_draft_tokens=K,
+              **plan):
+    """(torch twin, Triton) outputs; ``plan``: the Triton launch plan (fused, lag, ticket)."""
     args = (
         batch["target_logits"], batch["draft_token_ids"], batch["cu_num_draft_tokens"],
         batch["draft_probs"] if draft_probs else None, batch["temperature"], top_k, top_p, min_p,
@@ -77,7 +79,7 @@ def _run_both(batch, *, draft_probs=True, top_k=None, top_p=None, min_p=None, ra
     )
     expected = rejection.rejection_sample(*args)
     actual = triton_ops.rejection_sample(*args, chunk_size=chunk_size,
-                                         race_chunk_size=race_chunk_size)
+                                         race_chunk_size=race_chunk_size, **plan)
     return expected, actual
 
 
@@ -115,6 +117,68 @@ def test_rejection_parity_rules(rule, cpu_vocab_size, chunk_size, device):
                                  chunk_size=chunk_size)
     _assert_same(expected, actual)
     assert all(_coverage(expected, NUM_DRAFTS)), "the batch must reach every path"
+
+
+# Launch plans: the three launches, and the one-launch kernel (triton_kernels_fused) with the
+# race of a request right after its statistics (lag 0), or 1 or 3 requests later, with program
+# order by id or by ticket.
+PLANS = [dict(fused=False), dict(fused=True, lag=0), dict(fused=True, lag=1),
+         dict(fused=True, lag=3, ticket=True)]
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
+@pytest.mark.parametrize("rule", ["full", "one_hot", "synthetic"])
+def test_rejection_parity_launch_plans(rule, plan, device):
+    """Every rule through every launch plan, greedy and random requests mixed, a vocabulary that
+    is no multiple of either chunk."""
+    vocab_size = 150 if device.type == "cpu" else 151936 - 7
+    batch = make_batch(NUM_DRAFTS, vocab_size, device, seed=51)
+    rates = torch.tensor([0.9, 0.6, 0.5, 0.3], device=device) if rule == "synthetic" else None
+    expected, actual = _run_both(batch, draft_probs=rule == "full", rates=rates,
+                                 chunk_size=64 if device.type == "cpu" else None,
+                                 race_chunk_size=32 if device.type == "cpu" else None, **plan)
+    _assert_same(expected, actual)
+    assert all(_coverage(expected, NUM_DRAFTS)), "the batch must reach every path"
+
+
+def _forced_batch(device, vocab_size, num_drafts, first_rejections, temperatures):
+    """Request r rejects exactly its draft ``first_rejections[r]`` (= n_r: all accepted): the
+    drafts before it get a logit 50 above the rest (p(d) = 1 in float32, so u < p(d) always;
+    the argmax for greedy requests), the rejected one -inf (p(d) = 0, never the argmax)."""
+    batch = make_batch(num_drafts, vocab_size, device, seed=61, temperatures=temperatures)
+    logits = batch["target_logits"].cpu()
+    drafts = batch["draft_token_ids"].cpu()
+    row = 0
+    for r, n in enumerate(num_drafts):
+        start = sum(num_drafts[:r])
+        for i in range(n):
+            d = int(drafts[start + i])
+            logits[row + i, d] = float("-inf") if i == first_rejections[r] else 50.0
+        row += n + 1
+    batch["target_logits"] = logits.to(device)
+    return batch
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
+def test_rejection_parity_every_first_rejection(plan, device):
+    """One-hot and full rule, k varying per request (0..4 drafts), the first rejection at every
+    position and all drafts accepted, for greedy and random requests; the output length must
+    be exactly the forced one."""
+    vocab_size = _vocab_size(device, 37)
+    num_drafts, first_rejections = [], []
+    for n in range(K + 1):
+        for j in range(n + 1):
+            num_drafts.append(n)
+            first_rejections.append(j)
+    num_drafts, first_rejections = num_drafts * 2, first_rejections * 2
+    # greedy and random requests, each (n, j) once of each kind
+    temperatures = [0.0] * (len(num_drafts) // 2) + [1.0] * (len(num_drafts) // 2)
+    batch = _forced_batch(device, vocab_size, num_drafts, first_rejections, (0.0,))
+    batch["temperature"] = torch.tensor(temperatures, device=device)
+    for draft_probs in (False, True):
+        expected, actual = _run_both(batch, draft_probs=draft_probs, **plan)
+        _assert_same(expected, actual)
+        assert (expected != -1).sum(1).cpu().tolist() == [j + 1 for j in first_rejections]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

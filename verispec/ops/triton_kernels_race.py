@@ -58,7 +58,7 @@ def _race_kernel(
             req, chunk, draft_start, num_accepted, draft_start + req + num_accepted,
             tl.where(temperature > 0.0, temperature, 1.0),
             tl.load(seeds_ptr + req), tl.load(positions_ptr + req),
-            tl.load(record_ptr + 2 * req + 1),
+            tl.load(record_ptr + 2 * req + 1), RESIDUAL_STREAM, record >= 0,
             tl.load(st), tl.load(st + 1), tl.load(st + 2), tl.load(st + 3), tl.load(st + 4),
             tl.load(st + 5), tl.load(st + 6), vocab_size, width,
             NUM_RACE_CHUNKS, NRC_P2, RACE_CHUNK, WIDTH_P2, HAS_DRAFT_PROBS,
@@ -71,14 +71,16 @@ def _residual_race(
     logits_ptr, logits_stride, draft_ids_ptr, draft_probs_ptr, draft_probs_stride,
     race_score_ptr, race_idx_ptr, race_has_ptr, counter_ptr, token_ids_ptr, token_ids_stride,
     req, chunk, draft_start, num_accepted, final_row, t_eff, seed, position, rejected_id,
-    m, s, kth, tau, s_p, floor, s3, vocab_size, width,
+    stream, rejected, m, s, kth, tau, s_p, floor, s3, vocab_size, width,
     NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
     WIDTH_P2: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
 ):
-    """Recovered token at the first rejection: race over one chunk of the final row, then the
-    last program of the request re-scores the chunk winners exactly and writes the output row.
-    Inside a chunk the ranking uses the fast division (it only picks the chunk's candidate)."""
+    """The token sampled on the final row: race over one chunk of it, then the last program of
+    the request re-scores the chunk winners exactly and writes the output row. At a rejection
+    (``rejected``) the weights are the residual and ``stream`` is the residual stream; on the
+    bonus row (``rejected_id`` = -1) they are p and ``stream`` the sample stream. Inside a
+    chunk the ranking uses the fast division (it only picks the chunk's candidate)."""
     ids = _tile_ids(chunk * CHUNK, CHUNK // 4)
     valid = ids < vocab_size
     x = tl.load(logits_ptr + final_row * logits_stride + ids, mask=valid, other=float("-inf"))
@@ -87,13 +89,13 @@ def _residual_race(
         p = _processed(z, m, s, kth, tau, s_p, floor, s3, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
         w = _residual(p, ids,
                       draft_probs_ptr + (draft_start + num_accepted) * draft_probs_stride,
-                      valid, rejected_id, HAS_DRAFT_PROBS)
+                      valid, rejected_id, rejected, HAS_DRAFT_PROBS)
     else:
         # one-hot rule without masks: the residual is proportional to exp(z - m) off the
         # rejected draft, which is all the ranking needs
         w = tl.where(ids == rejected_id, 0.0, tl.exp(z - m))
     position = position + num_accepted
-    noise = _noise_tile(seed, position, RESIDUAL_STREAM, chunk * CHUNK, CHUNK // 4)
+    noise = _noise_tile(seed, position, stream, chunk * CHUNK, CHUNK // 4)
     best, best_id = _argmax_tile(tl.where(valid, tl.math.fdiv(w, noise), -1.0), ids)
     has_residual = tl.max(tl.max(w, axis=1), axis=0) > 0.0
     slot = req * NUM_CHUNKS + chunk
@@ -114,8 +116,8 @@ def _residual_race(
                          HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
         w_w = _residual(p_w, chunk_ids,
                         draft_probs_ptr + (draft_start + num_accepted) * draft_probs_stride,
-                        c_ok, rejected_id, HAS_DRAFT_PROBS)
-        noise_w = _noise_at(seed, position, RESIDUAL_STREAM, chunk_ids)
+                        c_ok, rejected_id, rejected, HAS_DRAFT_PROBS)
+        noise_w = _noise_at(seed, position, stream, chunk_ids)
         _, token = _argmax_vec(tl.where(c_ok, tl.math.div_rn(w_w, noise_w), -1.0), chunk_ids)
         if any_residual == 0:
             # Empty residual (p = q up to rounding): sample from p, on the same stream.
@@ -127,7 +129,7 @@ def _residual_race(
                             other=float("-inf"))
                 p = _processed(_scale(x.to(tl.float32), t_eff), m, s, kth, tau, s_p, floor, s3,
                                HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
-                noise = _noise_tile(seed, position, RESIDUAL_STREAM, cc * CHUNK, CHUNK // 4)
+                noise = _noise_tile(seed, position, stream, cc * CHUNK, CHUNK // 4)
                 b, b_id = _argmax_tile(tl.where(valid, tl.math.div_rn(p, noise), -1.0), ids)
                 token = tl.where(b > best, b_id, token)
                 best = tl.maximum(b, best)
@@ -136,11 +138,13 @@ def _residual_race(
 
 
 @_helper
-def _residual(p, ids, q_row_ptr, valid, rejected_id, HAS_DRAFT_PROBS: tl.constexpr):
+def _residual(p, ids, q_row_ptr, valid, rejected_id, rejected, HAS_DRAFT_PROBS: tl.constexpr):
     """The residual weights at ``ids``: max(0, p - q) (full rule) or p with the rejected draft
-    zeroed (one-hot rule)."""
+    zeroed (one-hot rule); p itself on the bonus row (no rejection: q is not read, and
+    ``rejected_id`` = -1 zeroes nothing)."""
     if HAS_DRAFT_PROBS:
-        q = tl.load(q_row_ptr + ids, mask=valid, other=0.0)
+        q = tl.load(q_row_ptr + ids, mask=valid & (ids * 0 + rejected.to(tl.int32) > 0),
+                    other=0.0)
         w = tl.maximum(p - q, 0.0)
     else:
         w = tl.where(ids == rejected_id, 0.0, p)

@@ -14,13 +14,16 @@ import torch
 
 from verispec.ops import philox
 from verispec.ops.backend import Backend
-from verispec.ops.triton_kernels import INTERPRET, _decide_kernel, _stats_kernel
+from verispec.ops.triton_kernels import INTERPRET, _stats_kernel
+from verispec.ops.triton_kernels_decide import _decide_kernel
+from verispec.ops.triton_kernels_fused import _fused_kernel
 from verispec.ops.triton_kernels_masks import _mask_stats_kernel, _probs_kernel
 from verispec.ops.triton_kernels_race import _race_kernel
 
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_CHUNK = 4096  # tokens per program: 16 KB of float32 logits
 _MASK_TILE = 8192  # tokens per loop step of the one-program-per-row threshold search
+_LAG = 4  # requests between a request's statistics and its race in the one-launch kernel
 
 
 def _p2(n: int, least: int = 16) -> int:
@@ -255,6 +258,37 @@ def _verify(logits, draft_token_ids, cu, draft_probs, params: _Params, batch_siz
     return token_ids, ws
 
 
+def _verify_fused(logits, draft_token_ids, cu, draft_probs, params: _Params, batch_size: int,
+                  max_num_draft_tokens: int, rates, token_ids: torch.Tensor, chunk: int | None,
+                  race_chunk: int | None, lag: int | None, ticket: bool) -> torch.Tensor:
+    """Rejection sampling in one launch (``triton_kernels_fused``), after zeroing its counters:
+    no masks, drafts present, not all greedy."""
+    num_rows, vocab_size = logits.shape
+    chunk = chunk or default_chunk_size(vocab_size)
+    race_chunk = _race_chunk(chunk, race_chunk)
+    ws = _Workspace(num_rows, batch_size, _cdiv(vocab_size, chunk),
+                    _cdiv(vocab_size, race_chunk), False, logits.device)
+    sync = torch.zeros(3 * batch_size + 1, dtype=torch.int32, device=logits.device)  # [3B + 1]
+    rows = max_num_draft_tokens + 1
+    rows_p2 = _p2(rows, 2)
+    lag = max(0, min(_LAG if lag is None else lag, batch_size - 1))
+    q = logits if draft_probs is None else draft_probs
+    q_stride = 0 if draft_probs is None else draft_probs.stride(0)
+    _launch(
+        _fused_kernel, ((batch_size + lag) * (rows * ws.num_chunks + ws.num_race_chunks),),
+        (logits, logits.stride(0), draft_token_ids, cu, q, q_stride, params.temperature,
+         params.seeds, params.positions, params.temperature if rates is None else rates,
+         ws.part_f, ws.part_i, ws.record, ws.record_f, ws.race_f, ws.race_i, sync, token_ids,
+         token_ids.stride(0), batch_size, num_rows, vocab_size, token_ids.shape[1],
+         philox.SAMPLE_STREAM, lag),
+        _num_warps(chunk), ROWS=rows, NUM_CHUNKS=ws.num_chunks, CHUNK=chunk,
+        NC_P2=_p2(ws.num_chunks, 2), ROWS_P2=rows_p2, WIDTH_P2=rows_p2, RACE_CHUNK=race_chunk,
+        NUM_RACE_CHUNKS=ws.num_race_chunks, NRC_P2=_p2(ws.num_race_chunks, 2),
+        HAS_DRAFT_PROBS=draft_probs is not None, SYNTHETIC=rates is not None, TICKET=ticket,
+    )
+    return token_ids
+
+
 def rejection_sample(
     target_logits: torch.Tensor,
     draft_token_ids: torch.Tensor,
@@ -272,12 +306,17 @@ def rejection_sample(
     *,
     chunk_size: int | None = None,
     race_chunk_size: int | None = None,
+    fused: bool | None = None,
+    lag: int | None = None,
+    ticket: bool = False,
 ) -> torch.Tensor:
     """Verify the drafts of a batch; the contract is ``verispec.ops.rejection.rejection_sample``.
 
     ``chunk_size`` (tokens per program of the row statistics) and ``race_chunk_size`` (of the
-    recovered-token race), powers of two >= 16, are tuning knobs for tests and benchmarks; the
-    defaults suit the vocabulary size.
+    final-row race), powers of two >= 16, are tuning knobs for tests and benchmarks; the
+    defaults suit the vocabulary size. ``fused`` picks the one-launch kernel (``None``: where it
+    applies and is the faster, see ``_use_fused``) and ``lag`` its distance between a
+    request's statistics and its race, in requests.
 
     Returns
     -------
@@ -310,9 +349,21 @@ def rejection_sample(
         return token_ids
     if num_draft_tokens == 0:  # keep a valid pointer; nothing is read from it
         draft_token_ids = cu_num_draft_tokens
+    if fused is None:
+        fused = _use_fused(draft_probs is not None)
+    if fused and not (all_greedy or params.masked):
+        return _verify_fused(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
+                             params, batch_size, max_num_draft_tokens, rates, token_ids,
+                             chunk_size, race_chunk_size, lag, ticket)
     return _verify(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, params,
                    batch_size, max_num_draft_tokens, rates, all_greedy, philox.SAMPLE_STREAM,
                    token_ids, chunk_size, race_chunk_size)[0]
+
+
+def _use_fused(has_draft_probs: bool) -> bool:
+    """The default launch plan: one launch for the one-hot rule (the race re-reads a target row
+    for most random requests, from L2 there); three for the full rule."""
+    return not has_draft_probs
 
 
 def sample(
