@@ -21,7 +21,7 @@ from scipy import stats
 from tests.models.utils import copy_bundled_tokenizer, requires_bundled
 from tests.proposers.test_draft_model import save_llama
 from verispec import LLM, SamplingParams
-from verispec.engine.spec_decode import best_num_drafts
+from verispec.engine.spec_decode import best_num_drafts, verify_costs
 
 VOCAB = 16
 MAX_MODEL_LEN = 64
@@ -247,12 +247,31 @@ def test_mixed_batch_with_and_without_drafts(target_dir, draft_dir):
             assert first[i].token_ids == plain[i].token_ids
 
 
+def linear_costs(beta, max_n):
+    return [1.0 + beta * n for n in range(max_n + 1)]
+
+
 def test_best_num_drafts_switches_off_when_it_does_not_pay():
-    assert best_num_drafts(0.9, 5, 0.03) == 5
-    assert best_num_drafts(0.05, 5, 0.11) == 0
-    assert best_num_drafts(0.0, 5, 0.0) == 0
-    assert best_num_drafts(1.0, 4, 0.11) == 4
-    assert 0 < best_num_drafts(0.5, 8, 0.11) < 8
+    assert best_num_drafts(0.9, 5, linear_costs(0.03, 5)) == 5
+    assert best_num_drafts(0.05, 5, linear_costs(0.11, 5)) == 0
+    assert best_num_drafts(0.0, 5, linear_costs(0.0, 5)) == 0
+    assert best_num_drafts(1.0, 4, linear_costs(0.11, 4)) == 4
+    assert 0 < best_num_drafts(0.5, 8, linear_costs(0.11, 8)) < 8
+    # A cost that is flat after the first extra token: draft all or nothing.
+    flat = [1.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+    assert best_num_drafts(0.5, 5, flat) == 0  # E(5) = 1.97 < 2
+    assert best_num_drafts(0.6, 5, flat) == 5  # E(5) = 2.38
+
+
+def test_verify_costs_tables():
+    import torch
+
+    gpu = verify_costs(torch.device("cuda"), torch.bfloat16, 4)
+    assert gpu == pytest.approx((1.0, 1.01, 1.02, 1.03, 1.04))
+    for dtype in (torch.float32, torch.bfloat16):
+        costs = verify_costs(torch.device("cpu"), dtype, 12)
+        assert len(costs) == 13 and costs[0] == 1.0
+        assert all(b >= a for a, b in zip(costs, costs[1:]))  # never cheaper with more tokens
 
 
 
@@ -285,7 +304,8 @@ def test_failed_probes_back_off():
     from verispec.engine import spec_decode as sd
 
     dec = sd.SpeculativeDecoder.__new__(sd.SpeculativeDecoder)
-    dec.k, dec.max_model_len, dec.adaptive, dec.beta = 4, 10_000, True, 0.35
+    dec.k, dec.max_model_len, dec.adaptive = 4, 10_000, True
+    dec.costs = linear_costs(0.35, 4)
     dec._alpha = np.full(1, sd.ALPHA_PRIOR)
     dec._steps_off = np.zeros(1, dtype=np.int64)
     dec._probe_interval = np.full(1, sd.REPROBE_STEPS)

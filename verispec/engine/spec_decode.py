@@ -10,14 +10,15 @@ One step for a batch of running requests:
 4. the engine commits the output tokens in order (a stop inside an accepted run ends the request
    there), rolls the target cache back to the committed tokens, and the proposer rolls its own.
 
-Switching speculation off where it does not pay: verifying n extra tokens costs more than a plain
-decode step. ``beta``, the extra cost of one more verified token relative to a one-token step, is a
-constant per device and dtype, measured on our CPU (docs/benchmarks.md: 5 tokens cost 2.4x one in
-float32, 3.8x in bfloat16) and near 0 on a GPU at decode batch sizes. It is deliberately not timed
-at run time: the number of drafts must not depend on the machine's momentary load or on the
-batch, or a seeded request would stop being reproducible. Each request keeps an estimate of its
-per-token acceptance rate alpha (an exponential average of accepted / drafted over its own steps
-with drafts) and drafts ``n = argmax_n E(n) / (1 + beta n)`` tokens, with
+Switching speculation off where it does not pay: verifying n drafts (a forward over n + 1
+tokens) costs more than a plain decode step. ``verify_costs`` gives that cost in decode steps,
+a fixed table per device and dtype measured on our CPU (docs/benchmarks.md) and near 1 on a GPU
+at decode batch sizes. On CPU it is not linear in n: in float32 the first extra token costs most
+(a different matmul shape), then the cost is nearly flat; in bfloat16 every token adds ~0.5. It
+is deliberately not timed at run time: the number of drafts must not depend on the machine's
+momentary load or on the batch, or a seeded request would stop being reproducible. Each request
+keeps an estimate of its per-token acceptance rate alpha (an exponential average of accepted /
+drafted over its own steps with drafts) and drafts ``n = argmax_n E(n) / cost(n)`` tokens, with
 ``E(n) = (1 - alpha^(n+1)) / (1 - alpha)`` the expected tokens per step (Leviathan et al.). A
 request whose drafts keep failing therefore drops to ``n = 0`` (a plain decode step); every
 ``REPROBE_STEPS`` steps it drafts one token again so a request whose text becomes predictable (a
@@ -53,20 +54,34 @@ REPROBE_STEPS = 16
 MAX_REPROBE_STEPS = 256
 
 
-def verify_cost_per_token(device: torch.device, dtype: torch.dtype) -> float:
-    """beta: the extra cost of one more verified token relative to a one-token decode step."""
+# Cost of a forward over 1, 2, 3, ... new tokens in one-token steps (bundled model, ~100-400
+# cached tokens, 2-core AVX2 CPU, medians; docs/benchmarks.md), made non-decreasing.
+CPU_VERIFY_COSTS = {
+    torch.float32: (1.0, 1.7, 2.0, 2.0, 2.0, 2.05, 2.1),
+    torch.bfloat16: (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 3.9),
+}
+GPU_COST_PER_TOKEN = 0.01  # memory-bound decode: a few more rows are nearly free
+
+
+def verify_costs(device: torch.device, dtype: torch.dtype, max_n: int) -> tuple[float, ...]:
+    """``costs[n]``: a forward over ``n + 1`` new tokens, in one-token decode steps, for
+    ``n = 0 .. max_n`` (past the table, the table's last step repeats)."""
     if device.type == "cuda":
-        return 0.01
-    return 0.35 if dtype == torch.float32 else 0.7
+        return tuple(1.0 + GPU_COST_PER_TOKEN * n for n in range(max_n + 1))
+    table = list(CPU_VERIFY_COSTS.get(dtype, CPU_VERIFY_COSTS[torch.bfloat16]))
+    while len(table) < max_n + 1:
+        table.append(table[-1] + (table[-1] - table[-2]))
+    return tuple(table[: max_n + 1])
 
 
-def best_num_drafts(alpha: float, max_n: int, beta: float) -> int:
-    """``argmax_{0 <= n <= max_n} E(n) / (1 + beta n)`` with ``E(n) = sum_{i<=n} alpha^i``."""
-    best_n, best_value, expected, power = 0, 1.0, 1.0, 1.0
+def best_num_drafts(alpha: float, max_n: int, costs: Sequence[float]) -> int:
+    """``argmax_{0 <= n <= max_n} E(n) / costs[n]`` with ``E(n) = sum_{i<=n} alpha^i`` (0 drafts
+    unless some n is strictly better than a plain step)."""
+    best_n, best_value, expected, power = 0, 1.0 / costs[0], 1.0, 1.0
     for n in range(1, max_n + 1):
         power *= alpha
         expected += power
-        value = expected / (1.0 + beta * n)
+        value = expected / costs[n]
         if value > best_value * (1.0 + 1e-9):
             best_n, best_value = n, value
     return best_n
@@ -101,7 +116,7 @@ class SpeculativeDecoder:
         self.rejection_sampler = RejectionSampler(config, runner.device)
         self.sampler = Sampler()  # steps in which nobody drafted
         self.adaptive = not config.is_synthetic
-        self.beta = verify_cost_per_token(runner.device, runner.dtype)
+        self.costs = verify_costs(runner.device, runner.dtype, self.k)
         self.logger = SpecDecodingLogger(self.k, log_interval_s)
         # Wall time spent proposing and verifying, for reports only (never for decisions).
         self.propose_time_s = 0.0
@@ -136,7 +151,7 @@ class SpeculativeDecoder:
                        r.params.max_tokens - r.num_output_tokens - 1)
             n = max(0, room)
             if self.adaptive and n > 0:
-                planned = best_num_drafts(self._alpha[r.slot], n, self.beta)
+                planned = best_num_drafts(self._alpha[r.slot], n, self.costs)
                 if planned == 0:
                     self._steps_off[r.slot] += 1
                     if self._steps_off[r.slot] >= self._probe_interval[r.slot]:
