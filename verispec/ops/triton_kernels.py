@@ -44,6 +44,15 @@ SAMPLE_STREAM = tl.constexpr(3)
 NUM_STREAMS = tl.constexpr(4)
 MIN_UNIFORM = tl.constexpr(2.3283064e-10)
 BIG_INDEX = tl.constexpr(2**31 - 1)
+# Philox4x32-10 (as tl.randint4x) and tl.rand's scale from a folded word to [0, 1).
+PHILOX_KEY_A = tl.constexpr(0x9E3779B9)
+PHILOX_KEY_B = tl.constexpr(0xBB67AE85)
+PHILOX_ROUND_A = tl.constexpr(0xD2511F53)
+PHILOX_ROUND_B = tl.constexpr(0xCD9E8D57)
+UNIFORM_SCALE = tl.constexpr(4.6566127342e-10)
+# Relative slack of the race's candidate test, far above the error of its fast arithmetic
+# (fast exp <= 6e-6, fast division and roundings < 1e-6).
+RACE_SLACK = tl.constexpr(2.0**-14)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -60,6 +69,9 @@ if INTERPRET:
     def _log(x):
         return tl.log(x)
 
+    def _fast_div(x, y):
+        return x / y
+
 else:  # pragma: no cover - CUDA: libdevice's expf / logf, the functions torch's kernels use
     from triton.language.extra import libdevice
 
@@ -72,6 +84,10 @@ else:  # pragma: no cover - CUDA: libdevice's expf / logf, the functions torch's
     @triton.jit
     def _log(x):
         return libdevice.log(x)
+
+    @triton.jit
+    def _fast_div(x, y):  # rcp.approx and a multiply, 2 ulp for 2^-126 <= |y| <= 2^126
+        return libdevice.fast_dividef(x, y)
 
 
 @_helper
@@ -113,6 +129,50 @@ def _noise_at(seed, position, stream, index):
     word = index & 3
     u = tl.where(word == 0, u0, tl.where(word == 1, u1, tl.where(word == 2, u2, u3)))
     return -_log(tl.maximum(u, MIN_UNIFORM))
+
+
+@_helper
+def _philox(seed, c0, c1):
+    """tl.randint4x's four uint32 words for counter (c0, c1, 0, 0) and key (seed_lo, seed_hi);
+    each round's high and low products come from one 32 x 32 -> 64-bit multiply."""
+    seed = seed.to(tl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = (seed >> 32).to(tl.uint32)
+    c0 = c0.to(tl.uint32)
+    c1 = c1.to(tl.uint32)
+    c2 = c0 * 0
+    c3 = c0 * 0
+    for _ in tl.static_range(10):
+        prod_a = c0.to(tl.uint64) * PHILOX_ROUND_A
+        prod_b = c2.to(tl.uint64) * PHILOX_ROUND_B
+        c0 = (prod_b >> 32).to(tl.uint32) ^ c1 ^ k0
+        c2 = (prod_a >> 32).to(tl.uint32) ^ c3 ^ k1
+        c1 = prod_b.to(tl.uint32)
+        c3 = prod_a.to(tl.uint32)
+        k0 = k0 + PHILOX_KEY_A
+        k1 = k1 + PHILOX_KEY_B
+    return c0, c1, c2, c3
+
+
+@_helper
+def _race_candidates(w, seed, position, stream, start, C4: tl.constexpr):
+    """[C4, 4] mask of the tokens that can win the race argmax_v w_v / E_v over a tile of
+    vocabulary indices start + 4a + b (``start`` a multiple of 4; w >= 0, 0 where excluded),
+    without a logarithm: E = -log u (u clamped below at MIN_UNIFORM) lies in
+    [1 - u, (1 - u) / u], so w / E lies in [w u / (1 - u), w / (1 - u)]; a token whose upper
+    bound is below the best lower bound cannot win. Usually one or two tokens remain; the
+    caller scores them exactly."""
+    counter = start // 4 + tl.arange(0, C4)
+    word0, word1, word2, word3 = _philox(seed, counter, position * NUM_STREAMS + stream)
+    b = tl.arange(0, 4)[None, :]
+    word = tl.where(b == 0, word0[:, None], tl.where(b == 1, word1[:, None],
+                    tl.where(b == 2, word2[:, None], word3[:, None])))
+    # tl.rand's float: the word as int32, negative words folded to ~word, times the scale
+    word = word.to(tl.int32, bitcast=True)
+    u = tl.where(word < 0, -word - 1, word).to(tl.float32) * UNIFORM_SCALE
+    upper = _fast_div(w, 1.0 - u)
+    best_lower = tl.max(tl.max(upper * u, axis=1), axis=0)
+    return (upper >= best_lower * (1.0 - RACE_SLACK)) & (upper > 0.0)
 
 
 @_helper
@@ -247,16 +307,39 @@ def _row_chunk_stats(
                 # (fast exp and division); _decide_kernel re-scores each candidate exactly.
                 seed = tl.load(seeds_ptr + req)
                 position = tl.load(positions_ptr + req) + num_drafts
-                noise = _noise_tile(seed, position, bonus_stream, chunk * CHUNK, CHUNK // 4)
                 if MASKED:
                     st = row_stats_ptr + row * 8
-                    w = _processed(z, tl.load(st), tl.load(st + 1), tl.load(st + 2),
-                                   tl.load(st + 3), tl.load(st + 4), tl.load(st + 5),
-                                   tl.load(st + 6), HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+                    m_r = tl.load(st)
+                    s_r = tl.load(st + 1)
+                    kth = tl.load(st + 2)
+                    tau = tl.load(st + 3)
+                    s_p = tl.load(st + 4)
+                    floor = tl.load(st + 5)
+                    s3 = tl.load(st + 6)
+                    w = _processed(z, m_r, s_r, kth, tau, s_p, floor, s3,
+                                   HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
                 else:
                     w = tl.exp(z - m_safe)
-                score = tl.where(valid, tl.math.fdiv(w, noise), -1.0)
-                _, ridx = _argmax_tile(score, ids)
+                cand = _race_candidates(tl.where(valid, w, 0.0), seed, position, bonus_stream,
+                                        chunk * CHUNK, CHUNK // 4)
+                # the candidates in index order, scored as the twin would (libdevice exp and
+                # log, IEEE division; exp(z - m_c) stands for p, which _decide_kernel uses)
+                ridx = chunk * CHUNK  # a valid index even if no token has weight
+                best = tl.full((), -1.0, tl.float32)
+                nxt = tl.min(tl.min(tl.where(cand, ids, BIG_INDEX), axis=1), axis=0)
+                while nxt < BIG_INDEX:
+                    z_c = _scale(tl.load(logits_ptr + row * logits_stride + nxt).to(tl.float32),
+                                 t_eff)
+                    if MASKED:
+                        w_c = _processed(z_c, m_r, s_r, kth, tau, s_p, floor, s3,
+                                         HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+                    else:
+                        w_c = _exp(z_c - m_safe)
+                    score = tl.math.div_rn(w_c, _noise_at(seed, position, bonus_stream, nxt))
+                    ridx = tl.where(score > best, nxt, ridx)
+                    best = tl.maximum(score, best)
+                    nxt = tl.min(tl.min(tl.where(cand & (ids > nxt), ids, BIG_INDEX), axis=1),
+                                 axis=0)
                 tl.store(part_ridx_ptr + out, ridx)
 
 

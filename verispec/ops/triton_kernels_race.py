@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from verispec.ops.triton_kernels import (
+    BIG_INDEX,
     RESIDUAL_STREAM,
     _argmax_tile,
     _argmax_vec,
@@ -15,6 +16,7 @@ from verispec.ops.triton_kernels import (
     _noise_at,
     _noise_tile,
     _processed,
+    _race_candidates,
     _scale,
     _tile_ids,
     _write_output,
@@ -77,26 +79,47 @@ def _residual_race(
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
 ):
     """The token sampled on the final row: race over one chunk of it, then the last program of
-    the request re-scores the chunk winners exactly and writes the output row. At a rejection
+    the request takes the best of the chunk winners and writes the output row. At a rejection
     (``rejected``) the weights are the residual and ``stream`` is the residual stream; on the
     bonus row (``rejected_id`` = -1) they are p and ``stream`` the sample stream. Inside a
-    chunk the ranking uses the fast division (it only picks the chunk's candidate)."""
+    chunk, bounds on the noise that need no logarithm (``_race_candidates``) leave a few tokens
+    that can win; those are scored exactly as the twin scores them, so each chunk's winner and
+    its score are the twin's."""
     ids = _tile_ids(chunk * CHUNK, CHUNK // 4)
     valid = ids < vocab_size
-    x = tl.load(logits_ptr + final_row * logits_stride + ids, mask=valid, other=float("-inf"))
+    row_ptr = logits_ptr + final_row * logits_stride
+    q_row_ptr = draft_probs_ptr + (draft_start + num_accepted) * draft_probs_stride
+    x = tl.load(row_ptr + ids, mask=valid, other=float("-inf"))
     z = _scale(x.to(tl.float32), t_eff)
-    if HAS_DRAFT_PROBS or HAS_TOP_K or HAS_TOP_P or HAS_MIN_P:
+    if HAS_TOP_K or HAS_TOP_P or HAS_MIN_P:
         p = _processed(z, m, s, kth, tau, s_p, floor, s3, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
-        w = _residual(p, ids,
-                      draft_probs_ptr + (draft_start + num_accepted) * draft_probs_stride,
-                      valid, rejected_id, rejected, HAS_DRAFT_PROBS)
+        w = _residual(p, ids, q_row_ptr, valid, rejected_id, rejected, HAS_DRAFT_PROBS)
+    elif HAS_DRAFT_PROBS:
+        # max(0, p - q) cancels: rank it with the twin's p; on the bonus row exp(z - m) will do
+        if rejected:
+            p = _processed(z, m, s, kth, tau, s_p, floor, s3, False, False, False)
+            w = _residual(p, ids, q_row_ptr, valid, rejected_id, rejected, True)
+        else:
+            w = tl.exp(z - m)
     else:
         # one-hot rule without masks: the residual is proportional to exp(z - m) off the
         # rejected draft, which is all the ranking needs
         w = tl.where(ids == rejected_id, 0.0, tl.exp(z - m))
+    w = tl.where(valid, w, 0.0)
     position = position + num_accepted
-    noise = _noise_tile(seed, position, stream, chunk * CHUNK, CHUNK // 4)
-    best, best_id = _argmax_tile(tl.where(valid, tl.math.fdiv(w, noise), -1.0), ids)
+    cand = _race_candidates(w, seed, position, stream, chunk * CHUNK, CHUNK // 4)
+    best_id = chunk * CHUNK  # a valid index even if no token has weight
+    best = tl.full((), -1.0, tl.float32)
+    nxt = tl.min(tl.min(tl.where(cand, ids, BIG_INDEX), axis=1), axis=0)
+    while nxt < BIG_INDEX:
+        # residual / E as the twin computes it (ties: the smallest index, as argmax)
+        p_c = _processed(_scale(tl.load(row_ptr + nxt).to(tl.float32), t_eff), m, s, kth, tau,
+                         s_p, floor, s3, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+        w_c = _residual(p_c, nxt, q_row_ptr, nxt >= 0, rejected_id, rejected, HAS_DRAFT_PROBS)
+        score = tl.math.div_rn(w_c, _noise_at(seed, position, stream, nxt))
+        best_id = tl.where(score > best, nxt, best_id)
+        best = tl.maximum(score, best)
+        nxt = tl.min(tl.min(tl.where(cand & (ids > nxt), ids, BIG_INDEX), axis=1), axis=0)
     has_residual = tl.max(tl.max(w, axis=1), axis=0) > 0.0
     slot = req * NUM_CHUNKS + chunk
     tl.store(race_score_ptr + slot, best)
@@ -110,15 +133,9 @@ def _residual_race(
         base = req * NUM_CHUNKS + c
         chunk_ids = tl.load(race_idx_ptr + base, mask=c_ok, other=0, volatile=True)
         any_residual = tl.max(tl.load(race_has_ptr + base, mask=c_ok, other=0, volatile=True), 0)
-        # exact scores of the chunk winners: residual / E, as the twin computes them
-        x_w = tl.load(logits_ptr + final_row * logits_stride + chunk_ids, mask=c_ok, other=0.0)
-        p_w = _processed(_scale(x_w.to(tl.float32), t_eff), m, s, kth, tau, s_p, floor, s3,
-                         HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
-        w_w = _residual(p_w, chunk_ids,
-                        draft_probs_ptr + (draft_start + num_accepted) * draft_probs_stride,
-                        c_ok, rejected_id, rejected, HAS_DRAFT_PROBS)
-        noise_w = _noise_at(seed, position, stream, chunk_ids)
-        _, token = _argmax_vec(tl.where(c_ok, tl.math.div_rn(w_w, noise_w), -1.0), chunk_ids)
+        # the chunk winners' scores are exact: the best of them (ties: the smallest index)
+        scores = tl.load(race_score_ptr + base, mask=c_ok, other=-1.0, volatile=True)
+        _, token = _argmax_vec(tl.where(c_ok, scores, -1.0), chunk_ids)
         if any_residual == 0:
             # Empty residual (p = q up to rounding): sample from p, on the same stream.
             best = -2.0
