@@ -169,11 +169,31 @@ def test_split_linear_matches_f_linear(rows, splits, with_bias):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_runner_splits_cpu_float32_matmuls(tiny):
+def test_runner_sets_cpu_matmuls(tiny):
     """The model runner turns the row-block matmuls on for CPU float32 (one block per thread)
     (bfloat16 keeps torch's own matmul, which already uses every thread)."""
     _, loaded = tiny
     ModelRunner(loaded.model, num_slots=1, max_model_len=64)
     assert loaded.model.matmul_splits == torch.get_num_threads()
+    assert loaded.model.upcast_rows == 0
     assert all(layer.mlp.matmul_splits == torch.get_num_threads()
                for layer in loaded.model.layers)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 9])
+def test_bfloat16_linear_widened_from_upcast_rows(rows):
+    """From ``upcast_rows`` rows on, a bfloat16 product is computed in float32 and rounded once:
+    within one bfloat16 rounding of torch's bfloat16 matmul; below it, torch's matmul itself."""
+    from verispec.models.llama import linear
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(48, 32, generator=gen).bfloat16()
+    bias = torch.randn(48, generator=gen).bfloat16()
+    x = torch.randn(2, rows, 32, generator=gen).bfloat16()
+    ours = linear(x, weight, bias, splits=2, upcast_rows=6)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (2, rows, 48)
+    exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    if 2 * rows < 6:
+        assert torch.equal(ours, torch.nn.functional.linear(x, weight, bias))
+    else:  # float32 accumulation, one rounding to bfloat16: within half an ulp of the exact value
+        torch.testing.assert_close(ours.double(), exact, rtol=2**-8, atol=1e-6)

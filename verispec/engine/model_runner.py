@@ -23,6 +23,7 @@ from verispec.models.llama import AttentionMetadata
 from verispec.models.rope import rope_tables
 
 LOGITS_MODES = ("last", "all", "none")
+CPU_UPCAST_ROWS = 6  # bfloat16 CPU matmuls of this many rows or more run in float32
 
 
 class ModelRunner:
@@ -42,9 +43,11 @@ class ModelRunner:
         if kv_cache_dtype is None:
             # On CPU, SDPA over a bfloat16 cache is several times slower than over float32.
             kv_cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-        if self.device.type == "cpu" and self.dtype == torch.float32:
-            # One weight block per thread (see models.llama.linear for the measurement).
-            model.set_matmul_splits(torch.get_num_threads())
+        if self.device.type == "cpu":
+            # float32 products as one weight block per thread; bfloat16 ones of 6 or more rows
+            # (prefill, long verify steps) widened to float32 (models.llama.linear says why).
+            model.set_cpu_matmuls(torch.get_num_threads(),
+                                  upcast_rows=CPU_UPCAST_ROWS if self.dtype != torch.float32 else 0)
         self.kv_cache = KVCache(self.config, num_slots, max_model_len, kv_cache_dtype,
                                 self.device)
         # Angles in float32, then rounded to the model dtype once (as HF does per forward).

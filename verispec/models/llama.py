@@ -65,6 +65,7 @@ def linear(
     weight: torch.Tensor,  # [out_features, in_features]
     bias: torch.Tensor | None,  # [out_features] or None
     splits: int = 1,
+    upcast_rows: int = 0,
 ) -> torch.Tensor:
     """``F.linear``, or with ``splits > 1`` the same product computed as ``splits`` blocks of the
     weight's rows in one ``bmm`` (each output element is still one dot product over the input).
@@ -72,11 +73,21 @@ def linear(
     Why: on CPU, torch's float32 ``F.linear`` goes to MKL's sgemm, which for a few rows (decode, a
     verify step) runs on one thread; ``bmm`` over row blocks gives each thread its own block.
     Measured on a 2-core AMD EPYC over the bundled model's 121 weight matrices: 1 row 47.7 ->
-    30.7 ms, 5 rows 81.3 -> 49.2 ms, 64 rows 251 -> 181 ms (docs/benchmarks.md). Not used for
-    bfloat16, whose CPU matmul (oneDNN) already uses every thread.
+    30.7 ms, 5 rows 81.3 -> 49.2 ms, 64 rows 251 -> 181 ms (docs/benchmarks.md). float32 only:
+    bfloat16's CPU matmul (oneDNN) already uses every thread.
+
+    With ``upcast_rows > 0`` and at least that many rows, a bfloat16 product runs in float32: the
+    weight and input widened exactly, float32 accumulation, the output rounded to bfloat16 once —
+    what a bfloat16 matmul computes, up to summation order. Why: on a CPU without bfloat16
+    instructions the bfloat16 matmul of many rows is slow (40 rows: 483 ms over the bundled
+    model's layers, 123 ms widened; a 40-token prefill 544 -> ~170 ms); from ~6 rows widening the
+    weight costs less than it saves.
     """
     out_features, in_features = weight.shape
-    if splits <= 1 or out_features % splits:
+    if upcast_rows and x.numel() >= upcast_rows * in_features and x.dtype != torch.float32:
+        return linear(x.float(), weight.float(), None if bias is None else bias.float(),
+                      splits).to(x.dtype)
+    if splits <= 1 or out_features % splits or weight.dtype != torch.float32:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, in_features)
     blocks = weight.view(splits, out_features // splits, in_features)
@@ -108,7 +119,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
         self.scale = c.head_dim**-0.5
-        self.matmul_splits = 1  # see LlamaForCausalLM.set_matmul_splits
+        self.matmul_splits, self.upcast_rows = 1, 0  # see LlamaForCausalLM.set_cpu_matmuls
 
     def forward(
         self,
@@ -118,7 +129,8 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,  # [num_slots, max_model_len, num_kv_heads, head_dim]
     ) -> torch.Tensor:
         B, S, _ = x.shape
-        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.matmul_splits)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.matmul_splits,
+                     self.upcast_rows)
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         v = qkv[..., self.q_size + self.kv_size :].view(B, S, hkv, d)
         if self.q_norm is None:
@@ -154,7 +166,7 @@ class Attention(nn.Module):
             enable_gqa=hq != hkv,
         ).to(x.dtype)  # [B, hq, S, d]
         return linear(out.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight, self.o_bias,
-                      self.matmul_splits)
+                      self.matmul_splits, self.upcast_rows)
 
 
 class MLP(nn.Module):
@@ -168,12 +180,14 @@ class MLP(nn.Module):
         self.gate_up_bias = _param(2 * c.intermediate_size, dtype=dtype) if c.mlp_bias else None
         self.down_weight = _param(c.hidden_size, c.intermediate_size, dtype=dtype)
         self.down_bias = _param(c.hidden_size, dtype=dtype) if c.mlp_bias else None
-        self.matmul_splits = 1
+        self.matmul_splits, self.upcast_rows = 1, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.matmul_splits)
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.matmul_splits,
+                         self.upcast_rows)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight, self.down_bias, self.matmul_splits)
+        return linear(F.silu(gate) * up, self.down_weight, self.down_bias, self.matmul_splits,
+                      self.upcast_rows)
 
 
 class DecoderLayer(nn.Module):
@@ -199,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config
-        self.matmul_splits = 1
+        self.matmul_splits, self.upcast_rows = 1, 0
         self.embed_weight = _param(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)
@@ -228,10 +242,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab_size] float32 logits."""
-        return linear(hidden, self.lm_head_weight, None, self.matmul_splits).float()
+        return linear(hidden, self.lm_head_weight, None, self.matmul_splits,
+                      self.upcast_rows).float()
 
-    def set_matmul_splits(self, splits: int) -> None:
-        """Compute every weight matmul as ``splits`` row blocks in one bmm (see ``linear``)."""
+    def set_cpu_matmuls(self, splits: int, upcast_rows: int = 0) -> None:
+        """Compute every weight matmul as ``splits`` row blocks in one bmm, and in float32 from
+        ``upcast_rows`` rows on (0: never); see ``linear``."""
         for module in self.modules():
             if isinstance(module, (Attention, MLP, LlamaForCausalLM)):
                 module.matmul_splits = splits
+                module.upcast_rows = upcast_rows
