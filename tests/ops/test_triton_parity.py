@@ -71,7 +71,7 @@ def make_batch(num_drafts, vocab_size, device, *, seed=0, dtype=torch.float32, s
 def _run_both(batch, *, draft_probs=True, top_k=None, top_p=None, min_p=None, rates=None,
               all_greedy=False, chunk_size=None, race_chunk_size=None, max_num_draft_tokens=K,
               **plan):
-    """(torch twin, Triton) outputs; ``plan``: the Triton launch plan (fused, lag, ticket)."""
+    """(torch twin, Triton) outputs; ``plan``: the Triton launch plan (fused, lag)."""
     args = (
         batch["target_logits"], batch["draft_token_ids"], batch["cu_num_draft_tokens"],
         batch["draft_probs"] if draft_probs else None, batch["temperature"], top_k, top_p, min_p,
@@ -120,10 +120,9 @@ def test_rejection_parity_rules(rule, cpu_vocab_size, chunk_size, device):
 
 
 # Launch plans: the three launches, and the one-launch kernel (triton_kernels_fused) with the
-# race of a request right after its statistics (lag 0), or 1 or 3 requests later, with program
-# order by id or by ticket.
+# race of a request right after its statistics (lag 0), or 1 or 3 requests later.
 PLANS = [dict(fused=False), dict(fused=True, lag=0), dict(fused=True, lag=1),
-         dict(fused=True, lag=3, ticket=True)]
+         dict(fused=True, lag=3)]
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))

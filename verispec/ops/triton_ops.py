@@ -23,7 +23,8 @@ from verispec.ops.triton_kernels_race import _race_kernel
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_CHUNK = 4096  # tokens per program: 16 KB of float32 logits
 _MASK_TILE = 8192  # tokens per loop step of the one-program-per-row threshold search
-_LAG = 4  # requests between a request's statistics and its race in the one-launch kernel
+_LAG = 8  # requests between a request's statistics and its race in the one-launch kernel
+_BIG_BATCH = 16  # from this batch size on, the one-launch kernel takes twice the chunk
 
 
 def _p2(n: int, least: int = 16) -> int:
@@ -158,14 +159,14 @@ class _Workspace:
                  masked: bool, device):
         part = num_rows * num_chunks
         race = batch_size * num_race_chunks
-        f_sizes = [3 * part, race, num_rows * 8 if masked else 0, 8 * batch_size]
+        f_sizes = [3 * part, num_rows * 8 if masked else 0, 8 * batch_size]
         i_sizes = [2 * part, 2 * race, batch_size, 2 * batch_size]
         f32 = torch.empty(sum(map(_pad4, f_sizes)), dtype=torch.float32, device=device)
         i32 = torch.empty(sum(map(_pad4, i_sizes)), dtype=torch.int32, device=device)
         self.num_chunks = num_chunks
         self.num_race_chunks = num_race_chunks
-        # [3, num_rows, NUM_CHUNKS]: m_c, S_c, raw max;  [B, NUM_CHUNKS];  [num_rows, 8]
-        self.part_f, self.race_f, self.row_stats, self.record_f = _segments(f32, f_sizes)
+        # [3, num_rows, NUM_CHUNKS]: m_c, S_c, raw max;  [num_rows, 8];  [B, 8]
+        self.part_f, self.row_stats, self.record_f = _segments(f32, f_sizes)
         if not masked:
             self.row_stats = f32  # unused
         # [2, num_rows, NUM_CHUNKS]: raw argmax, race winner;  [2, B, NUM_CHUNKS];  [B];  [B, 2]
@@ -249,7 +250,7 @@ def _verify(logits, draft_token_ids, cu, draft_probs, params: _Params, batch_siz
         _launch(
             _race_kernel, (batch_size, ws.num_race_chunks),
             (logits, logits.stride(0), draft_ids, cu, q, q_stride, params.temperature,
-             params.seeds, params.positions, ws.record, ws.record_f, ws.race_f, ws.race_i,
+             params.seeds, params.positions, ws.record, ws.record_f, ws.race_i,
              ws.counter, token_ids, out_stride, batch_size, vocab_size, width),
             _num_warps(race_chunk), RACE_CHUNK=race_chunk, NUM_RACE_CHUNKS=ws.num_race_chunks,
             NRC_P2=_p2(ws.num_race_chunks, 2), WIDTH_P2=rows_p2,
@@ -260,31 +261,36 @@ def _verify(logits, draft_token_ids, cu, draft_probs, params: _Params, batch_siz
 
 def _verify_fused(logits, draft_token_ids, cu, draft_probs, params: _Params, batch_size: int,
                   max_num_draft_tokens: int, rates, token_ids: torch.Tensor, chunk: int | None,
-                  race_chunk: int | None, lag: int | None, ticket: bool) -> torch.Tensor:
+                  race_chunk: int | None, lag: int | None,
+                  num_warps: int | None) -> torch.Tensor:
     """Rejection sampling in one launch (``triton_kernels_fused``), after zeroing its counters:
-    no masks, drafts present, not all greedy."""
+    no masks, drafts present, not all greedy. Large batches take chunks of 8192 tokens (fewer,
+    longer programs; a small batch keeps 4096 so that it spreads over the GPU)."""
     num_rows, vocab_size = logits.shape
-    chunk = chunk or default_chunk_size(vocab_size)
+    if chunk is None:
+        chunk = default_chunk_size(vocab_size)
+        if batch_size >= _BIG_BATCH and chunk == _MAX_CHUNK:
+            chunk *= 2
     race_chunk = _race_chunk(chunk, race_chunk)
     ws = _Workspace(num_rows, batch_size, _cdiv(vocab_size, chunk),
                     _cdiv(vocab_size, race_chunk), False, logits.device)
-    sync = torch.zeros(3 * batch_size + 1, dtype=torch.int32, device=logits.device)  # [3B + 1]
+    sync = torch.zeros(3 * batch_size, dtype=torch.int32, device=logits.device)  # [3, B]
     rows = max_num_draft_tokens + 1
     rows_p2 = _p2(rows, 2)
     lag = max(0, min(_LAG if lag is None else lag, batch_size - 1))
     q = logits if draft_probs is None else draft_probs
     q_stride = 0 if draft_probs is None else draft_probs.stride(0)
     _launch(
-        _fused_kernel, ((batch_size + lag) * (rows * ws.num_chunks + ws.num_race_chunks),),
+        _fused_kernel, ((batch_size + lag) * (rows * ws.num_chunks + 1 + ws.num_race_chunks),),
         (logits, logits.stride(0), draft_token_ids, cu, q, q_stride, params.temperature,
          params.seeds, params.positions, params.temperature if rates is None else rates,
-         ws.part_f, ws.part_i, ws.record, ws.record_f, ws.race_f, ws.race_i, sync, token_ids,
+         ws.part_f, ws.part_i, ws.record, ws.record_f, ws.race_i, sync, token_ids,
          token_ids.stride(0), batch_size, num_rows, vocab_size, token_ids.shape[1],
-         philox.SAMPLE_STREAM, lag),
-        _num_warps(chunk), ROWS=rows, NUM_CHUNKS=ws.num_chunks, CHUNK=chunk,
+         philox.SAMPLE_STREAM, lag, lag // 2),
+        num_warps or _num_warps(chunk), ROWS=rows, NUM_CHUNKS=ws.num_chunks, CHUNK=chunk,
         NC_P2=_p2(ws.num_chunks, 2), ROWS_P2=rows_p2, WIDTH_P2=rows_p2, RACE_CHUNK=race_chunk,
         NUM_RACE_CHUNKS=ws.num_race_chunks, NRC_P2=_p2(ws.num_race_chunks, 2),
-        HAS_DRAFT_PROBS=draft_probs is not None, SYNTHETIC=rates is not None, TICKET=ticket,
+        HAS_DRAFT_PROBS=draft_probs is not None, SYNTHETIC=rates is not None,
     )
     return token_ids
 
@@ -308,15 +314,15 @@ def rejection_sample(
     race_chunk_size: int | None = None,
     fused: bool | None = None,
     lag: int | None = None,
-    ticket: bool = False,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Verify the drafts of a batch; the contract is ``verispec.ops.rejection.rejection_sample``.
 
     ``chunk_size`` (tokens per program of the row statistics) and ``race_chunk_size`` (of the
     final-row race), powers of two >= 16, are tuning knobs for tests and benchmarks; the
     defaults suit the vocabulary size. ``fused`` picks the one-launch kernel (``None``: where it
-    applies and is the faster, see ``_use_fused``) and ``lag`` its distance between a
-    request's statistics and its race, in requests.
+    applies and is the faster, see ``_use_fused``), ``lag`` its distance between a
+    request's statistics and its race, in requests, and ``num_warps`` its warps per program.
 
     Returns
     -------
@@ -354,7 +360,7 @@ def rejection_sample(
     if fused and not (all_greedy or params.masked):
         return _verify_fused(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
                              params, batch_size, max_num_draft_tokens, rates, token_ids,
-                             chunk_size, race_chunk_size, lag, ticket)
+                             chunk_size, race_chunk_size, lag, num_warps)
     return _verify(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, params,
                    batch_size, max_num_draft_tokens, rates, all_greedy, philox.SAMPLE_STREAM,
                    token_ids, chunk_size, race_chunk_size)[0]
