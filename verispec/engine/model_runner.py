@@ -23,7 +23,10 @@ from verispec.models.llama import AttentionMetadata
 from verispec.models.rope import rope_tables
 
 LOGITS_MODES = ("last", "all", "none")
-CPU_UPCAST_ROWS = 6  # bfloat16 CPU matmuls of this many rows or more run in float32
+# bfloat16 CPU matmuls of this many rows or more run in float32 (prefill; see models.llama.linear).
+# Decode and verify steps keep torch's bfloat16 matmul: widening the LM head every step costs more
+# than it saves there.
+CPU_UPCAST_ROWS = 16
 
 
 class ModelRunner:
@@ -44,8 +47,8 @@ class ModelRunner:
             # On CPU, SDPA over a bfloat16 cache is several times slower than over float32.
             kv_cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         if self.device.type == "cpu":
-            # float32 products as one weight block per thread; bfloat16 ones of 6 or more rows
-            # (prefill, long verify steps) widened to float32 (models.llama.linear says why).
+            # float32 products as one weight block per thread; bfloat16 ones of many rows
+            # (prefill) widened to float32 (models.llama.linear says why).
             model.set_cpu_matmuls(torch.get_num_threads(),
                                   upcast_rows=CPU_UPCAST_ROWS if self.dtype != torch.float32 else 0)
         self.kv_cache = KVCache(self.config, num_slots, max_model_len, kv_cache_dtype,

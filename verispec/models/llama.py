@@ -80,8 +80,8 @@ def linear(
     weight and input widened exactly, float32 accumulation, the output rounded to bfloat16 once —
     what a bfloat16 matmul computes, up to summation order. Why: on a CPU without bfloat16
     instructions the bfloat16 matmul of many rows is slow (40 rows: 483 ms over the bundled
-    model's layers, 123 ms widened; a 40-token prefill 544 -> ~170 ms); from ~6 rows widening the
-    weight costs less than it saves.
+    model's layers, 123 ms widened; a 40-token prefill 544 -> 180 ms). For a few rows widening
+    every weight costs more than it saves, hence the threshold.
     """
     out_features, in_features = weight.shape
     if upcast_rows and x.numel() >= upcast_rows * in_features and x.dtype != torch.float32:
