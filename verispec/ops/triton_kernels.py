@@ -21,12 +21,16 @@ Every op runs on the flattened layout: request r owns target rows ``cu[r] + r ..
 
 So each target row is read once, plus the final row of a request whose draft a random target
 rejected; each draft-probability row is read at one entry, plus the row of that rejected draft.
-Masks (top-k, top-p, min-p) need row-wide thresholds first: ``triton_kernels_masks``.
+Masks (top-k, top-p, min-p) need row-wide thresholds first: ``triton_kernels_masks``. The
+one-hot rule without masks takes one launch instead (``triton_kernels_fused``: the same steps
+in one grid, the final row read again from L2).
 
 Float semantics follow the torch twin: z = logits / T with IEEE division (``div_rn``), p = exp(z -
 m) / S, score = p / E with E = -log(u); on CUDA exp and log are libdevice's (those torch uses).
-Within a chunk a race candidate may be ranked with faster arithmetic; every candidate that can
-win is re-scored with the twin's arithmetic before the final argmax.
+Within a chunk the race needs no logarithm per token: with u the token's uniform, E lies in
+[1 - u, (1 - u) / u], so bounds on each score (fast arithmetic, generous slack) leave the one or
+two tokens that can win the chunk (``_race_candidates``), and only those are scored with the
+twin's arithmetic; the chunk winners are compared with the twin's arithmetic too.
 """
 
 from __future__ import annotations
@@ -322,31 +326,24 @@ def _row_chunk_stats(
                     w = tl.exp(z - m_safe)
                 cand = _race_candidates(tl.where(valid, w, 0.0), seed, position, bonus_stream,
                                         chunk * CHUNK, CHUNK // 4)
-                # Usually one token can win: it is the chunk's candidate (_decide_kernel scores
-                # it exactly). Several: score them in index order as the twin would (libdevice
-                # exp and log, IEEE division; exp(z - m_c) stands for p).
-                first = tl.min(tl.min(tl.where(cand, ids, BIG_INDEX), axis=1), axis=0)
-                nxt = tl.min(tl.min(tl.where(cand & (ids > first), ids, BIG_INDEX), axis=1),
-                             axis=0)
-                ridx = tl.where(first < BIG_INDEX, first, chunk * CHUNK)  # always a valid id
-                if nxt < BIG_INDEX:
-                    best = tl.full((), -1.0, tl.float32)
-                    nxt = first
-                    while nxt < BIG_INDEX:
-                        # (reloaded, not kept in registers: the tile would cost every program
-                        # of the kernel occupancy; the line is in L1)
-                        z_c = _scale(
-                            tl.load(logits_ptr + row * logits_stride + nxt).to(tl.float32), t_eff)
-                        if MASKED:
-                            w_c = _processed(z_c, m_r, s_r, kth, tau, s_p, floor, s3,
-                                             HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
-                        else:
-                            w_c = _exp(z_c - m_safe)
-                        score = tl.math.div_rn(w_c, _noise_at(seed, position, bonus_stream, nxt))
-                        ridx = tl.where(score > best, nxt, ridx)
-                        best = tl.maximum(score, best)
-                        nxt = tl.min(tl.min(tl.where(cand & (ids > nxt), ids, BIG_INDEX),
-                                            axis=1), axis=0)
+                # the candidates in index order, scored as the twin would (libdevice exp and
+                # log, IEEE division; exp(z - m_c) stands for p, which _decide_kernel uses)
+                ridx = chunk * CHUNK  # a valid index even if no token has weight
+                best = tl.full((), -1.0, tl.float32)
+                nxt = tl.min(tl.min(tl.where(cand, ids, BIG_INDEX), axis=1), axis=0)
+                while nxt < BIG_INDEX:
+                    z_c = _scale(tl.load(logits_ptr + row * logits_stride + nxt).to(tl.float32),
+                                 t_eff)
+                    if MASKED:
+                        w_c = _processed(z_c, m_r, s_r, kth, tau, s_p, floor, s3,
+                                         HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+                    else:
+                        w_c = _exp(z_c - m_safe)
+                    score = tl.math.div_rn(w_c, _noise_at(seed, position, bonus_stream, nxt))
+                    ridx = tl.where(score > best, nxt, ridx)
+                    best = tl.maximum(score, best)
+                    nxt = tl.min(tl.min(tl.where(cand & (ids > nxt), ids, BIG_INDEX), axis=1),
+                                 axis=0)
                 tl.store(part_ridx_ptr + out, ridx)
 
 

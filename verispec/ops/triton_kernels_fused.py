@@ -6,24 +6,22 @@ the final row of each request whose draft a random target rejected again, from d
 by the time ``_race_kernel`` runs, the whole batch has streamed through L2. Here one grid holds
 three kinds of work, ordered so that a request's race follows its statistics closely:
 
-    program id = step * (ROWS * NUM_CHUNKS + 1 + NUM_RACE_CHUNKS) + item
+    program id = step * (ROWS * NUM_CHUNKS + NUM_RACE_CHUNKS) + item
     item <  ROWS * NUM_CHUNKS    statistics of (row item % ROWS, chunk item // ROWS) of request
-                                 ``step``; each counts itself done and leaves
-    item == ROWS * NUM_CHUNKS    the decision of request ``step - decide_lag``, once all its
-                                 statistics are counted (``_decide_request``): the output row
-                                 of a greedy request, else what its race needs
-    item >  ROWS * NUM_CHUNKS    one chunk of the race over the final row of request
+                                 ``step``; the last of them to finish (a counter) verifies the
+                                 request (``_decide_request``) and publishes the decision
+    item >= ROWS * NUM_CHUNKS    one chunk of the race over the final row of request
                                  ``step - lag``: the recovered token at the first rejection, or
                                  the bonus token when every draft passed (noise is paid on the
                                  final row only, one row per random request); the last of them
                                  picks the winner and writes the output row
 
-A decision or race program waits (spins) until what it needs is done. Programs start in the
-order of their ids, and every program one waits for has a smaller id and waits only for
-programs with still smaller ids, so the wait always ends; with ``decide_lag`` and ``lag``
-requests in between it rarely waits at all, and the final row is read back from L2 (``lag + 1``
-requests' rows are in flight: 3 MB each at k = 4, V = 151 936). Counters and decision flags
-live in ``sync`` ([3, B] int32, zeroed before the launch).
+A race program waits (spins) until its request is decided. Programs start in the order of
+their ids, and every program a race program waits for has a smaller id and waits for nothing
+later than itself, so the wait always ends; with ``lag`` requests between a request's
+statistics and its race, it rarely waits at all, and the final row is read back from L2
+(``lag + 1`` requests' rows are in flight: 3 MB each at k = 4, V = 151 936). Counters and
+decision flags live in ``sync`` ([3, B] int32, zeroed before the launch).
 
 Everything each step computes is what the three launches compute (the same helpers), so the
 tokens are the same.
@@ -52,21 +50,22 @@ def _fused_kernel(
     part_i_ptr,  # [2, num_rows, NUM_CHUNKS] int32: raw argmax (plane 1 unused)
     record_ptr,  # [B, 2] int32: (num_accepted, rejected draft or -1 on the bonus row)
     record_f_ptr,  # [B, 8] float32: the final row's m, S (then mask statistics, unused)
+    race_f_ptr,  # [B, NUM_RACE_CHUNKS] float32: chunk winners' ranking scores
     race_i_ptr,  # [2, B, NUM_RACE_CHUNKS] int32: chunk winners' ids, chunk has a residual
     sync_ptr,  # [3, B] int32, zeroed: per request statistics programs done, decision, race
     #            programs done
     token_ids_ptr, token_ids_stride,  # [B, width] int32
-    batch_size, num_rows, vocab_size, width, bonus_stream, lag, decide_lag,
+    batch_size, num_rows, vocab_size, width, bonus_stream, lag,
     ROWS: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr, NC_P2: tl.constexpr,
     ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr, RACE_CHUNK: tl.constexpr,
     NUM_RACE_CHUNKS: tl.constexpr, NRC_P2: tl.constexpr,
     HAS_DRAFT_PROBS: tl.constexpr, SYNTHETIC: tl.constexpr,
 ):
-    """Grid ((B + lag) * (ROWS * NUM_CHUNKS + 1 + NUM_RACE_CHUNKS),): see the module
-    docstring. No masks (their thresholds need a pass of their own first)."""
+    """Grid ((B + lag) * (ROWS * NUM_CHUNKS + NUM_RACE_CHUNKS),): see the module docstring.
+    No masks (their thresholds need a pass of their own first)."""
     num_stats: tl.constexpr = ROWS * NUM_CHUNKS
-    step = tl.program_id(0) // (num_stats + 1 + NUM_RACE_CHUNKS)
-    item = tl.program_id(0) % (num_stats + 1 + NUM_RACE_CHUNKS)
+    step = tl.program_id(0) // (num_stats + NUM_RACE_CHUNKS)
+    item = tl.program_id(0) % (num_stats + NUM_RACE_CHUNKS)
     decision_ptr = sync_ptr + batch_size  # 0: pending, 1: race the final row, 2: written
     if item < num_stats:
         req = step
@@ -82,26 +81,21 @@ def _fused_kernel(
                     index_in_request == num_drafts, num_drafts,
                     NUM_CHUNKS, CHUNK, False, False, False, False, False, False,
                 )
-            # count this program (rows past n_r too) and leave: nothing waits for the result
+            # the last statistics program of the request (every one counts, rows past n_r
+            # too) sees all partials and verifies the drafts
             tl.debug_barrier()
-            tl.atomic_add(sync_ptr + req, 1, sem="release")
-    elif item == num_stats:
-        # the decision of request step - decide_lag, once all its statistics are in
-        req = step - decide_lag
-        if (req >= 0) & (req < batch_size):
-            num_done = tl.atomic_add(sync_ptr + req, 0, sem="acquire")
-            while num_done < num_stats:
-                num_done = tl.atomic_add(sync_ptr + req, 0, sem="acquire")
-            needs_race = _decide_request(
-                req, logits_ptr, logits_stride, draft_ids_ptr, cu_ptr, draft_probs_ptr,
-                draft_probs_stride, temperature_ptr, seeds_ptr, positions_ptr, rates_ptr,
-                part_f_ptr, part_f_ptr, part_i_ptr, record_ptr, record_f_ptr,
-                token_ids_ptr, token_ids_stride, num_rows, width, bonus_stream,
-                NUM_CHUNKS, NC_P2, ROWS_P2, WIDTH_P2, False, False, HAS_DRAFT_PROBS,
-                SYNTHETIC, False, False, False, False, False,
-            )
-            tl.debug_barrier()
-            tl.atomic_xchg(decision_ptr + req, 2 - needs_race, sem="release")
+            num_done = tl.atomic_add(sync_ptr + req, 1, sem="acq_rel")
+            if num_done == num_stats - 1:
+                needs_race = _decide_request(
+                    req, logits_ptr, logits_stride, draft_ids_ptr, cu_ptr, draft_probs_ptr,
+                    draft_probs_stride, temperature_ptr, seeds_ptr, positions_ptr, rates_ptr,
+                    part_f_ptr, part_f_ptr, part_i_ptr, record_ptr, record_f_ptr,
+                    token_ids_ptr, token_ids_stride, num_rows, width, bonus_stream,
+                    NUM_CHUNKS, NC_P2, ROWS_P2, WIDTH_P2, False, False, HAS_DRAFT_PROBS,
+                    SYNTHETIC, False, False, False, False, False,
+                )
+                tl.debug_barrier()
+                tl.atomic_xchg(decision_ptr + req, 2 - needs_race, sem="release")
     else:
         req = step - lag
         if req >= 0:
@@ -118,10 +112,10 @@ def _fused_kernel(
                 st = record_f_ptr + 8 * req
                 _residual_race(
                     logits_ptr, logits_stride, draft_ids_ptr, draft_probs_ptr,
-                    draft_probs_stride, race_i_ptr,
+                    draft_probs_stride, race_f_ptr, race_i_ptr,
                     race_i_ptr + batch_size * NUM_RACE_CHUNKS, sync_ptr + 2 * batch_size,
                     token_ids_ptr, token_ids_stride,
-                    req, item - num_stats - 1, draft_start, num_accepted,
+                    req, item - num_stats, draft_start, num_accepted,
                     draft_start + req + num_accepted, temperature,
                     tl.load(seeds_ptr + req), tl.load(positions_ptr + req), rejected_id,
                     tl.where(rejected, RESIDUAL_STREAM, bonus_stream), rejected,

@@ -33,6 +33,7 @@ def _race_kernel(
     seeds_ptr, positions_ptr,  # [B] int64
     record_ptr,  # [B, 2] int32: (num_accepted, rejected draft), or -1: nothing to race
     record_f_ptr,  # [B, 8] float32: the final row's m, S, kth, tau, s_p, floor, s3
+    race_f_ptr,  # [B, NUM_RACE_CHUNKS] float32: chunk winners' ranking scores
     race_i_ptr,  # [2, B, NUM_RACE_CHUNKS] int32: chunk winners' ids, chunk has a residual
     counter_ptr,  # [B] int32, zeroed by _stats_kernel
     token_ids_ptr, token_ids_stride,  # [B, width] int32
@@ -54,7 +55,7 @@ def _race_kernel(
         temperature = tl.load(temperature_ptr + req)
         _residual_race(
             logits_ptr, logits_stride, draft_ids_ptr, draft_probs_ptr, draft_probs_stride,
-            race_i_ptr, race_i_ptr + batch_size * NUM_RACE_CHUNKS, counter_ptr,
+            race_f_ptr, race_i_ptr, race_i_ptr + batch_size * NUM_RACE_CHUNKS, counter_ptr,
             token_ids_ptr, token_ids_stride,
             req, chunk, draft_start, num_accepted, draft_start + req + num_accepted,
             tl.where(temperature > 0.0, temperature, 1.0),
@@ -70,7 +71,7 @@ def _race_kernel(
 @_helper
 def _residual_race(
     logits_ptr, logits_stride, draft_ids_ptr, draft_probs_ptr, draft_probs_stride,
-    race_idx_ptr, race_has_ptr, counter_ptr, token_ids_ptr, token_ids_stride,
+    race_score_ptr, race_idx_ptr, race_has_ptr, counter_ptr, token_ids_ptr, token_ids_stride,
     req, chunk, draft_start, num_accepted, final_row, t_eff, seed, position, rejected_id,
     stream, rejected, m, s, kth, tau, s_p, floor, s3, vocab_size, width,
     NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
@@ -78,11 +79,12 @@ def _residual_race(
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
 ):
     """The token sampled on the final row: race over one chunk of it, then the last program of
-    the request re-scores the chunk winners exactly and writes the output row. At a rejection
+    the request takes the best of the chunk winners and writes the output row. At a rejection
     (``rejected``) the weights are the residual and ``stream`` is the residual stream; on the
     bonus row (``rejected_id`` = -1) they are p and ``stream`` the sample stream. Inside a
     chunk, bounds on the noise that need no logarithm (``_race_candidates``) leave a few tokens
-    that can win (when several, they are scored exactly as the twin scores them)."""
+    that can win; those are scored exactly as the twin scores them, so each chunk's winner and
+    its score are the twin's."""
     ids = _tile_ids(chunk * CHUNK, CHUNK // 4)
     valid = ids < vocab_size
     row_ptr = logits_ptr + final_row * logits_stride
@@ -106,27 +108,21 @@ def _residual_race(
     w = tl.where(valid, w, 0.0)
     position = position + num_accepted
     cand = _race_candidates(w, seed, position, stream, chunk * CHUNK, CHUNK // 4)
-    # Usually one token can win: it is the chunk's winner. Several: score them in index order
-    # as the twin does (residual / E; ties: the smallest index, as argmax).
-    first = tl.min(tl.min(tl.where(cand, ids, BIG_INDEX), axis=1), axis=0)
-    nxt = tl.min(tl.min(tl.where(cand & (ids > first), ids, BIG_INDEX), axis=1), axis=0)
-    best_id = tl.where(first < BIG_INDEX, first, chunk * CHUNK)  # always a valid id
-    if nxt < BIG_INDEX:
-        best = tl.full((), -1.0, tl.float32)
-        nxt = first
-        while nxt < BIG_INDEX:
-            # (the logit is reloaded from L1 and the noise recomputed rather than kept in
-            # registers, which would cost every program of the kernel occupancy)
-            p_c = _processed(_scale(tl.load(row_ptr + nxt).to(tl.float32), t_eff), m, s, kth,
-                             tau, s_p, floor, s3, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
-            w_c = _residual(p_c, nxt, q_row_ptr, nxt >= 0, rejected_id, rejected,
-                            HAS_DRAFT_PROBS)
-            score = tl.math.div_rn(w_c, _noise_at(seed, position, stream, nxt))
-            best_id = tl.where(score > best, nxt, best_id)
-            best = tl.maximum(score, best)
-            nxt = tl.min(tl.min(tl.where(cand & (ids > nxt), ids, BIG_INDEX), axis=1), axis=0)
+    best_id = chunk * CHUNK  # a valid index even if no token has weight
+    best = tl.full((), -1.0, tl.float32)
+    nxt = tl.min(tl.min(tl.where(cand, ids, BIG_INDEX), axis=1), axis=0)
+    while nxt < BIG_INDEX:
+        # residual / E as the twin computes it (ties: the smallest index, as argmax)
+        p_c = _processed(_scale(tl.load(row_ptr + nxt).to(tl.float32), t_eff), m, s, kth, tau,
+                         s_p, floor, s3, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+        w_c = _residual(p_c, nxt, q_row_ptr, nxt >= 0, rejected_id, rejected, HAS_DRAFT_PROBS)
+        score = tl.math.div_rn(w_c, _noise_at(seed, position, stream, nxt))
+        best_id = tl.where(score > best, nxt, best_id)
+        best = tl.maximum(score, best)
+        nxt = tl.min(tl.min(tl.where(cand & (ids > nxt), ids, BIG_INDEX), axis=1), axis=0)
     has_residual = tl.max(tl.max(w, axis=1), axis=0) > 0.0
     slot = req * NUM_CHUNKS + chunk
+    tl.store(race_score_ptr + slot, best)
     tl.store(race_idx_ptr + slot, best_id)
     tl.store(race_has_ptr + slot, has_residual.to(tl.int32))
     tl.debug_barrier()
@@ -137,13 +133,9 @@ def _residual_race(
         base = req * NUM_CHUNKS + c
         chunk_ids = tl.load(race_idx_ptr + base, mask=c_ok, other=0, volatile=True)
         any_residual = tl.max(tl.load(race_has_ptr + base, mask=c_ok, other=0, volatile=True), 0)
-        # exact scores of the chunk winners: residual / E, as the twin computes them
-        x_w = tl.load(row_ptr + chunk_ids, mask=c_ok, other=0.0)
-        p_w = _processed(_scale(x_w.to(tl.float32), t_eff), m, s, kth, tau, s_p, floor, s3,
-                         HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
-        w_w = _residual(p_w, chunk_ids, q_row_ptr, c_ok, rejected_id, rejected, HAS_DRAFT_PROBS)
-        noise_w = _noise_at(seed, position, stream, chunk_ids)
-        _, token = _argmax_vec(tl.where(c_ok, tl.math.div_rn(w_w, noise_w), -1.0), chunk_ids)
+        # the chunk winners' scores are exact: the best of them (ties: the smallest index)
+        scores = tl.load(race_score_ptr + base, mask=c_ok, other=-1.0, volatile=True)
+        _, token = _argmax_vec(tl.where(c_ok, scores, -1.0), chunk_ids)
         if any_residual == 0:
             # Empty residual (p = q up to rounding): sample from p, on the same stream.
             best = -2.0

@@ -159,14 +159,14 @@ class _Workspace:
                  masked: bool, device):
         part = num_rows * num_chunks
         race = batch_size * num_race_chunks
-        f_sizes = [3 * part, num_rows * 8 if masked else 0, 8 * batch_size]
+        f_sizes = [3 * part, race, num_rows * 8 if masked else 0, 8 * batch_size]
         i_sizes = [2 * part, 2 * race, batch_size, 2 * batch_size]
         f32 = torch.empty(sum(map(_pad4, f_sizes)), dtype=torch.float32, device=device)
         i32 = torch.empty(sum(map(_pad4, i_sizes)), dtype=torch.int32, device=device)
         self.num_chunks = num_chunks
         self.num_race_chunks = num_race_chunks
-        # [3, num_rows, NUM_CHUNKS]: m_c, S_c, raw max;  [num_rows, 8];  [B, 8]
-        self.part_f, self.row_stats, self.record_f = _segments(f32, f_sizes)
+        # [3, num_rows, NUM_CHUNKS]: m_c, S_c, raw max;  [B, NUM_CHUNKS];  [num_rows, 8]
+        self.part_f, self.race_f, self.row_stats, self.record_f = _segments(f32, f_sizes)
         if not masked:
             self.row_stats = f32  # unused
         # [2, num_rows, NUM_CHUNKS]: raw argmax, race winner;  [2, B, NUM_CHUNKS];  [B];  [B, 2]
@@ -250,7 +250,7 @@ def _verify(logits, draft_token_ids, cu, draft_probs, params: _Params, batch_siz
         _launch(
             _race_kernel, (batch_size, ws.num_race_chunks),
             (logits, logits.stride(0), draft_ids, cu, q, q_stride, params.temperature,
-             params.seeds, params.positions, ws.record, ws.record_f, ws.race_i,
+             params.seeds, params.positions, ws.record, ws.record_f, ws.race_f, ws.race_i,
              ws.counter, token_ids, out_stride, batch_size, vocab_size, width),
             _num_warps(race_chunk), RACE_CHUNK=race_chunk, NUM_RACE_CHUNKS=ws.num_race_chunks,
             NRC_P2=_p2(ws.num_race_chunks, 2), WIDTH_P2=rows_p2,
@@ -265,7 +265,8 @@ def _verify_fused(logits, draft_token_ids, cu, draft_probs, params: _Params, bat
                   num_warps: int | None) -> torch.Tensor:
     """Rejection sampling in one launch (``triton_kernels_fused``), after zeroing its counters:
     no masks, drafts present, not all greedy. Large batches take chunks of 8192 tokens (fewer,
-    longer programs; a small batch keeps 4096 so that it spreads over the GPU)."""
+    longer programs, measured faster); a small batch keeps 4096 so that it spreads over the
+    GPU."""
     num_rows, vocab_size = logits.shape
     if chunk is None:
         chunk = default_chunk_size(vocab_size)
@@ -281,12 +282,12 @@ def _verify_fused(logits, draft_token_ids, cu, draft_probs, params: _Params, bat
     q = logits if draft_probs is None else draft_probs
     q_stride = 0 if draft_probs is None else draft_probs.stride(0)
     _launch(
-        _fused_kernel, ((batch_size + lag) * (rows * ws.num_chunks + 1 + ws.num_race_chunks),),
+        _fused_kernel, ((batch_size + lag) * (rows * ws.num_chunks + ws.num_race_chunks),),
         (logits, logits.stride(0), draft_token_ids, cu, q, q_stride, params.temperature,
          params.seeds, params.positions, params.temperature if rates is None else rates,
-         ws.part_f, ws.part_i, ws.record, ws.record_f, ws.race_i, sync, token_ids,
+         ws.part_f, ws.part_i, ws.record, ws.record_f, ws.race_f, ws.race_i, sync, token_ids,
          token_ids.stride(0), batch_size, num_rows, vocab_size, token_ids.shape[1],
-         philox.SAMPLE_STREAM, lag, lag // 2),
+         philox.SAMPLE_STREAM, lag),
         num_warps or _num_warps(chunk), ROWS=rows, NUM_CHUNKS=ws.num_chunks, CHUNK=chunk,
         NC_P2=_p2(ws.num_chunks, 2), ROWS_P2=rows_p2, WIDTH_P2=rows_p2, RACE_CHUNK=race_chunk,
         NUM_RACE_CHUNKS=ws.num_race_chunks, NRC_P2=_p2(ws.num_race_chunks, 2),
