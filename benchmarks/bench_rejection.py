@@ -14,7 +14,8 @@ is also timed inside a CUDA graph (one graph replaying one call per buffer set).
 accepted about 80 % of the time per position (the drafted token's
 target probability is set near 0.8), so both the bonus path and the recovered-token path run;
 the mean acceptance length is printed. Each configuration also checks that the two ops return the
-same tokens.
+same tokens. ``plan`` is the number of Triton launches (``triton_ops.launch_plan``: one for the
+one-hot rule, three for the full rule), ``chunk`` / ``race`` its tokens per program.
 
 Prints a human table, then one JSON line.
 
@@ -187,7 +188,7 @@ def main() -> None:
     print(f"device: {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); "
           f"torch {torch.__version__}; k = {K}; float32 logits; temperature 1")
     results = []
-    header = (f"{'V':>7} {'B':>4} {'rule':>8} {'chunk':>5} {'race':>5} {'floor us':>9} "
+    header = (f"{'V':>7} {'B':>4} {'rule':>8} {'plan':>4} {'chunk':>5} {'race':>5} {'floor us':>9} "
               f"{'triton us':>10} {'x floor':>8} {'graph us':>9} {'host us':>8} {'torch us':>9} "
               f"{'x floor':>8} {'accept len':>10} {'same':>5}")
     print(header)
@@ -225,11 +226,11 @@ def main() -> None:
                         graph_us = time_graph(
                             lambda s, q=with_q, kw=kw: call(triton_ops.rejection_sample, s, q,
                                                             **kw), sets[:16])
+                    fused, plan_chunk, plan_race = triton_ops.launch_plan(
+                        batch_size, vocab_size, with_q, chunk or None, race_chunk or None)
                     row = dict(
                         vocab_size=vocab_size, batch_size=batch_size, rule=rule,
-                        chunk=chunk or triton_ops.default_chunk_size(vocab_size),
-                        race_chunk=race_chunk or (chunk or triton_ops.default_chunk_size(
-                            vocab_size)) // 2,
+                        launches=1 if fused else 3, chunk=plan_chunk, race_chunk=plan_race,
                         floor_us=round(floor_us, 2), triton_us=round(triton_us, 2),
                         triton_x_floor=round(triton_us / floor_us, 3),
                         triton_graph_us=None if graph_us is None else round(graph_us, 2),
@@ -239,7 +240,8 @@ def main() -> None:
                         mean_acceptance_length=round(accept_len, 3), same_tokens=same,
                     )
                     results.append(row)
-                    print(f"{vocab_size:>7} {batch_size:>4} {rule:>8} {row['chunk']:>5} "
+                    print(f"{vocab_size:>7} {batch_size:>4} {rule:>8} {row['launches']:>4} "
+                          f"{row['chunk']:>5} "
                           f"{row['race_chunk']:>5} "
                           f"{floor_us:>9.1f} {triton_us:>10.1f} {row['triton_x_floor']:>8.2f} "
                           f"{fmt(graph_us, '9.1f'):>9} {host_us:>8.1f} {fmt(torch_us, '9.1f'):>9} "

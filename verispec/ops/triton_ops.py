@@ -41,6 +41,24 @@ def default_chunk_size(vocab_size: int) -> int:
     return min(_MAX_CHUNK, _p2(vocab_size))
 
 
+def launch_plan(batch_size: int, vocab_size: int, has_draft_probs: bool,
+                chunk: int | None = None, race_chunk: int | None = None,
+                fused: bool | None = None) -> tuple[bool, int, int]:
+    """What ``rejection_sample`` launches without masks: (one launch, tokens per statistics
+    program, tokens per race program). One launch by default for the one-hot rule (the race
+    reads a target row again for most random requests, from L2 there), three for the full rule
+    (measured faster at large batches); the one-launch kernel takes chunks of 8192 from batch
+    16 on (fewer, longer programs, measured faster), 4096 below so that a small batch spreads
+    over the GPU."""
+    if fused is None:
+        fused = not has_draft_probs
+    if chunk is None:
+        chunk = default_chunk_size(vocab_size)
+        if fused and batch_size >= _BIG_BATCH and chunk == _MAX_CHUNK:
+            chunk *= 2
+    return fused, chunk, _race_chunk(chunk, race_chunk)
+
+
 def _race_chunk(chunk: int, race_chunk: int | None = None) -> int:
     """Tokens per program of the recovered-token race: half a statistics chunk (at least 16)
     unless given; the race costs more arithmetic per token, so it is spread over more programs."""
@@ -264,15 +282,10 @@ def _verify_fused(logits, draft_token_ids, cu, draft_probs, params: _Params, bat
                   race_chunk: int | None, lag: int | None,
                   num_warps: int | None) -> torch.Tensor:
     """Rejection sampling in one launch (``triton_kernels_fused``), after zeroing its counters:
-    no masks, drafts present, not all greedy. Large batches take chunks of 8192 tokens (fewer,
-    longer programs, measured faster); a small batch keeps 4096 so that it spreads over the
-    GPU."""
+    no masks, drafts present, not all greedy; chunk sizes as ``launch_plan``."""
     num_rows, vocab_size = logits.shape
-    if chunk is None:
-        chunk = default_chunk_size(vocab_size)
-        if batch_size >= _BIG_BATCH and chunk == _MAX_CHUNK:
-            chunk *= 2
-    race_chunk = _race_chunk(chunk, race_chunk)
+    _, chunk, race_chunk = launch_plan(batch_size, vocab_size, draft_probs is not None, chunk,
+                                       race_chunk, True)
     ws = _Workspace(num_rows, batch_size, _cdiv(vocab_size, chunk),
                     _cdiv(vocab_size, race_chunk), False, logits.device)
     sync = torch.zeros(3 * batch_size, dtype=torch.int32, device=logits.device)  # [3, B]
@@ -322,7 +335,7 @@ def rejection_sample(
     ``chunk_size`` (tokens per program of the row statistics) and ``race_chunk_size`` (of the
     final-row race), powers of two >= 16, are tuning knobs for tests and benchmarks; the
     defaults suit the vocabulary size. ``fused`` picks the one-launch kernel (``None``: where it
-    applies and is the faster, see ``_use_fused``), ``lag`` its distance between a
+    applies and is the faster, see ``launch_plan``), ``lag`` its distance between a
     request's statistics and its race, in requests, and ``num_warps`` its warps per program.
 
     Returns
@@ -356,8 +369,8 @@ def rejection_sample(
         return token_ids
     if num_draft_tokens == 0:  # keep a valid pointer; nothing is read from it
         draft_token_ids = cu_num_draft_tokens
-    if fused is None:
-        fused = _use_fused(draft_probs is not None)
+    fused = launch_plan(batch_size, target_logits.shape[1], draft_probs is not None,
+                        fused=fused)[0]
     if fused and not (all_greedy or params.masked):
         return _verify_fused(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
                              params, batch_size, max_num_draft_tokens, rates, token_ids,
@@ -365,12 +378,6 @@ def rejection_sample(
     return _verify(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, params,
                    batch_size, max_num_draft_tokens, rates, all_greedy, philox.SAMPLE_STREAM,
                    token_ids, chunk_size, race_chunk_size)[0]
-
-
-def _use_fused(has_draft_probs: bool) -> bool:
-    """The default launch plan: one launch for the one-hot rule (the race re-reads a target row
-    for most random requests, from L2 there); three for the full rule."""
-    return not has_draft_probs
 
 
 def sample(
@@ -482,5 +489,5 @@ BACKEND = Backend(
     rejection_sample=rejection_sample,
 )
 
-__all__ = ["BACKEND", "default_chunk_size", "processed_probs", "rejection_sample", "sample",
-           "sample_draft"]
+__all__ = ["BACKEND", "default_chunk_size", "launch_plan", "processed_probs", "rejection_sample",
+           "sample", "sample_draft"]
