@@ -95,6 +95,22 @@ else:  # pragma: no cover - CUDA: libdevice's expf / logf, the functions torch's
 
 
 @_helper
+def _partial_planes(part_f_ptr, part_i_ptr, num_rows, NUM_CHUNKS: tl.constexpr):
+    """The planes of the chunk partials, each [num_rows, NUM_CHUNKS]: float chunk max m_c,
+    sum exp(z - m_c), raw-logit max; int32 raw argmax, race candidate id."""
+    plane = num_rows * NUM_CHUNKS
+    return (part_f_ptr, part_f_ptr + plane, part_f_ptr + 2 * plane,
+            part_i_ptr, part_i_ptr + plane)
+
+
+@_helper
+def _load_row_stats(st):
+    """A masked row's statistics (``row_stats[row]``, 8 float32): m, S, kth, tau, s_p, floor, s3."""
+    return (tl.load(st), tl.load(st + 1), tl.load(st + 2), tl.load(st + 3), tl.load(st + 4),
+            tl.load(st + 5), tl.load(st + 6))
+
+
+@_helper
 def _request_span(cu_ptr, req, NO_DRAFTS: tl.constexpr):
     """(cu[r], n_r): the request's first draft index and its number of drafts."""
     if NO_DRAFTS:
@@ -273,12 +289,8 @@ def _row_chunk_stats(
 ):
     temperature = tl.load(temperature_ptr + req)
     greedy = (temperature == 0.0) | ALL_GREEDY
-    plane = num_rows * NUM_CHUNKS
-    part_m_ptr = part_f_ptr
-    part_s_ptr = part_f_ptr + plane
-    part_amax_ptr = part_f_ptr + 2 * plane
-    part_aidx_ptr = part_i_ptr
-    part_ridx_ptr = part_i_ptr + plane
+    part_m_ptr, part_s_ptr, part_amax_ptr, part_aidx_ptr, part_ridx_ptr = _partial_planes(
+        part_f_ptr, part_i_ptr, num_rows, NUM_CHUNKS)
 
     ids = _tile_ids(chunk * CHUNK, CHUNK // 4)  # [C4, 4]
     valid = ids < vocab_size
@@ -312,14 +324,7 @@ def _row_chunk_stats(
                 seed = tl.load(seeds_ptr + req)
                 position = tl.load(positions_ptr + req) + num_drafts
                 if MASKED:
-                    st = row_stats_ptr + row * 8
-                    m_r = tl.load(st)
-                    s_r = tl.load(st + 1)
-                    kth = tl.load(st + 2)
-                    tau = tl.load(st + 3)
-                    s_p = tl.load(st + 4)
-                    floor = tl.load(st + 5)
-                    s3 = tl.load(st + 6)
+                    m_r, s_r, kth, tau, s_p, floor, s3 = _load_row_stats(row_stats_ptr + row * 8)
                     w = _processed(z, m_r, s_r, kth, tau, s_p, floor, s3,
                                    HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
                 else:

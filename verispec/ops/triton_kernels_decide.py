@@ -13,6 +13,7 @@ from verispec.ops.triton_kernels import (
     _argmax_vec,
     _helper,
     _noise_at,
+    _partial_planes,
     _processed,
     _request_span,
     _scale,
@@ -71,12 +72,8 @@ def _decide_request(
     draft passed and the bonus row's chunk candidates are known (BONUS_CANDIDATES); otherwise
     writes ``record[req]`` = (num_accepted, rejected draft or -1 for the bonus row) and the final
     row's statistics for the race. Returns 1 when a race is needed, else 0."""
-    plane = num_rows * NUM_CHUNKS
-    part_m_ptr = part_f_ptr
-    part_s_ptr = part_f_ptr + plane
-    part_amax_ptr = part_f_ptr + 2 * plane
-    part_aidx_ptr = part_i_ptr
-    part_ridx_ptr = part_i_ptr + plane
+    part_m_ptr, part_s_ptr, part_amax_ptr, part_aidx_ptr, part_ridx_ptr = _partial_planes(
+        part_f_ptr, part_i_ptr, num_rows, NUM_CHUNKS)
     draft_start, num_drafts = _request_span(cu_ptr, req, NO_DRAFTS)
     first_row = draft_start + req
     temperature = tl.load(temperature_ptr + req)

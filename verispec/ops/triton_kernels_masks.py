@@ -22,6 +22,7 @@ import triton.language as tl
 from verispec.ops.triton_kernels import (
     _exp,
     _helper,
+    _load_row_stats,
     _processed,
     _request_span,
     _scale,
@@ -181,14 +182,7 @@ def _probs_kernel(
     temperature = tl.load(temperature_ptr + row)
     t_eff = tl.where(temperature > 0.0, temperature, 1.0)
     if MASKED:
-        st = row_stats_ptr + row * 8
-        m = tl.load(st)
-        s = tl.load(st + 1)
-        kth = tl.load(st + 2)
-        tau = tl.load(st + 3)
-        s_p = tl.load(st + 4)
-        floor = tl.load(st + 5)
-        s3 = tl.load(st + 6)
+        m, s, kth, tau, s_p, floor, s3 = _load_row_stats(row_stats_ptr + row * 8)
     else:
         c = tl.arange(0, NC_P2)
         pm = tl.load(part_f_ptr + row * NUM_CHUNKS + c, mask=c < NUM_CHUNKS, other=float("-inf"))
