@@ -26,6 +26,15 @@ from verispec.ops import philox, rejection, sampling, triton_ops  # noqa: E402
 K = 4
 
 
+@pytest.fixture(autouse=True)
+def small_blocks(device, monkeypatch):
+    """In the interpreter, blocks of 32 tokens, so that the small vocabularies here run the
+    two-level race over several blocks (``sampling.race``); on a GPU the default 4096 already
+    cuts vocabulary 151 936 into 38 blocks."""
+    if device.type == "cpu":
+        monkeypatch.setattr(sampling, "SAMPLING_BLOCK", 32)
+
+
 def _vocab_size(device: torch.device, cpu_vocab_size: int = 37) -> int:
     """151 936 on a GPU; a small V (not a power of two) in the interpreter."""
     return 151936 if device.type == "cuda" else cpu_vocab_size
@@ -262,6 +271,25 @@ def test_adversarial_q_equals_p_empty_residual(device):
     batch["draft_token_ids"] = batch["draft_token_ids"] % 16
     expected, actual = _run_both(batch)
     _assert_same(expected, actual)
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
+def test_adversarial_one_hot_empty_residual(plan, device):
+    """One-hot rule, synthetic rates that reject every draft, drafts whose target probability
+    is exactly 1 in float32 (every other token underflows): the residual p without the draft is
+    empty and the recovered token falls back to p (here the draft itself)."""
+    batch = make_batch(NUM_DRAFTS, _vocab_size(device, 150), device, seed=41)
+    logits = batch["target_logits"]
+    cu = batch["cu_num_draft_tokens"].cpu()
+    n = cu[1:] - cu[:-1]
+    rows = (torch.arange(int(cu[-1])) + torch.repeat_interleave(torch.arange(len(n)), n))
+    logits[rows.to(logits.device), batch["draft_token_ids"]] = 300.0
+    rates = torch.zeros(K, device=device)
+    expected, actual = _run_both(batch, draft_probs=False, rates=rates, **plan)
+    _assert_same(expected, actual)
+    random = (batch["temperature"] > 0).cpu() & (n > 0)
+    first = batch["draft_token_ids"].cpu()[cu[:-1].clamp_max(int(cu[-1]) - 1)]
+    assert torch.equal(expected[random, 0].cpu().long(), first[random])
 
 
 def test_adversarial_disjoint_supports_and_zero_target(device):

@@ -22,7 +22,7 @@ import torch
 
 from tests.sample.stats import P_VALUE_THRESHOLD, chi_square_p_value, record, reference_probs
 from verispec import ops
-from verispec.ops import philox
+from verispec.ops import philox, sampling
 from verispec.ops import rejection as torch_rejection
 
 NUM_REQUESTS = 200_000
@@ -204,6 +204,31 @@ def test_emitted_tokens_follow_processed_target(case, device):
     for col, value in enumerate(values):
         assert value >= P_VALUE_THRESHOLD, (
             f"{case.name}: output position {col} ({counts[col].sum()} samples) "
+            f"p-value {value:.3g}"
+        )
+
+
+# The two-level race (sampling.race) over blocks of 16 tokens, so that these vocabularies (29 to
+# 131) hold 2 to 9 blocks: the plain cases, masks, an empty residual (q = p), disjoint supports,
+# a draft with p(d) = 0 and a target that is nearly a point mass on the draft (the rest of the
+# draft's block carries almost no residual).
+BLOCK_CASE_NAMES = {"full_T1.0", "full_all_masks_T0.8", "full_k4_V131", "q_equals_p",
+                    "disjoint_supports", "tiny_probabilities", "onehot_T0.5",
+                    "onehot_top_k_top_p", "onehot_draft_has_p_zero", "onehot_p_nearly_one_hot"}
+BLOCK_CASES = [c for c in FULL_CASES + ONEHOT_CASES if c.name in BLOCK_CASE_NAMES]
+assert len(BLOCK_CASES) == len(BLOCK_CASE_NAMES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=lambda c: c.name)
+def test_two_level_race_follows_processed_target(case, device, monkeypatch):
+    monkeypatch.setattr(sampling, "SAMPLING_BLOCK", 16)
+    counts = run_case(case, device)
+    values = p_values(case, counts)
+    record(f"{case.name}, blocks of 16", NUM_REQUESTS, values)
+    for col, value in enumerate(values):
+        assert value >= P_VALUE_THRESHOLD, (
+            f"{case.name} (blocks of 16): output position {col} ({counts[col].sum()} samples) "
             f"p-value {value:.3g}"
         )
 

@@ -165,3 +165,17 @@ def exponential(
     """Exp(1) noise ``E = -log u`` for every vocabulary index of each row: [num_rows, V] float32,
     strictly positive and finite (same arguments as ``vocab_uniform``)."""
     return -torch.log(vocab_uniform(seed, position, stream, vocab_size))
+
+
+def exponential_at(
+    seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor | int, index: torch.Tensor
+) -> torch.Tensor:
+    """Exp(1) noise at chosen indices: ``index`` [num_rows, n] int64; entry ``[r, j]`` is draw
+    ``(seed[r], position[r], stream, index[r, j])``, the same value ``exponential`` gives at
+    that vocabulary index. Returns [num_rows, n] float32."""
+    if isinstance(stream, torch.Tensor):
+        stream = stream[:, None]
+    offset = make_offset(position[:, None], stream, index)
+    words = torch.stack(randint4x(seed[:, None], offset), dim=-1)  # [rows, n, 4]
+    word = words.gather(-1, (index & 3)[..., None])[..., 0]
+    return -torch.log(_nonzero(uint_to_uniform(word)))

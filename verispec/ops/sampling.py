@@ -15,7 +15,8 @@ land on the same set. Rows with T = 0 are greedy; their p is computed with T = 1
 
 Sampling a token proportional to weights w uses the exponential race ``argmax_v w_v / E_v`` with
 ``E_v = -log u_v`` from the row's Philox stream (REFERENCE §3): no sort, no cumsum, no
-``torch.multinomial``, no host sync.
+``torch.multinomial``, no host sync. Over a vocabulary larger than ``SAMPLING_BLOCK`` the race
+runs in two levels (``race``), so that a kernel draws noise for one block of the row, not all V.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ from __future__ import annotations
 import torch
 
 from verispec.ops import philox
+
+# Tokens per block of the two-level race. A fixed part of the sampling semantics (the kernels
+# take it from here), not a tuning knob: another value draws other tokens for the same seeds.
+SAMPLING_BLOCK = 4096
+# The block-level draws of the two-level race use the row's stream at indices from here on,
+# beyond any vocabulary index (Philox counters 2**31 and up), so they are independent of the
+# per-token draws.
+BLOCK_NOISE_INDEX = 1 << 33
 
 
 def _kth_largest(z: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -97,11 +106,31 @@ def race(
 
     Returns
     -------
-    [R] int64 token ids: ``argmax_v weights_v / E_v``, ``E_v ~ Exp(1)`` from draw
-    ``(seed, position, stream, v)``.
+    [R] int64 token ids. With V <= ``SAMPLING_BLOCK``: ``argmax_v weights_v / E_v``, ``E_v ~
+    Exp(1)`` from draw ``(seed, position, stream, v)``. Larger vocabularies are cut into blocks of
+    ``SAMPLING_BLOCK`` tokens and raced in two levels: block c wins with ``argmax_c M_c / E'_c``
+    (M_c = the block's total weight, ``E'_c`` from draw ``(seed, position, stream,
+    BLOCK_NOISE_INDEX + c)``), then the token with ``argmax_v weights_v / E_v`` over that block's
+    tokens (the same per-token draws as the flat race). P(v) = M_c / M * w_v / M_c = w_v / M:
+    the same distribution as the flat race, with noise for one block instead of the whole row.
+    Ties go to the smallest index at both levels.
     """
-    noise = philox.exponential(seeds, positions, stream, weights.shape[-1])
-    return torch.argmax(weights / noise, dim=-1)
+    num_rows, vocab_size = weights.shape
+    block = SAMPLING_BLOCK
+    if vocab_size <= block:
+        noise = philox.exponential(seeds, positions, stream, vocab_size)
+        return torch.argmax(weights / noise, dim=-1)
+    num_blocks = -(-vocab_size // block)
+    padded = torch.nn.functional.pad(weights, (0, num_blocks * block - vocab_size))
+    blocks = padded.view(num_rows, num_blocks, block)
+    block_ids = torch.arange(num_blocks, device=weights.device, dtype=torch.int64)
+    block_noise = philox.exponential_at(seeds, positions, stream,
+                                        (BLOCK_NOISE_INDEX + block_ids).expand(num_rows, -1))
+    chosen = torch.argmax(blocks.sum(-1) / block_noise, dim=-1)  # [R]
+    ids = chosen[:, None] * block + torch.arange(block, device=weights.device)  # [R, block]
+    in_block = blocks[torch.arange(num_rows, device=weights.device), chosen]  # [R, block]
+    noise = philox.exponential_at(seeds, positions, stream, ids)
+    return chosen * block + torch.argmax(in_block / noise, dim=-1)
 
 
 def sample(

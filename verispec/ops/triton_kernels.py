@@ -48,6 +48,8 @@ SAMPLE_STREAM = tl.constexpr(3)
 NUM_STREAMS = tl.constexpr(4)
 MIN_UNIFORM = tl.constexpr(2.3283064e-10)
 BIG_INDEX = tl.constexpr(2**31 - 1)
+# First index of the block-level draws of the two-level race, as sampling.BLOCK_NOISE_INDEX.
+BLOCK_NOISE_INDEX = tl.constexpr(2**33)
 # Philox4x32-10 (as tl.randint4x) and tl.rand's scale from a folded word to [0, 1).
 PHILOX_KEY_A = tl.constexpr(0x9E3779B9)
 PHILOX_KEY_B = tl.constexpr(0xBB67AE85)
@@ -196,6 +198,40 @@ def _race_candidates(w, seed, position, stream, start, C4: tl.constexpr):
 
 
 @_helper
+def _chosen_block(masses, c, c_ok, seed, position, stream, CHUNK: tl.constexpr,
+                  BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr):
+    """The block level of the race (``sampling.race``): from the masses of a row's chunks
+    (CHUNK <= BLOCK tokens each, any common scale), block b wins with argmax_b M_b / E'_b,
+    E'_b the draw at BLOCK_NOISE_INDEX + b (ties: the smallest b). Block masses are sums, equal
+    to the twin's up to summation order. 0 when the row is one block."""
+    chosen = tl.sum(c * 0, axis=0)
+    if NUM_BLOCKS > 1:
+        blk_of = c // (BLOCK // CHUNK)
+        b = tl.arange(0, NB_P2)
+        in_b = (blk_of[None, :] == b[:, None]) & c_ok[None, :]
+        block_mass = tl.sum(tl.where(in_b, masses[None, :], 0.0), axis=1)  # [NB_P2]
+        noise = _noise_at(seed, position, stream, b.to(tl.int64) + BLOCK_NOISE_INDEX)
+        _, chosen = _argmax_vec(tl.where(b < NUM_BLOCKS, tl.math.div_rn(block_mass, noise),
+                                         -1.0), b)
+    return chosen
+
+
+@_helper
+def _two_level_pick(scores, ids, masses, c, c_ok, seed, position, stream,
+                    CHUNK: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+                    NB_P2: tl.constexpr):
+    """The token of the race from per-chunk results over a row: chunk c's winner ``ids[c]``
+    with its exact score (the twin's arithmetic) and the chunk's mass ``masses[c]``. The chunks
+    of the chosen block (``_chosen_block``) compete: the best score, ties to the smallest id."""
+    if NUM_BLOCKS > 1:
+        chosen = _chosen_block(masses, c, c_ok, seed, position, stream, CHUNK, BLOCK,
+                               NUM_BLOCKS, NB_P2)
+        c_ok = c_ok & (c // (BLOCK // CHUNK) == chosen)
+    _, token = _argmax_vec(tl.where(c_ok, scores, -1.0), ids)
+    return token
+
+
+@_helper
 def _uniform_at(seed, position, stream):
     """Acceptance uniforms in (0, 1): draw (seed, position, stream, index 0), a vector."""
     offset = (position * NUM_STREAMS + stream) << 32
@@ -273,7 +309,7 @@ def _stats_kernel(
         _row_chunk_stats(
             logits_ptr, logits_stride, temperature_ptr, seeds_ptr, positions_ptr,
             row_stats_ptr, part_f_ptr, part_i_ptr, num_rows, vocab_size, bonus_stream,
-            req, row, chunk, index_in_request == num_drafts, num_drafts,
+            req, row, chunk, index_in_request == num_drafts, num_drafts, -1,
             NUM_CHUNKS, CHUNK, ALL_GREEDY, BONUS_RACE, MASKED, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P,
         )
 
@@ -282,11 +318,16 @@ def _stats_kernel(
 def _row_chunk_stats(
     logits_ptr, logits_stride, temperature_ptr, seeds_ptr, positions_ptr,
     row_stats_ptr, part_f_ptr, part_i_ptr, num_rows, vocab_size, bonus_stream,
-    req, row, chunk, is_bonus, num_drafts,
+    req, row, chunk, is_bonus, num_drafts, excluded_id,
     NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr, ALL_GREEDY: tl.constexpr,
     BONUS_RACE: tl.constexpr, MASKED: tl.constexpr, HAS_TOP_K: tl.constexpr,
-    HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+    HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, RESIDUAL_SUMS: tl.constexpr = False,
 ):
+    """One chunk of one row: its softmax partials (m_c, S_c), raw argmax (greedy rows) and, with
+    BONUS_RACE, the bonus row's race candidate. With RESIDUAL_SUMS (not MASKED) also the
+    chunk's sum of exp(z - m_c) without token ``excluded_id`` (the row's draft: the one-hot
+    residual's mass, summed directly rather than as a difference that could cancel) in the
+    fourth float plane."""
     temperature = tl.load(temperature_ptr + req)
     greedy = (temperature == 0.0) | ALL_GREEDY
     part_m_ptr, part_s_ptr, part_amax_ptr, part_aidx_ptr, part_ridx_ptr = _partial_planes(
@@ -314,8 +355,12 @@ def _row_chunk_stats(
         m_c = tl.max(tl.max(z, axis=1), axis=0)
         m_safe = tl.where(m_c == float("-inf"), 0.0, m_c)
         if not MASKED:
+            e = tl.exp(z - m_safe)
             tl.store(part_m_ptr + out, m_c)
-            tl.store(part_s_ptr + out, tl.sum(tl.sum(tl.exp(z - m_safe), axis=1), axis=0))
+            tl.store(part_s_ptr + out, tl.sum(tl.sum(e, axis=1), axis=0))
+            if RESIDUAL_SUMS:
+                tl.store(part_f_ptr + 3 * num_rows * NUM_CHUNKS + out,
+                         tl.sum(tl.sum(tl.where(ids == excluded_id, 0.0, e), axis=1), axis=0))
         if BONUS_RACE:
             if (temperature != 0.0) & is_bonus:
                 # Bonus token race, argmax_v p_v / E_v, restricted to this chunk. Without masks
@@ -329,8 +374,11 @@ def _row_chunk_stats(
                                    HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
                 else:
                     w = tl.exp(z - m_safe)
-                cand = _race_candidates(tl.where(valid, w, 0.0), seed, position, bonus_stream,
-                                        chunk * CHUNK, CHUNK // 4)
+                w = tl.where(valid, w, 0.0)
+                if MASKED:  # the chunk's mass for the block level (unmasked: from m_c, S_c)
+                    tl.store(part_s_ptr + out, tl.sum(tl.sum(w, axis=1), axis=0))
+                cand = _race_candidates(w, seed, position, bonus_stream, chunk * CHUNK,
+                                        CHUNK // 4)
                 # the candidates in index order, scored as the twin would (libdevice exp and
                 # log, IEEE division; exp(z - m_c) stands for p, which _decide_kernel uses)
                 ridx = chunk * CHUNK  # a valid index even if no token has weight

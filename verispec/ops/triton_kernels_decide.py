@@ -10,13 +10,13 @@ import triton.language as tl
 from verispec.ops.triton_kernels import (
     ACCEPT_STREAM,
     BIG_INDEX,
-    _argmax_vec,
     _helper,
     _noise_at,
     _partial_planes,
     _processed,
     _request_span,
     _scale,
+    _two_level_pick,
     _uniform_at,
     _write_output,
 )
@@ -40,7 +40,8 @@ def _decide_kernel(
     token_ids_ptr, token_ids_stride,  # [B, width] int32 (or int64 for sampling)
     num_rows, width, bonus_stream,
     NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, ROWS_P2: tl.constexpr,
-    WIDTH_P2: tl.constexpr,
+    WIDTH_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr,
     NO_DRAFTS: tl.constexpr, ALL_GREEDY: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr,
     SYNTHETIC: tl.constexpr, MASKED: tl.constexpr, HAS_TOP_K: tl.constexpr,
     HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
@@ -51,8 +52,9 @@ def _decide_kernel(
         tl.program_id(0), logits_ptr, logits_stride, draft_ids_ptr, cu_ptr, draft_probs_ptr,
         draft_probs_stride, temperature_ptr, seeds_ptr, positions_ptr, rates_ptr, row_stats_ptr,
         part_f_ptr, part_i_ptr, record_ptr, record_f_ptr, token_ids_ptr, token_ids_stride,
-        num_rows, width, bonus_stream, NUM_CHUNKS, NC_P2, ROWS_P2, WIDTH_P2, NO_DRAFTS,
-        ALL_GREEDY, HAS_DRAFT_PROBS, SYNTHETIC, True, MASKED, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P,
+        num_rows, width, bonus_stream, NUM_CHUNKS, NC_P2, ROWS_P2, WIDTH_P2, CHUNK, BLOCK,
+        NUM_BLOCKS, NB_P2, NO_DRAFTS, ALL_GREEDY, HAS_DRAFT_PROBS, SYNTHETIC, True, MASKED,
+        HAS_TOP_K, HAS_TOP_P, HAS_MIN_P,
     )
 
 
@@ -63,7 +65,8 @@ def _decide_request(
     part_i_ptr, record_ptr, record_f_ptr, token_ids_ptr, token_ids_stride,
     num_rows, width, bonus_stream,
     NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, ROWS_P2: tl.constexpr,
-    WIDTH_P2: tl.constexpr,
+    WIDTH_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr,
     NO_DRAFTS: tl.constexpr, ALL_GREEDY: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr,
     SYNTHETIC: tl.constexpr, BONUS_CANDIDATES: tl.constexpr, MASKED: tl.constexpr,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
@@ -99,6 +102,7 @@ def _decide_request(
     zeros = tl.zeros([ROWS_P2], dtype=tl.float32)
     m = zeros
     s = zeros + 1.0
+    mass = tl.zeros([ROWS_P2, NC_P2], dtype=tl.float32)  # chunk masses (unmasked rows)
     kth = zeros
     tau = zeros
     s_p = zeros + 1.0
@@ -121,11 +125,12 @@ def _decide_request(
             ps = tl.load(part_s_ptr + part, mask=part_ok, other=0.0, cache_modifier=".cg")
             m = tl.max(pm, axis=1)
             m_safe = tl.where(m == float("-inf"), 0.0, m)
-            s = tl.sum(ps * tl.exp(pm - m_safe[:, None]), axis=1)
+            mass = ps * tl.exp(pm - m_safe[:, None])
+            s = tl.sum(mass, axis=1)
 
-    # --- the bonus token, in case every draft passes: the best of the bonus row's chunk
-    # winners, each re-scored as the twin scores it (issued before the verification so that
-    # its loads overlap it) ---
+    # --- the bonus token, in case every draft passes: from the bonus row's chunk winners, each
+    # re-scored as the twin scores it, and the chunks' masses (issued before the verification
+    # so that its loads overlap it) ---
     bonus_token = tl.sum(i * 0, axis=0)
     if BONUS_CANDIDATES and not ALL_GREEDY:
         bonus_row = first_row + num_drafts
@@ -143,7 +148,14 @@ def _decide_request(
                        tl.sum(tl.where(at_bonus, floor, 0.0), axis=0),
                        tl.sum(tl.where(at_bonus, s3, 0.0), axis=0),
                        HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
-        _, bonus_token = _argmax_vec(tl.where(c_ok, tl.math.div_rn(w, noise), -1.0), ridx)
+        if MASKED:  # the stats kernel left the bonus row's chunk masses of p in that plane
+            masses = tl.load(part_s_ptr + bonus_row * NUM_CHUNKS + c, mask=c_ok, other=0.0,
+                             cache_modifier=".cg")
+        else:
+            masses = tl.sum(tl.where(at_bonus[:, None], mass, 0.0), axis=0)
+        bonus_token = _two_level_pick(tl.math.div_rn(w, noise), ridx, masses, c, c_ok, seed,
+                                      position + num_drafts, bonus_stream, CHUNK, BLOCK,
+                                      NUM_BLOCKS, NB_P2)
 
     # --- verification: accept d_i ... the leading run of accepts counts ---
     num_accepted = num_drafts * 0

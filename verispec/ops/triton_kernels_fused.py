@@ -1,30 +1,34 @@
-"""Rejection sampling in one Triton launch (REFERENCE §3), so that the final row of a request,
-which the race reads a second time, is still in L2 when it is read again.
+"""Rejection sampling in one Triton launch (REFERENCE §3): statistics, verification and the
+sampled token of each request in one grid.
 
-The three launches of ``triton_kernels`` read every target row once for its statistics, then
-the final row of each request whose draft a random target rejected again, from device memory:
-by the time ``_race_kernel`` runs, the whole batch has streamed through L2. Here one grid holds
-three kinds of work, ordered so that a request's race follows its statistics closely:
+The three launches of ``triton_kernels`` read every target row once for its statistics, verify,
+then race the final row of each request whose draft a random target rejected in a third launch,
+reading that row again from device memory. Here one grid does all of it:
 
     program id = step * (ROWS * NUM_CHUNKS + NUM_RACE_CHUNKS) + item
     item <  ROWS * NUM_CHUNKS    statistics of (row item % ROWS, chunk item // ROWS) of request
                                  ``step``; the last of them to finish (a counter) verifies the
-                                 request (``_decide_request``) and publishes the decision
-    item >= ROWS * NUM_CHUNKS    one chunk of the race over the final row of request
-                                 ``step - lag``: the recovered token at the first rejection, or
-                                 the bonus token when every draft passed (noise is paid on the
-                                 final row only, one row per random request); the last of them
-                                 picks the winner and writes the output row
+                                 request (``_decide_request``), then
+        one-hot rule             samples the final row's token itself (``_block_race``): the
+                                 two-level race of ``sampling.race`` picks a block from the chunk
+                                 masses that the statistics already hold (the residual's, summed
+                                 without the draft), and only that block of the final row is
+                                 read again (16 KB, from L2: its statistics were just read) and
+                                 raced. No other program waits for anything.
+        full rule                publishes the decision for:
+    item >= ROWS * NUM_CHUNKS    (full rule only) one chunk of the race over the final row of
+                                 request ``step - lag`` (its residual max(0, p - q) has no mass
+                                 per chunk before m and S are known); the last of them picks the
+                                 token and writes the output row.
 
-A race program waits (spins) until its request is decided. Programs start in the order of
-their ids, and every program a race program waits for has a smaller id and waits for nothing
-later than itself, so the wait always ends; with ``lag`` requests between a request's
-statistics and its race, it rarely waits at all, and the final row is read back from L2
-(``lag + 1`` requests' rows are in flight: 3 MB each at k = 4, V = 151 936). Counters and
-decision flags live in ``sync`` ([3, B] int32, zeroed before the launch).
+A race program waits (spins) until its request is decided. Programs start in the order of their
+ids, and every program a race program waits for has a smaller id and waits for nothing later
+than itself, so the wait always ends; with ``lag`` requests between a request's statistics and
+its race it rarely waits at all, and the final row is read back from L2. Counters and decision
+flags live in ``sync`` ([3, B] int32, zeroed before the launch).
 
-Everything each step computes is what the three launches compute (the same helpers), so the
-tokens are the same.
+Every step computes what the three launches compute (the same helpers, the same arithmetic for
+every score), so the tokens are the same.
 """
 
 from __future__ import annotations
@@ -32,9 +36,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from verispec.ops.triton_kernels import RESIDUAL_STREAM, _request_span, _row_chunk_stats
+from verispec.ops.triton_kernels import (
+    RESIDUAL_STREAM,
+    _chosen_block,
+    _exp,
+    _helper,
+    _request_span,
+    _row_chunk_stats,
+    _write_output,
+)
 from verispec.ops.triton_kernels_decide import _decide_request
-from verispec.ops.triton_kernels_race import _residual_race
+from verispec.ops.triton_kernels_race import _chunk_winner, _residual_race
 
 
 @triton.jit
@@ -46,11 +58,12 @@ def _fused_kernel(
     temperature_ptr,  # [B] float32, 0 = greedy
     seeds_ptr, positions_ptr,  # [B] int64
     rates_ptr,  # [>= max_num_draft_tokens] float32 conditional rates (SYNTHETIC)
-    part_f_ptr,  # [3, num_rows, NUM_CHUNKS] float32: chunk max m_c, sum exp(z - m_c), raw max
+    part_f_ptr,  # [4, num_rows, NUM_CHUNKS] float32: chunk max m_c, sum exp(z - m_c), raw
+    #              max, the same sum without the row's draft (one-hot rule)
     part_i_ptr,  # [2, num_rows, NUM_CHUNKS] int32: raw argmax (plane 1 unused)
     record_ptr,  # [B, 2] int32: (num_accepted, rejected draft or -1 on the bonus row)
     record_f_ptr,  # [B, 8] float32: the final row's m, S (then mask statistics, unused)
-    race_f_ptr,  # [B, NUM_RACE_CHUNKS] float32: chunk winners' ranking scores
+    race_f_ptr,  # [2, B, NUM_RACE_CHUNKS] float32: chunk winners' scores, chunk masses
     race_i_ptr,  # [2, B, NUM_RACE_CHUNKS] int32: chunk winners' ids, chunk has a residual
     sync_ptr,  # [3, B] int32, zeroed: per request statistics programs done, decision, race
     #            programs done
@@ -58,11 +71,13 @@ def _fused_kernel(
     batch_size, num_rows, vocab_size, width, bonus_stream, lag,
     ROWS: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr, NC_P2: tl.constexpr,
     ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr, RACE_CHUNK: tl.constexpr,
-    NUM_RACE_CHUNKS: tl.constexpr, NRC_P2: tl.constexpr,
+    NUM_RACE_CHUNKS: tl.constexpr, NRC_P2: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr, CHUNKS_PER_BLOCK: tl.constexpr,
     HAS_DRAFT_PROBS: tl.constexpr, SYNTHETIC: tl.constexpr,
 ):
-    """Grid ((B + lag) * (ROWS * NUM_CHUNKS + NUM_RACE_CHUNKS),): see the module docstring.
-    No masks (their thresholds need a pass of their own first)."""
+    """Grid ((B + lag) * (ROWS * NUM_CHUNKS + NUM_RACE_CHUNKS),): see the module docstring;
+    NUM_RACE_CHUNKS and lag are 0 under the one-hot rule. No masks (their thresholds need a
+    pass of their own first)."""
     num_stats: tl.constexpr = ROWS * NUM_CHUNKS
     step = tl.program_id(0) // (num_stats + NUM_RACE_CHUNKS)
     item = tl.program_id(0) % (num_stats + NUM_RACE_CHUNKS)
@@ -74,12 +89,17 @@ def _fused_kernel(
             chunk = item // ROWS
             draft_start, num_drafts = _request_span(cu_ptr, req, False)
             if index_in_request <= num_drafts:
+                excluded_id = -1
+                if not HAS_DRAFT_PROBS:
+                    excluded_id = tl.load(draft_ids_ptr + draft_start + index_in_request,
+                                          mask=index_in_request < num_drafts, other=-1)
                 _row_chunk_stats(
                     logits_ptr, logits_stride, temperature_ptr, seeds_ptr, positions_ptr,
                     part_f_ptr, part_f_ptr, part_i_ptr, num_rows, vocab_size, bonus_stream,
                     req, draft_start + req + index_in_request, chunk,
-                    index_in_request == num_drafts, num_drafts,
+                    index_in_request == num_drafts, num_drafts, excluded_id,
                     NUM_CHUNKS, CHUNK, False, False, False, False, False, False,
+                    not HAS_DRAFT_PROBS,
                 )
             # the last statistics program of the request (every one counts, rows past n_r
             # too) sees all partials and verifies the drafts
@@ -91,11 +111,21 @@ def _fused_kernel(
                     draft_probs_stride, temperature_ptr, seeds_ptr, positions_ptr, rates_ptr,
                     part_f_ptr, part_f_ptr, part_i_ptr, record_ptr, record_f_ptr,
                     token_ids_ptr, token_ids_stride, num_rows, width, bonus_stream,
-                    NUM_CHUNKS, NC_P2, ROWS_P2, WIDTH_P2, False, False, HAS_DRAFT_PROBS,
-                    SYNTHETIC, False, False, False, False, False,
+                    NUM_CHUNKS, NC_P2, ROWS_P2, WIDTH_P2, CHUNK, BLOCK, NUM_BLOCKS, NB_P2,
+                    False, False, HAS_DRAFT_PROBS, SYNTHETIC, False, False, False, False, False,
                 )
-                tl.debug_barrier()
-                tl.atomic_xchg(decision_ptr + req, 2 - needs_race, sem="release")
+                if HAS_DRAFT_PROBS:
+                    tl.debug_barrier()
+                    tl.atomic_xchg(decision_ptr + req, 2 - needs_race, sem="release")
+                elif needs_race == 1:
+                    tl.debug_barrier()  # the record was written by other threads of this program
+                    _block_race(
+                        req, logits_ptr, logits_stride, draft_ids_ptr, draft_start,
+                        temperature_ptr, seeds_ptr, positions_ptr, part_f_ptr, record_ptr,
+                        record_f_ptr, token_ids_ptr, token_ids_stride, num_rows, vocab_size,
+                        width, bonus_stream, NUM_CHUNKS, NC_P2, CHUNK, WIDTH_P2, BLOCK,
+                        NUM_BLOCKS, NB_P2, CHUNKS_PER_BLOCK,
+                    )
     else:
         req = step - lag
         if req >= 0:
@@ -112,15 +142,70 @@ def _fused_kernel(
                 st = record_f_ptr + 8 * req
                 _residual_race(
                     logits_ptr, logits_stride, draft_ids_ptr, draft_probs_ptr,
-                    draft_probs_stride, race_f_ptr, race_i_ptr,
-                    race_i_ptr + batch_size * NUM_RACE_CHUNKS, sync_ptr + 2 * batch_size,
-                    token_ids_ptr, token_ids_stride,
+                    draft_probs_stride, race_f_ptr, race_f_ptr + batch_size * NUM_RACE_CHUNKS,
+                    race_i_ptr, race_i_ptr + batch_size * NUM_RACE_CHUNKS,
+                    sync_ptr + 2 * batch_size, token_ids_ptr, token_ids_stride,
                     req, item - num_stats, draft_start, num_accepted,
                     draft_start + req + num_accepted, temperature,
                     tl.load(seeds_ptr + req), tl.load(positions_ptr + req), rejected_id,
                     tl.where(rejected, RESIDUAL_STREAM, bonus_stream), rejected,
                     tl.load(st, cache_modifier=".cg"), tl.load(st + 1, cache_modifier=".cg"),
                     0.0, 0.0, 1.0, 0.0, 1.0, vocab_size, width,
-                    NUM_RACE_CHUNKS, NRC_P2, RACE_CHUNK, WIDTH_P2, HAS_DRAFT_PROBS,
-                    False, False, False,
+                    NUM_RACE_CHUNKS, NRC_P2, RACE_CHUNK, WIDTH_P2, BLOCK, NUM_BLOCKS, NB_P2,
+                    HAS_DRAFT_PROBS, False, False, False,
                 )
+
+
+@_helper
+def _block_race(
+    req, logits_ptr, logits_stride, draft_ids_ptr, draft_start, temperature_ptr, seeds_ptr,
+    positions_ptr, part_f_ptr, record_ptr, record_f_ptr, token_ids_ptr, token_ids_stride,
+    num_rows, vocab_size, width, bonus_stream,
+    NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
+    WIDTH_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+    NB_P2: tl.constexpr, CHUNKS_PER_BLOCK: tl.constexpr,
+):
+    """One-hot rule, random request, just verified: the recovered token at the first rejection
+    (p without the rejected draft, residual stream) or the bonus token (p, sample stream).
+    Chunk masses come from the statistics (the draft-free sums at a rejection); an empty
+    residual (p(d) = 1 in float32) falls back to p, as the twin does. The chosen block is raced
+    chunk by chunk with ``_chunk_winner``, the chunk winners' exact scores compared in index
+    order (ties: the smallest index)."""
+    num_accepted = tl.load(record_ptr + 2 * req, cache_modifier=".cg").to(tl.int64)
+    rejected_id = tl.load(record_ptr + 2 * req + 1, cache_modifier=".cg")
+    m = tl.load(record_f_ptr + 8 * req, cache_modifier=".cg")
+    s = tl.load(record_f_ptr + 8 * req + 1, cache_modifier=".cg")
+    temperature = tl.load(temperature_ptr + req)
+    seed = tl.load(seeds_ptr + req)
+    position = tl.load(positions_ptr + req) + num_accepted
+    final_row = draft_start + req + num_accepted
+    c = tl.arange(0, NC_P2)
+    c_ok = c < NUM_CHUNKS
+    plane = num_rows * NUM_CHUNKS
+    part = final_row * NUM_CHUNKS + c
+    pm = tl.load(part_f_ptr + part, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+    scale = tl.where(c_ok, _exp(pm - m), 0.0)
+    masses = scale * tl.load(part_f_ptr + 3 * plane + part, mask=c_ok, other=0.0,
+                             cache_modifier=".cg")
+    stream = tl.where(rejected_id >= 0, RESIDUAL_STREAM, bonus_stream)
+    if tl.max(masses, axis=0) == 0.0:  # empty residual: sample from p
+        rejected_id = -1
+        masses = scale * tl.load(part_f_ptr + plane + part, mask=c_ok, other=0.0,
+                                 cache_modifier=".cg")
+    # the block (with one block: the row, CHUNKS_PER_BLOCK = NUM_CHUNKS), then its chunks
+    first = _chosen_block(masses, c, c_ok, seed, position, stream, CHUNK, BLOCK, NUM_BLOCKS,
+                          NB_P2).to(tl.int64) * BLOCK
+    t_eff = tl.where(temperature > 0.0, temperature, 1.0)
+    best = tl.full((), -1.0, tl.float32)
+    token = first
+    for j in range(0, CHUNKS_PER_BLOCK):
+        start = first + j * CHUNK
+        if start < vocab_size:
+            score, idx, _ = _chunk_winner(
+                logits_ptr + final_row * logits_stride, logits_ptr, start, vocab_size, t_eff,
+                seed, position, stream, rejected_id, rejected_id >= 0, m, s, 0.0, 0.0, 1.0,
+                0.0, 1.0, CHUNK, False, False, False, False)
+            token = tl.where(score > best, idx, token)
+            best = tl.maximum(score, best)
+    _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
+                  num_accepted, token, width, WIDTH_P2, False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.ops import philox
+from verispec.ops import philox, sampling
 from verispec.ops.backend import Backend
 from verispec.ops.triton_kernels import INTERPRET, _stats_kernel
 from verispec.ops.triton_kernels_decide import _decide_kernel
@@ -41,6 +41,20 @@ def default_chunk_size(vocab_size: int) -> int:
     return min(_MAX_CHUNK, _p2(vocab_size))
 
 
+def _blocks(vocab_size: int) -> dict:
+    """The two-level race's block constexprs (``sampling.race``): tokens per block, blocks per
+    row, and that count as a power of two."""
+    block = sampling.SAMPLING_BLOCK
+    num_blocks = _cdiv(vocab_size, block)
+    return dict(BLOCK=block, NUM_BLOCKS=num_blocks, NB_P2=_p2(num_blocks, 2))
+
+
+def _fit_chunk(chunk: int, vocab_size: int) -> int:
+    """A chunk of a row with more than one block of the race never straddles two blocks: at most
+    ``sampling.SAMPLING_BLOCK`` tokens (both are powers of two)."""
+    return min(chunk, sampling.SAMPLING_BLOCK) if vocab_size > sampling.SAMPLING_BLOCK else chunk
+
+
 def launch_plan(batch_size: int, vocab_size: int, has_draft_probs: bool,
                 chunk: int | None = None, race_chunk: int | None = None,
                 fused: bool | None = None) -> tuple[bool, int, int]:
@@ -56,7 +70,8 @@ def launch_plan(batch_size: int, vocab_size: int, has_draft_probs: bool,
         chunk = default_chunk_size(vocab_size)
         if fused and batch_size >= _BIG_BATCH and chunk == _MAX_CHUNK:
             chunk *= 2
-    return fused, chunk, _race_chunk(chunk, race_chunk)
+    chunk = _fit_chunk(chunk, vocab_size)
+    return fused, chunk, _fit_chunk(_race_chunk(chunk, race_chunk), vocab_size)
 
 
 def _race_chunk(chunk: int, race_chunk: int | None = None) -> int:
@@ -174,16 +189,18 @@ class _Workspace:
     every segment starts on a 16-byte boundary."""
 
     def __init__(self, num_rows: int, batch_size: int, num_chunks: int, num_race_chunks: int,
-                 masked: bool, device):
+                 masked: bool, device, residual_sums: bool = False):
         part = num_rows * num_chunks
         race = batch_size * num_race_chunks
-        f_sizes = [3 * part, race, num_rows * 8 if masked else 0, 8 * batch_size]
+        f_sizes = [(4 if residual_sums else 3) * part, 2 * race, num_rows * 8 if masked else 0,
+                   8 * batch_size]
         i_sizes = [2 * part, 2 * race, batch_size, 2 * batch_size]
         f32 = torch.empty(sum(map(_pad4, f_sizes)), dtype=torch.float32, device=device)
         i32 = torch.empty(sum(map(_pad4, i_sizes)), dtype=torch.int32, device=device)
         self.num_chunks = num_chunks
         self.num_race_chunks = num_race_chunks
-        # [3, num_rows, NUM_CHUNKS]: m_c, S_c, raw max;  [B, NUM_CHUNKS];  [num_rows, 8]
+        # [3 or 4, num_rows, NUM_CHUNKS]: m_c, S_c, raw max (, S_c without the row's draft);
+        # [2, B, NUM_RACE_CHUNKS];  [num_rows, 8]
         self.part_f, self.race_f, self.row_stats, self.record_f = _segments(f32, f_sizes)
         if not masked:
             self.row_stats = f32  # unused
@@ -206,8 +223,8 @@ def _row_statistics(logits, cu, params: _Params, batch_size: int, rows_per_reque
     """Launch the mask search (if any mask) and the chunk statistics."""
     num_rows, vocab_size = logits.shape
     ws = _Workspace(num_rows, batch_size, _cdiv(vocab_size, chunk),
-                    _cdiv(vocab_size, _race_chunk(chunk, race_chunk)), params.masked,
-                    logits.device)
+                    _cdiv(vocab_size, _fit_chunk(_race_chunk(chunk, race_chunk), vocab_size)),
+                    params.masked, logits.device)
     flags = params.mask_flags()
     dummy = params.temperature
     if params.masked:
@@ -241,7 +258,7 @@ def _verify(logits, draft_token_ids, cu, draft_probs, params: _Params, batch_siz
     Returns the output and the workspace (its row statistics serve ``_write_probs``)."""
     num_rows, vocab_size = logits.shape
     no_drafts = draft_token_ids is None
-    chunk = chunk or default_chunk_size(vocab_size)
+    chunk = _fit_chunk(chunk or default_chunk_size(vocab_size), vocab_size)
     ws = _row_statistics(logits, cu, params, batch_size, max_num_draft_tokens + 1, no_drafts,
                          chunk, bonus_stream, all_greedy, True, race_chunk)
     dummy = params.temperature
@@ -259,19 +276,20 @@ def _verify(logits, draft_token_ids, cu, draft_probs, params: _Params, batch_siz
          ws.part_f, ws.part_i, ws.record, ws.record_f, token_ids, out_stride, num_rows, width,
          bonus_stream),
         4, NUM_CHUNKS=ws.num_chunks, NC_P2=_p2(ws.num_chunks, 2), ROWS_P2=rows_p2,
-        WIDTH_P2=rows_p2, NO_DRAFTS=no_drafts, ALL_GREEDY=all_greedy,
+        WIDTH_P2=rows_p2, CHUNK=chunk, **_blocks(vocab_size), NO_DRAFTS=no_drafts,
+        ALL_GREEDY=all_greedy,
         HAS_DRAFT_PROBS=draft_probs is not None, SYNTHETIC=rates is not None,
         MASKED=params.masked, **flags,
     )
     if not (no_drafts or all_greedy):  # else no request has a recovered token to race
-        race_chunk = _race_chunk(chunk, race_chunk)
+        race_chunk = _fit_chunk(_race_chunk(chunk, race_chunk), vocab_size)
         _launch(
             _race_kernel, (batch_size, ws.num_race_chunks),
             (logits, logits.stride(0), draft_ids, cu, q, q_stride, params.temperature,
              params.seeds, params.positions, ws.record, ws.record_f, ws.race_f, ws.race_i,
              ws.counter, token_ids, out_stride, batch_size, vocab_size, width),
             _num_warps(race_chunk), RACE_CHUNK=race_chunk, NUM_RACE_CHUNKS=ws.num_race_chunks,
-            NRC_P2=_p2(ws.num_race_chunks, 2), WIDTH_P2=rows_p2,
+            NRC_P2=_p2(ws.num_race_chunks, 2), WIDTH_P2=rows_p2, **_blocks(vocab_size),
             HAS_DRAFT_PROBS=draft_probs is not None, **flags,
         )
     return token_ids, ws
@@ -284,27 +302,33 @@ def _verify_fused(logits, draft_token_ids, cu, draft_probs, params: _Params, bat
     """Rejection sampling in one launch (``triton_kernels_fused``), after zeroing its counters:
     no masks, drafts present, not all greedy; chunk sizes as ``launch_plan``."""
     num_rows, vocab_size = logits.shape
-    _, chunk, race_chunk = launch_plan(batch_size, vocab_size, draft_probs is not None, chunk,
-                                       race_chunk, True)
-    ws = _Workspace(num_rows, batch_size, _cdiv(vocab_size, chunk),
-                    _cdiv(vocab_size, race_chunk), False, logits.device)
+    one_hot = draft_probs is None
+    _, chunk, race_chunk = launch_plan(batch_size, vocab_size, not one_hot, chunk, race_chunk,
+                                       True)
+    num_chunks = _cdiv(vocab_size, chunk)
+    # the one-hot rule samples inside the deciding program: no race programs, no lag
+    num_race_chunks = 0 if one_hot else _cdiv(vocab_size, race_chunk)
+    ws = _Workspace(num_rows, batch_size, num_chunks, num_race_chunks, False, logits.device,
+                    residual_sums=one_hot)
     sync = torch.zeros(3 * batch_size, dtype=torch.int32, device=logits.device)  # [3, B]
     rows = max_num_draft_tokens + 1
     rows_p2 = _p2(rows, 2)
-    lag = max(0, min(_LAG if lag is None else lag, batch_size - 1))
-    q = logits if draft_probs is None else draft_probs
-    q_stride = 0 if draft_probs is None else draft_probs.stride(0)
+    lag = 0 if one_hot else max(0, min(_LAG if lag is None else lag, batch_size - 1))
+    q = logits if one_hot else draft_probs
+    q_stride = 0 if one_hot else draft_probs.stride(0)
+    blocks = _blocks(vocab_size)
     _launch(
-        _fused_kernel, ((batch_size + lag) * (rows * ws.num_chunks + ws.num_race_chunks),),
+        _fused_kernel, ((batch_size + lag) * (rows * num_chunks + num_race_chunks),),
         (logits, logits.stride(0), draft_token_ids, cu, q, q_stride, params.temperature,
          params.seeds, params.positions, params.temperature if rates is None else rates,
          ws.part_f, ws.part_i, ws.record, ws.record_f, ws.race_f, ws.race_i, sync, token_ids,
          token_ids.stride(0), batch_size, num_rows, vocab_size, token_ids.shape[1],
          philox.SAMPLE_STREAM, lag),
-        num_warps or _num_warps(chunk), ROWS=rows, NUM_CHUNKS=ws.num_chunks, CHUNK=chunk,
-        NC_P2=_p2(ws.num_chunks, 2), ROWS_P2=rows_p2, WIDTH_P2=rows_p2, RACE_CHUNK=race_chunk,
-        NUM_RACE_CHUNKS=ws.num_race_chunks, NRC_P2=_p2(ws.num_race_chunks, 2),
-        HAS_DRAFT_PROBS=draft_probs is not None, SYNTHETIC=rates is not None,
+        num_warps or _num_warps(chunk), ROWS=rows, NUM_CHUNKS=num_chunks, CHUNK=chunk,
+        NC_P2=_p2(num_chunks, 2), ROWS_P2=rows_p2, WIDTH_P2=rows_p2, RACE_CHUNK=race_chunk,
+        NUM_RACE_CHUNKS=num_race_chunks, NRC_P2=_p2(num_race_chunks, 2), **blocks,
+        CHUNKS_PER_BLOCK=min(num_chunks, blocks["BLOCK"] // chunk),
+        HAS_DRAFT_PROBS=not one_hot, SYNTHETIC=rates is not None,
     )
     return token_ids
 
