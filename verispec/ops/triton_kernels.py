@@ -206,13 +206,17 @@ def _chosen_block(masses, c, c_ok, seed, position, stream, CHUNK: tl.constexpr,
     to the twin's up to summation order. 0 when the row is one block."""
     chosen = tl.sum(c * 0, axis=0)
     if NUM_BLOCKS > 1:
-        blk_of = c // (BLOCK // CHUNK)
-        b = tl.arange(0, NB_P2)
-        in_b = (blk_of[None, :] == b[:, None]) & c_ok[None, :]
-        block_mass = tl.sum(tl.where(in_b, masses[None, :], 0.0), axis=1)  # [NB_P2]
-        noise = _noise_at(seed, position, stream, b.to(tl.int64) + BLOCK_NOISE_INDEX)
-        _, chosen = _argmax_vec(tl.where(b < NUM_BLOCKS, tl.math.div_rn(block_mass, noise),
-                                         -1.0), b)
+        if CHUNK == BLOCK:  # a chunk is a block
+            noise = _noise_at(seed, position, stream, c.to(tl.int64) + BLOCK_NOISE_INDEX)
+            _, chosen = _argmax_vec(tl.where(c_ok, tl.math.div_rn(masses, noise), -1.0), c)
+        else:
+            blk_of = c // (BLOCK // CHUNK)
+            b = tl.arange(0, NB_P2)
+            in_b = (blk_of[None, :] == b[:, None]) & c_ok[None, :]
+            block_mass = tl.sum(tl.where(in_b, masses[None, :], 0.0), axis=1)  # [NB_P2]
+            noise = _noise_at(seed, position, stream, b.to(tl.int64) + BLOCK_NOISE_INDEX)
+            _, chosen = _argmax_vec(tl.where(b < NUM_BLOCKS,
+                                             tl.math.div_rn(block_mass, noise), -1.0), b)
     return chosen
 
 

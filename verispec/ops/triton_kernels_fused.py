@@ -72,8 +72,8 @@ def _fused_kernel(
     ROWS: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr, NC_P2: tl.constexpr,
     ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr, RACE_CHUNK: tl.constexpr,
     NUM_RACE_CHUNKS: tl.constexpr, NRC_P2: tl.constexpr, BLOCK: tl.constexpr,
-    NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr, CHUNKS_PER_BLOCK: tl.constexpr,
-    HAS_DRAFT_PROBS: tl.constexpr, SYNTHETIC: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr, BLOCK_SPAN: tl.constexpr,
+    RACE_SUB: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr, SYNTHETIC: tl.constexpr,
 ):
     """Grid ((B + lag) * (ROWS * NUM_CHUNKS + NUM_RACE_CHUNKS),): see the module docstring;
     NUM_RACE_CHUNKS and lag are 0 under the one-hot rule. No masks (their thresholds need a
@@ -124,7 +124,7 @@ def _fused_kernel(
                         temperature_ptr, seeds_ptr, positions_ptr, part_f_ptr, record_ptr,
                         record_f_ptr, token_ids_ptr, token_ids_stride, num_rows, vocab_size,
                         width, bonus_stream, NUM_CHUNKS, NC_P2, CHUNK, WIDTH_P2, BLOCK,
-                        NUM_BLOCKS, NB_P2, CHUNKS_PER_BLOCK,
+                        NUM_BLOCKS, NB_P2, BLOCK_SPAN, RACE_SUB,
                     )
     else:
         req = step - lag
@@ -163,14 +163,16 @@ def _block_race(
     num_rows, vocab_size, width, bonus_stream,
     NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
     WIDTH_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr,
-    NB_P2: tl.constexpr, CHUNKS_PER_BLOCK: tl.constexpr,
+    NB_P2: tl.constexpr, BLOCK_SPAN: tl.constexpr, RACE_SUB: tl.constexpr,
 ):
     """One-hot rule, random request, just verified: the recovered token at the first rejection
     (p without the rejected draft, residual stream) or the bonus token (p, sample stream).
     Chunk masses come from the statistics (the draft-free sums at a rejection); an empty
-    residual (p(d) = 1 in float32) falls back to p, as the twin does. The chosen block is raced
-    chunk by chunk with ``_chunk_winner``, the chunk winners' exact scores compared in index
-    order (ties: the smallest index)."""
+    residual (p(d) = 1 in float32) falls back to p, as the twin does. The chosen block (its
+    BLOCK_SPAN tokens: BLOCK, or the whole row when it is one block) is raced RACE_SUB tokens
+    at a time with ``_chunk_winner`` (small tiles keep this program's registers, and so the
+    statistics programs' occupancy, low), the winners' exact scores compared in index order
+    (ties: the smallest index)."""
     num_accepted = tl.load(record_ptr + 2 * req, cache_modifier=".cg").to(tl.int64)
     rejected_id = tl.load(record_ptr + 2 * req + 1, cache_modifier=".cg")
     m = tl.load(record_f_ptr + 8 * req, cache_modifier=".cg")
@@ -192,19 +194,18 @@ def _block_race(
         rejected_id = -1
         masses = scale * tl.load(part_f_ptr + plane + part, mask=c_ok, other=0.0,
                                  cache_modifier=".cg")
-    # the block (with one block: the row, CHUNKS_PER_BLOCK = NUM_CHUNKS), then its chunks
     first = _chosen_block(masses, c, c_ok, seed, position, stream, CHUNK, BLOCK, NUM_BLOCKS,
                           NB_P2).to(tl.int64) * BLOCK
     t_eff = tl.where(temperature > 0.0, temperature, 1.0)
     best = tl.full((), -1.0, tl.float32)
     token = first
-    for j in range(0, CHUNKS_PER_BLOCK):
-        start = first + j * CHUNK
+    for j in range(0, BLOCK_SPAN // RACE_SUB):
+        start = first + j * RACE_SUB
         if start < vocab_size:
             score, idx, _ = _chunk_winner(
                 logits_ptr + final_row * logits_stride, logits_ptr, start, vocab_size, t_eff,
                 seed, position, stream, rejected_id, rejected_id >= 0, m, s, 0.0, 0.0, 1.0,
-                0.0, 1.0, CHUNK, False, False, False, False)
+                0.0, 1.0, RACE_SUB, False, False, False, False)
             token = tl.where(score > best, idx, token)
             best = tl.maximum(score, best)
     _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,

@@ -24,7 +24,7 @@ _LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_CHUNK = 4096  # tokens per program: 16 KB of float32 logits
 _MASK_TILE = 8192  # tokens per loop step of the one-program-per-row threshold search
 _LAG = 8  # requests between a request's statistics and its race in the one-launch kernel
-_BIG_BATCH = 16  # from this batch size on, the one-launch kernel takes twice the chunk
+_RACE_SUB = 1024  # tokens per step of the one-launch kernel's race over a block
 
 
 def _p2(n: int, least: int = 16) -> int:
@@ -59,18 +59,12 @@ def launch_plan(batch_size: int, vocab_size: int, has_draft_probs: bool,
                 chunk: int | None = None, race_chunk: int | None = None,
                 fused: bool | None = None) -> tuple[bool, int, int]:
     """What ``rejection_sample`` launches without masks: (one launch, tokens per statistics
-    program, tokens per race program). One launch by default for the one-hot rule (the race
-    reads a target row again for most random requests, from L2 there), three for the full rule
-    (measured faster at large batches); the one-launch kernel takes chunks of 8192 from batch
-    16 on (fewer, longer programs, measured faster), 4096 below so that a small batch spreads
-    over the GPU."""
+    program, tokens per race program). One launch by default for the one-hot rule (its deciding
+    program samples from one block of the final row), three for the full rule (measured faster
+    at large batches). Chunks never straddle a block of the two-level race (``_fit_chunk``)."""
     if fused is None:
         fused = not has_draft_probs
-    if chunk is None:
-        chunk = default_chunk_size(vocab_size)
-        if fused and batch_size >= _BIG_BATCH and chunk == _MAX_CHUNK:
-            chunk *= 2
-    chunk = _fit_chunk(chunk, vocab_size)
+    chunk = _fit_chunk(chunk or default_chunk_size(vocab_size), vocab_size)
     return fused, chunk, _fit_chunk(_race_chunk(chunk, race_chunk), vocab_size)
 
 
@@ -82,6 +76,12 @@ def _race_chunk(chunk: int, race_chunk: int | None = None) -> int:
 
 def _num_warps(chunk: int) -> int:
     return max(1, min(8, chunk // 512))
+
+
+def _fused_num_warps(chunk: int) -> int:
+    """Half the warps of the three launches: 32 tokens of a 4096-token chunk per thread keep
+    more loads in flight (H100, one-hot rule, B = 256: 286 us with 4 warps, 316 with 8)."""
+    return max(1, _num_warps(chunk) // 2)
 
 
 def _check_1d(name: str, t: torch.Tensor, size: int, dtypes: tuple, device) -> None:
@@ -324,10 +324,10 @@ def _verify_fused(logits, draft_token_ids, cu, draft_probs, params: _Params, bat
          ws.part_f, ws.part_i, ws.record, ws.record_f, ws.race_f, ws.race_i, sync, token_ids,
          token_ids.stride(0), batch_size, num_rows, vocab_size, token_ids.shape[1],
          philox.SAMPLE_STREAM, lag),
-        num_warps or _num_warps(chunk), ROWS=rows, NUM_CHUNKS=num_chunks, CHUNK=chunk,
+        num_warps or _fused_num_warps(chunk), ROWS=rows, NUM_CHUNKS=num_chunks, CHUNK=chunk,
         NC_P2=_p2(num_chunks, 2), ROWS_P2=rows_p2, WIDTH_P2=rows_p2, RACE_CHUNK=race_chunk,
         NUM_RACE_CHUNKS=num_race_chunks, NRC_P2=_p2(num_race_chunks, 2), **blocks,
-        CHUNKS_PER_BLOCK=min(num_chunks, blocks["BLOCK"] // chunk),
+        BLOCK_SPAN=min(num_chunks * chunk, blocks["BLOCK"]), RACE_SUB=min(chunk, _RACE_SUB),
         HAS_DRAFT_PROBS=not one_hot, SYNTHETIC=rates is not None,
     )
     return token_ids
