@@ -16,7 +16,9 @@ accepted about 80 % of the time per position (the drafted token's
 target probability is set near 0.8), so both the bonus path and the recovered-token path run;
 the mean acceptance length is printed. Each configuration also checks that the two ops return the
 same tokens. ``plan`` is the number of Triton launches (``triton_ops.launch_plan``: one for the
-one-hot rule, three for the full rule), ``chunk`` / ``race`` its tokens per program.
+one-hot rule, three for the full rule), ``chunk`` its tokens per statistics program, ``race``
+the tokens per race program (three launches) or per step of the deciding program's race over
+one block (one launch).
 
 Prints a human table, then one JSON line.
 
@@ -174,7 +176,8 @@ def main() -> None:
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[0],
                         help="Triton tokens per program to try (0 = the default)")
     parser.add_argument("--race-chunk-sizes", type=int, nargs="+", default=[0],
-                        help="Triton tokens per program of the recovered-token race (0 = default)")
+                        help="Triton tokens per race program, or per step of the one-launch "
+                             "race (0 = default)")
     parser.add_argument("--rotate-bytes", type=float, default=256e6,
                         help="bytes of input buffer sets to rotate over (>> L2)")
     parser.add_argument("--flush-bytes", type=float, default=1e9,

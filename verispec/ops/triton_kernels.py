@@ -22,8 +22,12 @@ Every op runs on the flattened layout: request r owns target rows ``cu[r] + r ..
 So each target row is read once, plus the final row of a request whose draft a random target
 rejected; each draft-probability row is read at one entry, plus the row of that rejected draft.
 Masks (top-k, top-p, min-p) need row-wide thresholds first: ``triton_kernels_masks``. The
-one-hot rule without masks takes one launch instead (``triton_kernels_fused``: the same steps
-in one grid, the final row read again from L2).
+one-hot rule without masks takes one launch instead (``triton_kernels_fused``: the deciding
+program races one block of the final row).
+
+Every race is the two-level race of ``sampling.race``: chunks (at most one block each) report
+their winner with its exact score and their mass; the block is chosen from the masses
+(``_chosen_block``), then the best winner of its chunks (``_two_level_pick``).
 
 Float semantics follow the torch twin: z = logits / T with IEEE division (``div_rn``), p = exp(z -
 m) / S, score = p / E with E = -log(u); on CUDA exp and log are libdevice's (those torch uses).
