@@ -64,7 +64,7 @@ def _fused_kernel(
     record_ptr,  # [B, 2] int32: (num_accepted, rejected draft or -1 on the bonus row)
     record_f_ptr,  # [B, 8] float32: the final row's m, S (then mask statistics, unused)
     race_f_ptr,  # [2, B, NUM_RACE_CHUNKS] float32: chunk winners' scores, chunk masses
-    race_i_ptr,  # [2, B, NUM_RACE_CHUNKS] int32: chunk winners' ids, chunk has a residual
+    race_i_ptr,  # [B, NUM_RACE_CHUNKS] int32: chunk winners' ids
     sync_ptr,  # [3, B] int32, zeroed: per request statistics programs done, decision, race
     #            programs done
     token_ids_ptr, token_ids_stride,  # [B, width] int32
@@ -143,7 +143,7 @@ def _fused_kernel(
                 _residual_race(
                     logits_ptr, logits_stride, draft_ids_ptr, draft_probs_ptr,
                     draft_probs_stride, race_f_ptr, race_f_ptr + batch_size * NUM_RACE_CHUNKS,
-                    race_i_ptr, race_i_ptr + batch_size * NUM_RACE_CHUNKS,
+                    race_i_ptr,
                     sync_ptr + 2 * batch_size, token_ids_ptr, token_ids_stride,
                     req, item - num_stats, draft_start, num_accepted,
                     draft_start + req + num_accepted, temperature,

@@ -34,7 +34,7 @@ def _race_kernel(
     record_ptr,  # [B, 2] int32: (num_accepted, rejected draft), or -1: nothing to race
     record_f_ptr,  # [B, 8] float32: the final row's m, S, kth, tau, s_p, floor, s3
     race_f_ptr,  # [2, B, NUM_RACE_CHUNKS] float32: chunk winners' scores, chunk masses
-    race_i_ptr,  # [2, B, NUM_RACE_CHUNKS] int32: chunk winners' ids, chunk has a residual
+    race_i_ptr,  # [B, NUM_RACE_CHUNKS] int32: chunk winners' ids
     counter_ptr,  # [B] int32, zeroed by _stats_kernel
     token_ids_ptr, token_ids_stride,  # [B, width] int32
     batch_size, vocab_size, width,
@@ -56,8 +56,7 @@ def _race_kernel(
         temperature = tl.load(temperature_ptr + req)
         _residual_race(
             logits_ptr, logits_stride, draft_ids_ptr, draft_probs_ptr, draft_probs_stride,
-            race_f_ptr, race_f_ptr + batch_size * NUM_RACE_CHUNKS, race_i_ptr,
-            race_i_ptr + batch_size * NUM_RACE_CHUNKS, counter_ptr,
+            race_f_ptr, race_f_ptr + batch_size * NUM_RACE_CHUNKS, race_i_ptr, counter_ptr,
             token_ids_ptr, token_ids_stride,
             req, chunk, draft_start, num_accepted, draft_start + req + num_accepted,
             tl.where(temperature > 0.0, temperature, 1.0),
@@ -73,7 +72,7 @@ def _race_kernel(
 @_helper
 def _residual_race(
     logits_ptr, logits_stride, draft_ids_ptr, draft_probs_ptr, draft_probs_stride,
-    race_score_ptr, race_mass_ptr, race_idx_ptr, race_has_ptr, counter_ptr, token_ids_ptr,
+    race_score_ptr, race_mass_ptr, race_idx_ptr, counter_ptr, token_ids_ptr,
     token_ids_stride, req, chunk, draft_start, num_accepted, final_row, t_eff, seed, position,
     rejected_id, stream, rejected, m, s, kth, tau, s_p, floor, s3, vocab_size, width,
     NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
@@ -96,7 +95,6 @@ def _residual_race(
     tl.store(race_score_ptr + slot, best)
     tl.store(race_mass_ptr + slot, mass)
     tl.store(race_idx_ptr + slot, best_id)
-    tl.store(race_has_ptr + slot, (mass > 0.0).to(tl.int32))
     tl.debug_barrier()
     num_done = tl.atomic_add(counter_ptr + req, 1, sem="acq_rel")
     if num_done == NUM_CHUNKS - 1:
@@ -104,10 +102,9 @@ def _residual_race(
         c_ok = c < NUM_CHUNKS
         base = req * NUM_CHUNKS + c
         chunk_ids = tl.load(race_idx_ptr + base, mask=c_ok, other=0, volatile=True)
-        any_residual = tl.max(tl.load(race_has_ptr + base, mask=c_ok, other=0, volatile=True), 0)
         scores = tl.load(race_score_ptr + base, mask=c_ok, other=-1.0, volatile=True)
         masses = tl.load(race_mass_ptr + base, mask=c_ok, other=0.0, volatile=True)
-        if any_residual == 0:
+        if tl.max(masses, axis=0) == 0.0:
             # Empty residual (p = q up to rounding): sample from p, on the same stream.
             for cc in range(0, NUM_CHUNKS):
                 ids = _tile_ids(cc * CHUNK, CHUNK // 4)

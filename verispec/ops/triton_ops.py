@@ -200,7 +200,7 @@ class _Workspace:
         race = batch_size * num_race_chunks
         f_sizes = [(4 if residual_sums else 3) * part, 2 * race, num_rows * 8 if masked else 0,
                    8 * batch_size]
-        i_sizes = [2 * part, 2 * race, batch_size, 2 * batch_size]
+        i_sizes = [2 * part, race, batch_size, 2 * batch_size]
         f32 = torch.empty(sum(map(_pad4, f_sizes)), dtype=torch.float32, device=device)
         i32 = torch.empty(sum(map(_pad4, i_sizes)), dtype=torch.int32, device=device)
         self.num_chunks = num_chunks
@@ -210,7 +210,7 @@ class _Workspace:
         self.part_f, self.race_f, self.row_stats, self.record_f = _segments(f32, f_sizes)
         if not masked:
             self.row_stats = f32  # unused
-        # [2, num_rows, NUM_CHUNKS]: raw argmax, race winner;  [2, B, NUM_CHUNKS];  [B];  [B, 2]
+        # [2, num_rows, NUM_CHUNKS]: raw argmax, race winner;  [B, NUM_RACE_CHUNKS];  [B];  [B, 2]
         self.part_i, self.race_i, self.counter, self.record = _segments(i32, i_sizes)
 
 
