@@ -26,6 +26,7 @@ _MASK_TILE = 8192  # tokens per loop step of the one-program-per-row threshold s
 _LAG = 8  # requests between a request's statistics and its race in the one-launch kernel
 _SMALL_BATCH = 16  # below this batch size the one-launch kernel favours latency
 
+
 def _p2(n: int, least: int = 16) -> int:
     """The next power of two >= n (and >= least)."""
     return max(least, 1 << (max(int(n), 1) - 1).bit_length())
