@@ -364,11 +364,15 @@ def _row_chunk_stats(
         m_safe = tl.where(m_c == float("-inf"), 0.0, m_c)
         if not MASKED:
             e = tl.exp(z - m_safe)
+            s_c = tl.sum(tl.sum(e, axis=1), axis=0)
             tl.store(part_m_ptr + out, m_c)
-            tl.store(part_s_ptr + out, tl.sum(tl.sum(e, axis=1), axis=0))
+            tl.store(part_s_ptr + out, s_c)
             if RESIDUAL_SUMS:
-                tl.store(part_f_ptr + 3 * num_rows * NUM_CHUNKS + out,
-                         tl.sum(tl.sum(tl.where(ids == excluded_id, 0.0, e), axis=1), axis=0))
+                # only the chunk holding the draft sums again (elsewhere the sums are equal)
+                first = chunk * CHUNK
+                if (excluded_id >= first) & (excluded_id < first + CHUNK):
+                    s_c = tl.sum(tl.sum(tl.where(ids == excluded_id, 0.0, e), axis=1), axis=0)
+                tl.store(part_f_ptr + 3 * num_rows * NUM_CHUNKS + out, s_c)
         if BONUS_RACE:
             if (temperature != 0.0) & is_bonus:
                 # Bonus token race, argmax_v p_v / E_v, restricted to this chunk. Without masks

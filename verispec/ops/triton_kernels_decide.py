@@ -70,11 +70,15 @@ def _decide_request(
     NO_DRAFTS: tl.constexpr, ALL_GREEDY: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr,
     SYNTHETIC: tl.constexpr, BONUS_CANDIDATES: tl.constexpr, MASKED: tl.constexpr,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+    RESIDUAL_MASSES: tl.constexpr = False,
 ):
     """Verify request ``req``. Writes its output row when the request is greedy, or when every
     draft passed and the bonus row's chunk candidates are known (BONUS_CANDIDATES); otherwise
     writes ``record[req]`` = (num_accepted, rejected draft or -1 for the bonus row) and the final
-    row's statistics for the race. Returns 1 when a race is needed, else 0."""
+    row's statistics for the race. Returns (1 when a race is needed, else 0; num_accepted; the
+    rejected draft or -1; the final row's m and S; its chunk masses of p; with RESIDUAL_MASSES
+    (one-hot rule, unmasked) its chunk masses without the rejected draft, from the fourth
+    plane of the partials, else zeros), so that a caller in the same program races at once."""
     part_m_ptr, part_s_ptr, part_amax_ptr, part_aidx_ptr, part_ridx_ptr = _partial_planes(
         part_f_ptr, part_i_ptr, num_rows, NUM_CHUNKS)
     draft_start, num_drafts = _request_span(cu_ptr, req, NO_DRAFTS)
@@ -103,6 +107,7 @@ def _decide_request(
     m = zeros
     s = zeros + 1.0
     mass = tl.zeros([ROWS_P2, NC_P2], dtype=tl.float32)  # chunk masses (unmasked rows)
+    residual_mass = mass  # the same without the row's draft (RESIDUAL_MASSES)
     kth = zeros
     tau = zeros
     s_p = zeros + 1.0
@@ -123,10 +128,17 @@ def _decide_request(
             pm = tl.load(part_m_ptr + part, mask=part_ok, other=float("-inf"),
                          cache_modifier=".cg")
             ps = tl.load(part_s_ptr + part, mask=part_ok, other=0.0, cache_modifier=".cg")
+            if RESIDUAL_MASSES:
+                plane = num_rows * NUM_CHUNKS
+                pr = tl.load(part_f_ptr + 3 * plane + part, mask=part_ok, other=0.0,
+                             cache_modifier=".cg")
             m = tl.max(pm, axis=1)
             m_safe = tl.where(m == float("-inf"), 0.0, m)
-            mass = ps * tl.exp(pm - m_safe[:, None])
+            scale = tl.exp(pm - m_safe[:, None])
+            mass = ps * scale
             s = tl.sum(mass, axis=1)
+            if RESIDUAL_MASSES:
+                residual_mass = pr * scale
 
     # --- the bonus token, in case every draft passes: from the bonus row's chunk winners, each
     # re-scored as the twin scores it, and the chunks' masses (issued before the verification
@@ -192,6 +204,9 @@ def _decide_request(
     if BONUS_CANDIDATES:
         finished = greedy | (rejected == 0)
     needs_race = 0
+    rejected_id = tl.where(rejected, tl.sum(tl.where(at_final, d, 0), axis=0), -1)
+    final_m = tl.sum(tl.where(at_final, m, 0.0), axis=0)
+    final_s = tl.sum(tl.where(at_final, s, 0.0), axis=0)
     if finished:
         if not ALL_GREEDY:
             token = tl.where(greedy, token, bonus_token)
@@ -202,14 +217,15 @@ def _decide_request(
         # everything the race needs about the final row, so that it starts with one load
         needs_race = 1
         tl.store(record_ptr + 2 * req, num_accepted.to(tl.int32))
-        rejected_id = tl.sum(tl.where(at_final, d, 0), axis=0)
-        tl.store(record_ptr + 2 * req + 1, tl.where(rejected, rejected_id, -1))
+        tl.store(record_ptr + 2 * req + 1, rejected_id)
         out = record_f_ptr + 8 * req
-        tl.store(out, tl.sum(tl.where(at_final, m, 0.0), axis=0))
-        tl.store(out + 1, tl.sum(tl.where(at_final, s, 0.0), axis=0))
+        tl.store(out, final_m)
+        tl.store(out + 1, final_s)
         tl.store(out + 2, tl.sum(tl.where(at_final, kth, 0.0), axis=0))
         tl.store(out + 3, tl.sum(tl.where(at_final, tau, 0.0), axis=0))
         tl.store(out + 4, tl.sum(tl.where(at_final, s_p, 0.0), axis=0))
         tl.store(out + 5, tl.sum(tl.where(at_final, floor, 0.0), axis=0))
         tl.store(out + 6, tl.sum(tl.where(at_final, s3, 0.0), axis=0))
-    return needs_race
+    return (needs_race, num_accepted, rejected_id, final_m, final_s,
+            tl.sum(tl.where(at_final[:, None], mass, 0.0), axis=0),
+            tl.sum(tl.where(at_final[:, None], residual_mass, 0.0), axis=0))

@@ -107,18 +107,13 @@ def _residual_race(
         if tl.max(masses, axis=0) == 0.0:
             # Empty residual (p = q up to rounding): sample from p, on the same stream.
             for cc in range(0, NUM_CHUNKS):
-                ids = _tile_ids(cc * CHUNK, CHUNK // 4)
-                valid = ids < vocab_size
-                x = tl.load(logits_ptr + final_row * logits_stride + ids, mask=valid,
-                            other=float("-inf"))
-                p = _processed(_scale(x.to(tl.float32), t_eff), m, s, kth, tau, s_p, floor, s3,
-                               HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
-                p = tl.where(valid, p, 0.0)
-                noise = _noise_tile(seed, position, stream, cc * CHUNK, CHUNK // 4)
-                b, b_id = _argmax_tile(tl.where(valid, tl.math.div_rn(p, noise), -1.0), ids)
+                b, b_id, mass_cc = _exact_tile_winner(
+                    logits_ptr + final_row * logits_stride, cc * CHUNK, vocab_size, t_eff, seed,
+                    position, stream, -1, m, s, kth, tau, s_p, floor, s3, CHUNK,
+                    HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
                 scores = tl.where(c == cc, b, scores)
                 chunk_ids = tl.where(c == cc, b_id, chunk_ids)
-                masses = tl.where(c == cc, tl.sum(tl.sum(p, axis=1), axis=0), masses)
+                masses = tl.where(c == cc, mass_cc, masses)
         token = _two_level_pick(scores, chunk_ids, masses, c, c_ok, seed, position, stream,
                                 CHUNK, BLOCK, NUM_BLOCKS, NB_P2)
         _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
@@ -167,6 +162,26 @@ def _chunk_winner(row_ptr, q_row_ptr, start, vocab_size, t_eff, seed, position, 
         best_id = tl.where(score > best, nxt, best_id)
         best = tl.maximum(score, best)
         nxt = tl.min(tl.min(tl.where(cand & (ids > nxt), ids, BIG_INDEX), axis=1), axis=0)
+    return best, best_id, tl.sum(tl.sum(w, axis=1), axis=0)
+
+
+@_helper
+def _exact_tile_winner(row_ptr, start, vocab_size, t_eff, seed, position, stream, rejected_id,
+                       m, s, kth, tau, s_p, floor, s3, TILE: tl.constexpr,
+                       HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
+                       HAS_MIN_P: tl.constexpr):
+    """The race over tokens start .. start + TILE of a row (one-hot rule or no rejection:
+    weights p, token ``rejected_id`` excluded; -1 excludes none), every token scored exactly as
+    the twin scores it: (best score, its id (ties: the smallest), the tile's mass of p without
+    the excluded token). No candidate loop: a fixed chain of latency, for the critical path."""
+    ids = _tile_ids(start, TILE // 4)
+    valid = ids < vocab_size
+    x = tl.load(row_ptr + ids, mask=valid, other=float("-inf"))
+    p = _processed(_scale(x.to(tl.float32), t_eff), m, s, kth, tau, s_p, floor, s3,
+                   HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+    w = tl.where(valid & (ids != rejected_id), p, 0.0)
+    noise = _noise_tile(seed, position, stream, start, TILE // 4)
+    best, best_id = _argmax_tile(tl.where(valid, tl.math.div_rn(w, noise), -1.0), ids)
     return best, best_id, tl.sum(tl.sum(w, axis=1), axis=0)
 
 

@@ -215,6 +215,27 @@ class _Workspace:
         self.part_i, self.race_i, self.counter, self.record = _segments(i32, i_sizes)
 
 
+# Counters of the one-launch one-hot kernel, by (device, stream): zero between launches (the
+# kernel's last program of each request resets its counter), so no launch zeroes them first.
+# Launches on one stream run in order; a CUDA graph keeps the buffer of the stream it was
+# captured on (graphs replayed concurrently must be captured on different streams). Buffers
+# outgrown are kept: a captured graph may still use them.
+_COUNTERS: dict = {}
+_OUTGROWN: list = []
+
+
+def _self_resetting_counters(device: torch.device, size: int) -> torch.Tensor:
+    """``size`` int32 counters, all zero, for a launch on the current stream of ``device``."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream) if not INTERPRET else device
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < size:
+        if counters is not None:
+            _OUTGROWN.append(counters)
+        counters = torch.zeros(_p2(size, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = counters
+    return counters
+
+
 def _pad4(n: int) -> int:
     return (n + 3) // 4 * 4
 
@@ -306,8 +327,9 @@ def _verify_fused(logits, draft_token_ids, cu, draft_probs, params: _Params, bat
                   max_num_draft_tokens: int, rates, token_ids: torch.Tensor, chunk: int | None,
                   race_chunk: int | None, lag: int | None,
                   num_warps: int | None) -> torch.Tensor:
-    """Rejection sampling in one launch (``triton_kernels_fused``), after zeroing its counters:
-    no masks, drafts present, not all greedy; chunk sizes as ``launch_plan``."""
+    """Rejection sampling in one launch (``triton_kernels_fused``): no masks, drafts present,
+    not all greedy; chunk sizes as ``launch_plan``. The one-hot rule's counters need no
+    zeroing launch (``_self_resetting_counters``); the full rule's are zeroed first."""
     num_rows, vocab_size = logits.shape
     one_hot = draft_probs is None
     _, chunk, race_chunk = launch_plan(batch_size, vocab_size, not one_hot, chunk, race_chunk,
@@ -317,7 +339,10 @@ def _verify_fused(logits, draft_token_ids, cu, draft_probs, params: _Params, bat
     num_race_chunks = 0 if one_hot else _cdiv(vocab_size, race_chunk)
     ws = _Workspace(num_rows, batch_size, num_chunks, num_race_chunks, False, logits.device,
                     residual_sums=one_hot)
-    sync = torch.zeros(3 * batch_size, dtype=torch.int32, device=logits.device)  # [3, B]
+    if one_hot:  # counters only, each reset by its request's last program
+        sync = _self_resetting_counters(logits.device, batch_size)
+    else:  # [3, B]: counters, decisions, race counters
+        sync = torch.zeros(3 * batch_size, dtype=torch.int32, device=logits.device)
     rows = max_num_draft_tokens + 1
     rows_p2 = _p2(rows, 2)
     lag = 0 if one_hot else max(0, min(_LAG if lag is None else lag, batch_size - 1))
