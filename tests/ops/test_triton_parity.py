@@ -151,6 +151,28 @@ def test_rejection_parity_launch_plans(rule, plan, device):
     assert all(_coverage(expected, NUM_DRAFTS)), "the batch must reach every path"
 
 
+def test_one_hot_counters_reset_between_launches(device, monkeypatch):
+    """The one-launch one-hot kernel zeroes no counters before it runs: each request's deciding
+    program resets its own. Back-to-back launches (a grown buffer among them) stay exact and
+    leave every counter at zero."""
+    vocab_size = 150 if device.type == "cpu" else 151936 - 7
+    monkeypatch.setattr(triton_ops, "_COUNTERS", {})
+    monkeypatch.setattr(triton_ops, "_OUTGROWN", [])
+    small = triton_ops._self_resetting_counters(device, 1)
+    small.resize_(2)  # pretend an earlier launch needed only two: the next one must grow it
+    for seed, num_drafts in [(71, NUM_DRAFTS[:2]), (72, NUM_DRAFTS), (73, NUM_DRAFTS[:5]),
+                             (74, NUM_DRAFTS)]:
+        batch = make_batch(num_drafts, vocab_size, device, seed=seed,
+                           boost=5.0 if device.type == "cpu" else 14.0)
+        expected, actual = _run_both(batch, draft_probs=False, fused=True,
+                                     chunk_size=64 if device.type == "cpu" else None)
+        _assert_same(expected, actual)
+    assert triton_ops._OUTGROWN and triton_ops._OUTGROWN[0] is small
+    (counters,) = triton_ops._COUNTERS.values()
+    assert counters.numel() >= len(NUM_DRAFTS)
+    assert int(counters.abs().sum()) == 0
+
+
 def _forced_batch(device, vocab_size, num_drafts, first_rejections, temperatures):
     """Request r rejects exactly its draft ``first_rejections[r]`` (= n_r: all accepted): the
     drafts before it get a logit 50 above the rest (p(d) = 1 in float32, so u < p(d) always;
