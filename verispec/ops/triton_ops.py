@@ -226,6 +226,8 @@ _OUTGROWN: list = []
 
 def _self_resetting_counters(device: torch.device, size: int) -> torch.Tensor:
     """``size`` int32 counters, all zero, for a launch on the current stream of ``device``."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (device, torch.cuda.current_stream(device).cuda_stream) if not INTERPRET else device
     counters = _COUNTERS.get(key)
     if counters is None or counters.numel() < size:
