@@ -274,6 +274,23 @@ def test_verify_costs_tables():
         assert all(b >= a for a, b in zip(costs, costs[1:]))  # never cheaper with more tokens
 
 
+def test_verify_costs_follow_the_bfloat16_kernel(monkeypatch):
+    """bfloat16 verification is cheap where the compiled kernel runs the matmuls (each weight
+    row read once for several input rows), dear with torch's bfloat16 matmul."""
+    import torch
+
+    from verispec.engine import spec_decode
+
+    monkeypatch.setattr(spec_decode.cpu_kernels, "available", lambda: True)
+    fast = verify_costs(torch.device("cpu"), torch.bfloat16, 6)
+    assert fast == spec_decode.CPU_VERIFY_COSTS_BF16_KERNEL
+    monkeypatch.setattr(spec_decode.cpu_kernels, "available", lambda: False)
+    slow = verify_costs(torch.device("cpu"), torch.bfloat16, 6)
+    assert slow == spec_decode.CPU_VERIFY_COSTS[torch.bfloat16]
+    assert all(f < s for f, s in zip(fast[1:], slow[1:]))
+    assert best_num_drafts(0.5, 6, fast) > best_num_drafts(0.5, 6, slow)
+
+
 
 def test_step_without_drafts_is_a_plain_decode_step(target_dir):
     """When no request drafts, the speculative engine takes the plain decode path; its sampled

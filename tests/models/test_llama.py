@@ -170,20 +170,32 @@ def test_split_linear_matches_f_linear(rows, splits, with_bias):
 
 
 def test_runner_sets_cpu_matmuls(tiny):
-    """The model runner turns the row-block matmuls on for CPU float32 (one block per thread)
-    (bfloat16 keeps torch's own matmul, which already uses every thread)."""
+    """The model runner turns the row-block matmuls on for CPU float32 (one block per thread),
+    and for bfloat16 the widening from the row count where it pays (later with the compiled
+    bfloat16 kernel, which stays memory-bound up to more rows)."""
+    from verispec.engine import model_runner
+    from verispec.models import cpu_kernels
+
     _, loaded = tiny
     ModelRunner(loaded.model, num_slots=1, max_model_len=64)
     assert loaded.model.matmul_splits == torch.get_num_threads()
     assert loaded.model.upcast_rows == 0
     assert all(layer.mlp.matmul_splits == torch.get_num_threads()
                for layer in loaded.model.layers)
+    bf16 = load_model(loaded.path, "bfloat16")
+    ModelRunner(bf16.model, num_slots=1, max_model_len=64)
+    expected = (model_runner.CPU_UPCAST_ROWS_WITH_KERNEL if cpu_kernels.available()
+                else model_runner.CPU_UPCAST_ROWS)
+    assert bf16.model.upcast_rows == expected
+    assert all(layer.attn.upcast_rows == expected for layer in bf16.model.layers)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 9])
 def test_bfloat16_linear_widened_from_upcast_rows(rows):
     """From ``upcast_rows`` rows on, a bfloat16 product is computed in float32 and rounded once:
-    within one bfloat16 rounding of torch's bfloat16 matmul; below it, torch's matmul itself."""
+    within one bfloat16 rounding of torch's bfloat16 matmul; below it, the compiled kernel where
+    this machine has it (``cpu_kernels``), else torch's matmul itself."""
+    from verispec.models import cpu_kernels
     from verispec.models.llama import linear
 
     gen = torch.Generator().manual_seed(rows)
@@ -194,6 +206,8 @@ def test_bfloat16_linear_widened_from_upcast_rows(rows):
     assert ours.dtype == torch.bfloat16 and ours.shape == (2, rows, 48)
     exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
     if 2 * rows < 6:
-        assert torch.equal(ours, torch.nn.functional.linear(x, weight, bias))
-    else:  # float32 accumulation, one rounding to bfloat16: within half an ulp of the exact value
-        torch.testing.assert_close(ours.double(), exact, rtol=2**-8, atol=1e-6)
+        below = (cpu_kernels.bf16_linear if cpu_kernels.available()
+                 else torch.nn.functional.linear)
+        assert torch.equal(ours, below(x, weight, bias))
+    # float32 accumulation, one rounding to bfloat16: within half an ulp of the exact value
+    torch.testing.assert_close(ours.double(), exact, rtol=2**-8, atol=1e-6)

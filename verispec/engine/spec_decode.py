@@ -14,7 +14,8 @@ Switching speculation off where it does not pay: verifying n drafts (a forward o
 tokens) costs more than a plain decode step. ``verify_costs`` gives that cost in decode steps,
 a fixed table per device and dtype measured on our CPU (docs/benchmarks.md) and near 1 on a GPU
 at decode batch sizes. On CPU it is not linear in n: in float32 the first extra token costs most
-(a different matmul shape), then the cost is nearly flat; in bfloat16 every token adds ~0.5. It
+(a different matmul shape), then the cost is nearly flat; in bfloat16 every token adds ~0.5
+with torch's matmul, ~0.1 with the compiled kernel (``models.cpu_kernels``, where it runs). It
 is deliberately not timed at run time: the number of drafts must not depend on the machine's
 momentary load or on the batch, or a seeded request would stop being reproducible. Each request
 keeps an estimate of its per-token acceptance rate alpha (an exponential average of accepted /
@@ -44,6 +45,7 @@ from verispec.config import SpeculativeConfig
 from verispec.engine.metrics import SpecDecodingLogger, SpecDecodingStats
 from verispec.engine.model_runner import ModelRunner
 from verispec.engine.request import Request
+from verispec.models import cpu_kernels
 from verispec.proposers import ProposerContext, build_proposer
 from verispec.sample.rejection_sampler import RejectionSampler
 from verispec.sample.sampler import Sampler, SamplingTensors
@@ -60,6 +62,10 @@ CPU_VERIFY_COSTS = {
     torch.float32: (1.0, 1.7, 2.0, 2.0, 2.0, 2.05, 2.1),
     torch.bfloat16: (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 3.9),
 }
+# bfloat16 where the compiled kernel runs its matmuls (models.cpu_kernels: each weight row read
+# once for up to four input rows): 1.0, 1.11, 1.20-1.23, 1.19-1.24, 1.36-1.42, 1.51-1.53,
+# 1.60-1.73 in two runs (torch's own bfloat16 matmul in the same run: 1.50, 1.99, 2.46, ...).
+CPU_VERIFY_COSTS_BF16_KERNEL = (1.0, 1.1, 1.2, 1.25, 1.4, 1.5, 1.65)
 GPU_COST_PER_TOKEN = 0.01  # memory-bound decode: a few more rows are nearly free
 
 
@@ -69,6 +75,8 @@ def verify_costs(device: torch.device, dtype: torch.dtype, max_n: int) -> tuple[
     if device.type == "cuda":
         return tuple(1.0 + GPU_COST_PER_TOKEN * n for n in range(max_n + 1))
     table = list(CPU_VERIFY_COSTS.get(dtype, CPU_VERIFY_COSTS[torch.bfloat16]))
+    if dtype == torch.bfloat16 and cpu_kernels.available():
+        table = list(CPU_VERIFY_COSTS_BF16_KERNEL)
     while len(table) < max_n + 1:
         table.append(table[-1] + (table[-1] - table[-2]))
     return tuple(table[: max_n + 1])

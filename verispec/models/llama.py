@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec.models import cpu_kernels
 from verispec.models.config import ModelConfig
 from verispec.models.rope import apply_rope
 
@@ -82,11 +83,18 @@ def linear(
     instructions the bfloat16 matmul of many rows is slow (40 rows: 483 ms over the bundled
     model's layers, 123 ms widened; a 40-token prefill 544 -> 180 ms). For a few rows widening
     every weight costs more than it saves, hence the threshold.
+
+    Below it, a bfloat16 product on a CPU without a fast bfloat16 matmul in torch goes to
+    ``cpu_kernels.bf16_linear`` (float32 accumulation, one rounding, memory-bound: the bundled
+    model's matrices in ~12 instead of ~19 ms for one row, ~29 instead of ~80 ms for five).
     """
     out_features, in_features = weight.shape
     if upcast_rows and x.numel() >= upcast_rows * in_features and x.dtype != torch.float32:
         return linear(x.float(), weight.float(), None if bias is None else bias.float(),
                       splits).to(x.dtype)
+    if (weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
+            and weight.device.type == "cpu" and cpu_kernels.available()):
+        return cpu_kernels.bf16_linear(x, weight, bias)
     if splits <= 1 or out_features % splits or weight.dtype != torch.float32:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, in_features)

@@ -1,0 +1,133 @@
+/* A bfloat16 linear layer for x86-64 CPUs with AVX2 and FMA but no bfloat16 instructions.
+ *
+ *     y[m, n] = bf16(sum_k x[m, k] w[n, k] + b[n])
+ *
+ * x, w (and b) are bfloat16, the sum runs in float32 and is rounded once to bfloat16 (to
+ * nearest, ties to even, as torch rounds): what a bfloat16 matmul computes, up to summation
+ * order.
+ *
+ * A bfloat16 value widened to float32 is its 16 bits shifted left by 16. Read as 32-bit lanes,
+ * 16 weights w[k], w[k + 1] pair up in each lane: the lane shifted left by 16 is w[k] in
+ * float32, the lane with its low half cleared is w[k + 1]. So the weights stream from memory at
+ * 2 bytes each and widen with one shift and one mask per 16 weights, against the input widened
+ * and split once per call into its even and odd elements. Each weight row is read once for up to GROUP
+ * input rows (a verify step's few rows cost little more than one). OpenMP threads (torch's own
+ * runtime) split the output features. Built and loaded by verispec/models/cpu_kernels.py.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GROUP 4 /* input rows per pass over a weight row */
+
+static inline float widen1(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* out[g] = sum_k x_g[k] w[k] for the `rows` (1..GROUP, a constant after inlining) input rows
+ * whose even / odd elements start at xe / xo (row stride `half`); x holds the whole rows (for
+ * an odd k_size's last element). */
+static inline __attribute__((always_inline)) void dots(
+    const uint16_t *w, const float *xe, const float *xo, const uint16_t *x, int64_t half,
+    int64_t k_size, int rows, float *out) {
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 even[GROUP], odd[GROUP];
+    for (int g = 0; g < rows; g++) even[g] = odd[g] = _mm256_setzero_ps();
+    int64_t t = 0;
+    if (rows <= 2) { /* two more chains per row, so that FMA latency does not bound it */
+        __m256 even2[2], odd2[2];
+        for (int g = 0; g < rows; g++) even2[g] = odd2[g] = _mm256_setzero_ps();
+        for (; t + 16 <= half; t += 16) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(w + 2 * t));
+            __m256i v2 = _mm256_loadu_si256((const __m256i *)(w + 2 * t + 16));
+            __m256 w_even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            __m256 w_odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+            __m256 w_even2 = _mm256_castsi256_ps(_mm256_slli_epi32(v2, 16));
+            __m256 w_odd2 = _mm256_castsi256_ps(_mm256_and_si256(v2, high));
+            for (int g = 0; g < rows; g++) {
+                const float *e = xe + g * half + t, *o = xo + g * half + t;
+                even[g] = _mm256_fmadd_ps(w_even, _mm256_loadu_ps(e), even[g]);
+                odd[g] = _mm256_fmadd_ps(w_odd, _mm256_loadu_ps(o), odd[g]);
+                even2[g] = _mm256_fmadd_ps(w_even2, _mm256_loadu_ps(e + 8), even2[g]);
+                odd2[g] = _mm256_fmadd_ps(w_odd2, _mm256_loadu_ps(o + 8), odd2[g]);
+            }
+        }
+        for (int g = 0; g < rows; g++) {
+            even[g] = _mm256_add_ps(even[g], even2[g]);
+            odd[g] = _mm256_add_ps(odd[g], odd2[g]);
+        }
+    }
+    for (; t + 8 <= half; t += 8) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(w + 2 * t));
+        __m256 w_even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        __m256 w_odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        for (int g = 0; g < rows; g++) {
+            even[g] = _mm256_fmadd_ps(w_even, _mm256_loadu_ps(xe + g * half + t), even[g]);
+            odd[g] = _mm256_fmadd_ps(w_odd, _mm256_loadu_ps(xo + g * half + t), odd[g]);
+        }
+    }
+    for (int g = 0; g < rows; g++) {
+        float s = hsum(_mm256_add_ps(even[g], odd[g]));
+        for (int64_t u = t; u < half; u++)
+            s += widen1(w[2 * u]) * xe[g * half + u] + widen1(w[2 * u + 1]) * xo[g * half + u];
+        if (k_size & 1) s += widen1(w[k_size - 1]) * widen1(x[g * k_size + k_size - 1]);
+        out[g] = s;
+    }
+}
+
+static void group_rows(const uint16_t *w, const float *xe, const float *xo, const uint16_t *x,
+                       int64_t half, int64_t k_size, int rows, float *out) {
+    switch (rows) { /* constant row counts, so that the loops over them unroll */
+        case 1: dots(w, xe, xo, x, half, k_size, 1, out); break;
+        case 2: dots(w, xe, xo, x, half, k_size, 2, out); break;
+        case 3: dots(w, xe, xo, x, half, k_size, 3, out); break;
+        default: dots(w, xe, xo, x, half, k_size, GROUP, out); break;
+    }
+}
+
+/* Returns 0, or -1 when the scratch for the split input cannot be allocated. */
+int bf16_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                int64_t m_size, int64_t n_size, int64_t k_size, int num_threads) {
+    int64_t half = k_size / 2;
+    float *xe = malloc(sizeof(float) * (size_t)(2 * m_size * half + 1));
+    if (xe == NULL) return -1;
+    float *xo = xe + m_size * half;
+    for (int64_t m = 0; m < m_size; m++)
+        for (int64_t u = 0; u < half; u++) {
+            xe[m * half + u] = widen1(x[m * k_size + 2 * u]);
+            xo[m * half + u] = widen1(x[m * k_size + 2 * u + 1]);
+        }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t n = 0; n < n_size; n++) {
+        const uint16_t *wr = w + n * k_size;
+        float b = bias ? widen1(bias[n]) : 0.0f;
+        for (int64_t m = 0; m < m_size; m += GROUP) {
+            int rows = m_size - m < GROUP ? (int)(m_size - m) : GROUP;
+            float out[GROUP];
+            group_rows(wr, xe + m * half, xo + m * half, x + m * k_size, half, k_size, rows,
+                       out);
+            for (int g = 0; g < rows; g++) y[(m + g) * n_size + n] = round_bf16(out[g] + b);
+        }
+    }
+    free(xe);
+    return 0;
+}
