@@ -1,5 +1,6 @@
-"""The compiled bfloat16 linear layer (``verispec.models.cpu_kernels``): float32 accumulation
-and one rounding to bfloat16, for every shape a model or a verify step gives it."""
+"""The compiled CPU kernels (``verispec.models.cpu_kernels``): the bfloat16 linear layer
+(float32 accumulation, one rounding to bfloat16) for every shape a model or a verify step gives
+it, and attention over the KV cache against SDPA."""
 
 from __future__ import annotations
 
@@ -75,3 +76,81 @@ def test_bf16_linear_special_values():
     out = cpu_kernels.bf16_linear(x, weight, None).float()
     assert out[0].isnan().all() and (out[1] == float("inf")).all()
     assert (out[2] == float("inf")).all() and (out[3] == 0).all()
+
+
+def _sdpa_reference(q, k_cache, v_cache, slots, kv_len, mask, causal, scale):
+    """float64 SDPA over gathered cache rows, zeros for a token that sees no row."""
+    batch, seq, heads, _ = q.shape
+    keys = k_cache[slots, :kv_len].double().transpose(1, 2)  # [B, hkv, kv_len, d]
+    values = v_cache[slots, :kv_len].double().transpose(1, 2)
+    group = heads // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = scale * q.double().transpose(1, 2) @ keys.transpose(-1, -2)  # [B, h, S, kv_len]
+    if causal:
+        rows = torch.arange(kv_len)[None, :] <= (kv_len - seq + torch.arange(seq))[:, None]
+        mask = rows[None, None].expand(batch, 1, seq, kv_len)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)
+    return (probs @ values).transpose(1, 2)  # [B, S, h, d]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq, heads, kv_heads, head_dim", [(1, 4, 2, 16), (3, 6, 2, 24),
+                                                            (5, 3, 3, 64), (2, 8, 1, 40)])
+@pytest.mark.parametrize("visibility", ["all", "mask", "causal"])
+def test_cache_attention_matches_sdpa(dtype, seq, heads, kv_heads, head_dim, visibility):
+    """Grouped-query attention of S new tokens over scattered slots of a float32 cache, q a
+    strided view (as the model's rotated q and k share one tensor): equal to SDPA in float64 up
+    to float32 arithmetic (bfloat16: one rounding of the output). A masked row that sees no key
+    (a padding query) gets zeros."""
+    gen = torch.Generator().manual_seed(seq * 100 + heads * 10 + head_dim)
+    num_slots, max_len, kv_len, batch = 5, 40, 29, 3
+    k_cache = torch.randn(num_slots, max_len, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_slots, max_len, kv_heads, head_dim, generator=gen)
+    slots = torch.tensor([4, 0, 2])
+    qk = torch.randn(batch, seq, heads + kv_heads, head_dim, generator=gen).to(dtype)
+    q = qk[:, :, :heads]
+    mask = None
+    if visibility == "mask":
+        mask = torch.rand(batch, 1, seq, kv_len, generator=gen) < 0.7
+        mask[1, 0, 0] = False  # sees nothing
+    scale = head_dim**-0.5
+    ours = cpu_kernels.cache_attention(q, k_cache, v_cache, slots, kv_len, mask,
+                                       visibility == "causal", scale)
+    assert ours.dtype == dtype and ours.shape == (batch, seq, heads, head_dim)
+    ref = _sdpa_reference(q, k_cache, v_cache, slots, kv_len, mask, visibility == "causal",
+                          scale)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-8, atol=1e-3)
+    torch.testing.assert_close(ours.double(), ref, **tol)
+    if visibility == "mask":
+        assert (ours[1, 0] == 0).all()
+
+
+@needs_kernel
+def test_model_attention_through_the_kernel_matches_sdpa(tmp_path, monkeypatch):
+    """The model's steps of few tokens (short prefills, a padded batch, verify-shaped appends,
+    decode) attend through the kernel, and give the logits of its SDPA path."""
+    from tests.models.utils import save_tiny_model
+    from verispec.engine.model_runner import ModelRunner
+    from verispec.models import llama, load_model
+
+    loaded = load_model(save_tiny_model(tmp_path, "LlamaForCausalLM"), "float32")
+    calls = []
+    kernel = cpu_kernels.cache_attention
+    monkeypatch.setattr(cpu_kernels, "cache_attention",
+                        lambda *args: calls.append(args[0].shape) or kernel(*args))
+
+    def steps():
+        runner = ModelRunner(loaded.model, 3, 64)
+        out = [runner.forward([2, 0], [[5, 17, 33, 2], [7, 3]], logits="all"),
+               runner.forward([2, 0], [[8, 9, 10], [11]], logits="all"),
+               runner.forward([0], [[12]]), runner.forward([0, 2], [[13], [14]])]
+        return torch.cat(out)
+
+    with_kernel = steps()
+    assert len(calls) == 4 * loaded.model.config.num_hidden_layers
+    monkeypatch.setattr(llama, "CPU_KERNEL_MAX_QUERIES", 0)
+    torch.testing.assert_close(with_kernel, steps(), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 4 * loaded.model.config.num_hidden_layers  # SDPA the second time

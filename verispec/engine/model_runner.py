@@ -115,6 +115,8 @@ class ModelRunner:
             kv_len=kv_len,
             attn_mask=attn_mask,
             is_causal=is_causal,
+            slot_ids=torch.tensor(slots, dtype=torch.int64) if self.device.type == "cpu"
+            else None,
         )
         return meta, positions, valid_index
 

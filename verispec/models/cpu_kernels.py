@@ -1,4 +1,5 @@
-"""A bfloat16 linear layer for CPUs whose torch has no fast bfloat16 matmul.
+"""Compiled CPU kernels: a bfloat16 linear layer for CPUs whose torch has no fast bfloat16
+matmul, and attention of a few new tokens per request over the KV cache.
 
 On an x86-64 CPU with AVX2 but without AVX-512 (oneDNN's bfloat16 path then refuses to run,
 ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is False), torch's bfloat16 ``F.linear`` falls
@@ -9,10 +10,15 @@ float32 with FMA, reading each weight row once for up to four input rows, so the
 memory-bound again up to a verify step's few rows.
 No maintained library offers this for bfloat16 on such CPUs, hence the few dozen lines of C.
 
-The C file is compiled on first use with the system C compiler (``cc -O3 -mavx2 -mfma
--fopenmp``) into a per-user cache and loaded with ``ctypes``; its OpenMP runtime is the one torch
-already loaded, so the two share one thread pool. Where that is impossible (another CPU, no
-compiler, ``VERISPEC_CPU_KERNELS=0``) ``available()`` is False and callers use ``F.linear``.
+Decode attention: torch's SDPA over one query per request costs ~75 us a call here, nearly all
+of it fixed overhead, plus casts of q and the output around it (the cache is float32);
+``attention.c`` reads keys and values where they lie in the cache, for bfloat16 or float32
+q (``cache_attention``).
+
+The C files are compiled on first use with the system C compiler (``cc -O3 -mavx2 -mfma
+-fopenmp``) into a per-user cache and loaded with ``ctypes``; their OpenMP runtime is the one
+torch already loaded, so they share its thread pool. Where that is impossible (another CPU, no
+compiler, ``VERISPEC_CPU_KERNELS=0``) ``available()`` is False and callers use torch's ops.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("bf16_linear.c")
+_SOURCES = [Path(__file__).with_name(name) for name in ("bf16_linear.c", "attention.c")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -61,25 +67,29 @@ def _library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     tag = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"bf16_linear-{tag}.so"
+    path = _cache_dir() / f"cpu_kernels-{tag}.so"
     try:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 built = Path(tmp) / path.name
-                subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], check=True,
-                               capture_output=True, timeout=120)
+                subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built),
+                                "-lm"], check=True, capture_output=True, timeout=120)
                 os.replace(built, path)  # atomic: a concurrent build loads a whole file
         library = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
-        warnings.warn(f"verispec: the bfloat16 CPU kernel could not be built ({exc}); "
-                      "using torch's bfloat16 matmul", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"verispec: the CPU kernels could not be built ({exc}); "
+                      "using torch's ops", RuntimeWarning, stacklevel=2)
         return None
-    fn = library.bf16_linear
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.bf16_linear.restype = ctypes.c_int
+    library.bf16_linear.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]
+    library.cache_attention.restype = ctypes.c_int
+    library.cache_attention.argtypes = (
+        [ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr] + [i64] * 7
+        + [ptr, ctypes.c_int, ctypes.c_float, ctypes.c_int])
     return library
 
 
@@ -104,3 +114,28 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor,
     if status != 0:
         raise MemoryError(f"bf16_linear: no scratch memory for a {tuple(x.shape)} input")
     return y
+
+
+def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slots: torch.Tensor, kv_len: int, attn_mask: torch.Tensor | None,
+                    is_causal: bool, scale: float) -> torch.Tensor:
+    """Attention of ``q`` [B, S, heads, d] (bfloat16 or float32, each token's heads contiguous,
+    tokens evenly strided as in a view of a [B, S, *, d] tensor) over rows ``[0, kv_len)`` of
+    float32 caches [num_slots, max_len, kv_heads, d] at ``slots`` [B] int64: every row, or
+    ``attn_mask`` [B, 1, S, kv_len] bool (True = attend), or causal with the S tokens last.
+    Returns [B, S, heads, d] in q's dtype; a token that sees no row gets zeros. Only where
+    ``available()``."""
+    batch, seq, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if q.stride(3) != 1 or q.stride(2) != head_dim or q.stride(0) != seq * q.stride(1):
+        q = q.contiguous()
+    out = q.new_empty((batch, seq, num_heads, head_dim))
+    mask = None if attn_mask is None else attn_mask.contiguous()
+    status = _library().cache_attention(
+        q.data_ptr(), q.stride(1), out.data_ptr(), q.dtype == torch.bfloat16,
+        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k_cache.stride(0), batch, seq,
+        num_heads, num_kv_heads, head_dim, kv_len, None if mask is None else mask.data_ptr(),
+        is_causal, scale, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"cache_attention: no scratch memory for {kv_len} cache rows")
+    return out

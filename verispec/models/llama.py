@@ -39,6 +39,13 @@ class AttentionMetadata:
     kv_len: int  # attend over cache rows [0, kv_len)
     attn_mask: torch.Tensor | None  # [B, 1, S, kv_len] bool, True = attend; None = see is_causal
     is_causal: bool = False  # with attn_mask None: causal (prefill from an empty cache) or all
+    slot_ids: torch.Tensor | None = None  # [B] int64 read slots, for the CPU attention kernel
+
+
+# Steps of at most this many new tokens per request (decode, verify, short prefills) attend
+# through cpu_kernels.cache_attention on CPU where it is available (torch's SDPA costs ~75 us a
+# call there, mostly fixed overhead); longer ones through SDPA.
+CPU_KERNEL_MAX_QUERIES = 16
 
 
 class RMSNorm(nn.Module):
@@ -162,6 +169,14 @@ class Attention(nn.Module):
         k_cache.index_put_(index, new_k)
         v_cache.index_put_(index, new_v)
 
+        if (S <= CPU_KERNEL_MAX_QUERIES and meta.slot_ids is not None
+                and k_cache.dtype == torch.float32 and k_cache.device.type == "cpu"
+                and k_cache[0].is_contiguous() and v_cache.stride() == k_cache.stride()
+                and v_cache[0].is_contiguous() and cpu_kernels.available()):
+            out = cpu_kernels.cache_attention(q, k_cache, v_cache, meta.slot_ids, meta.kv_len,
+                                              meta.attn_mask, meta.is_causal, self.scale)
+            return linear(out.to(x.dtype).reshape(B, S, self.q_size), self.o_weight,
+                          self.o_bias, self.matmul_splits, self.upcast_rows)
         keys = k_cache[meta.read_slots, : meta.kv_len]  # [B, kv_len, hkv, d]
         values = v_cache[meta.read_slots, : meta.kv_len]
         out = F.scaled_dot_product_attention(

@@ -1,0 +1,116 @@
+/* Attention of a few new tokens per request over the KV cache, for CPU decode and verify steps.
+ *
+ * For token t = b * seq + s of request b and query head h (key/value head h / (heads / kv
+ * heads)):   out[t, h] = sum_j p_j v[slot_b, j],  p = softmax_j(scale * q[t, h] . k[slot_b, j])
+ * over the cache rows j < kv_len that the token may see: all of them, or those where
+ * mask[b, s, j] is set, or with `causal` those up to its own position kv_len - seq + s. A token
+ * that sees no row gets zeros. The cache is float32; q and out are bfloat16 (io_bf16) or
+ * float32; scores, softmax and the weighted sum run in float32. It reads each key and value
+ * row where it lies in the cache (no gathered copy) and needs no layout change of q: what
+ * torch's SDPA costs at one query per request is mostly fixed overhead (~75 us a call on a
+ * 2-core AMD EPYC, plus the casts around it). Built and loaded by verispec/models/cpu_kernels.py.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float widen1(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    acc0 = _mm256_add_ps(acc0, acc1);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc0), _mm256_extractf128_ps(acc0, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    float r = _mm_cvtss_f32(s);
+    for (; i < n; i++) r += a[i] * b[i];
+    return r;
+}
+
+/* acc += w * v over n floats */
+static inline void axpy(float *acc, float w, const float *v, int64_t n) {
+    __m256 wv = _mm256_set1_ps(w);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + i),
+                                                  _mm256_loadu_ps(acc + i)));
+    for (; i < n; i++) acc[i] += w * v[i];
+}
+
+/* Returns 0, or -1 when scratch memory cannot be allocated. num_threads >= 1. */
+int cache_attention(const void *q, int64_t q_token_stride, void *out, int io_bf16,
+                    const float *k_cache, const float *v_cache, const int64_t *slots,
+                    int64_t slot_stride, int64_t batch, int64_t seq, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t head_dim, int64_t kv_len,
+                    const uint8_t *mask, int causal, float scale, int num_threads) {
+    int64_t items = batch * seq * num_heads;
+    int64_t group = num_heads / num_kv_heads;
+    int64_t row_stride = num_kv_heads * head_dim; /* between cache rows of one slot */
+    size_t per_thread = (size_t)(kv_len + 2 * head_dim + 16);
+    float *scratch = malloc(sizeof(float) * per_thread * (size_t)num_threads);
+    if (scratch == NULL) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t item = 0; item < items; item++) {
+        float *p = scratch + per_thread * (size_t)omp_get_thread_num();
+        float *qf = p + kv_len, *acc = qf + head_dim;
+        int64_t t = item / num_heads, h = item % num_heads;
+        int64_t b = t / seq, s = t % seq;
+        int64_t g = h / group;
+        const float *keys = k_cache + slots[b] * slot_stride + g * head_dim;
+        const float *values = v_cache + slots[b] * slot_stride + g * head_dim;
+        const uint8_t *visible = mask ? mask + (b * seq + s) * kv_len : NULL;
+        int64_t last = causal ? kv_len - seq + s : kv_len - 1; /* the last row it may see */
+        int64_t q_at = t * q_token_stride + h * head_dim;
+        for (int64_t i = 0; i < head_dim; i++)
+            qf[i] = io_bf16 ? widen1(((const uint16_t *)q)[q_at + i])
+                            : ((const float *)q)[q_at + i];
+        float m = -INFINITY;
+        for (int64_t j = 0; j <= last; j++) {
+            p[j] = (visible && !visible[j]) ? -INFINITY
+                                            : scale * dot(qf, keys + j * row_stride, head_dim);
+            if (p[j] > m) m = p[j];
+        }
+        memset(acc, 0, sizeof(float) * (size_t)head_dim);
+        if (m != -INFINITY) {
+            float sum = 0.0f;
+            for (int64_t j = 0; j <= last; j++) {
+                p[j] = expf(p[j] - m);
+                sum += p[j];
+            }
+            for (int64_t j = 0; j <= last; j++)
+                if (p[j] != 0.0f) axpy(acc, p[j], values + j * row_stride, head_dim);
+            float inv = 1.0f / sum;
+            for (int64_t i = 0; i < head_dim; i++) acc[i] *= inv;
+        }
+        int64_t out_at = t * num_heads * head_dim + h * head_dim;
+        for (int64_t i = 0; i < head_dim; i++) {
+            if (io_bf16)
+                ((uint16_t *)out)[out_at + i] = round_bf16(acc[i]);
+            else
+                ((float *)out)[out_at + i] = acc[i];
+        }
+    }
+    free(scratch);
+    return 0;
+}
