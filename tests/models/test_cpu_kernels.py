@@ -51,6 +51,22 @@ def test_bf16_linear_rounds_the_float32_sum_once(rows, in_features, out_features
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("in_features, out_features", [(32, 5), (31, 7), (576, 40), (17, 1)])
+def test_f32_linear_matches_f_linear(rows, in_features, out_features):
+    """The float32 kernel: F.linear up to summation order (input sizes off multiples of 16 take
+    the scalar tail; 5 rows a partial group), with and without bias."""
+    gen = torch.Generator().manual_seed(rows + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    x = torch.randn(2, rows, in_features, generator=gen)
+    for bias in (None, torch.randn(out_features, generator=gen)):
+        ours = cpu_kernels.f32_linear(x, weight, bias)
+        assert ours.shape == (2, rows, out_features) and ours.dtype == torch.float32
+        torch.testing.assert_close(ours, torch.nn.functional.linear(x, weight, bias),
+                                   rtol=1e-5, atol=1e-6 * in_features)  # float32 summation
+
+
+@needs_kernel
 def test_bf16_linear_any_leading_shape_and_strides():
     """[B, S, in] inputs, a transposed (non-contiguous) one, and an empty one."""
     gen = torch.Generator().manual_seed(7)

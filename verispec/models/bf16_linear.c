@@ -131,3 +131,48 @@ int bf16_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
     free(xe);
     return 0;
 }
+
+/* The same for float32 weights and input: y[m, n] = sum_k x[m, k] w[n, k] + b[n]. */
+static inline __attribute__((always_inline)) void f32_dots(
+    const float *w, const float *x, int64_t k_size, int rows, float *out) {
+    __m256 acc[GROUP], acc2[GROUP];
+    for (int g = 0; g < rows; g++) acc[g] = acc2[g] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= k_size; k += 16) {
+        __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
+        for (int g = 0; g < rows; g++) {
+            acc[g] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + g * k_size + k), acc[g]);
+            acc2[g] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + g * k_size + k + 8), acc2[g]);
+        }
+    }
+    for (int g = 0; g < rows; g++) {
+        float s = hsum(_mm256_add_ps(acc[g], acc2[g]));
+        for (int64_t t = k; t < k_size; t++) s += w[t] * x[g * k_size + t];
+        out[g] = s;
+    }
+}
+
+static void f32_group_rows(const float *w, const float *x, int64_t k_size, int rows,
+                           float *out) {
+    switch (rows) {
+        case 1: f32_dots(w, x, k_size, 1, out); break;
+        case 2: f32_dots(w, x, k_size, 2, out); break;
+        case 3: f32_dots(w, x, k_size, 3, out); break;
+        default: f32_dots(w, x, k_size, GROUP, out); break;
+    }
+}
+
+void f32_linear(const float *x, const float *w, const float *bias, float *y, int64_t m_size,
+                int64_t n_size, int64_t k_size, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t n = 0; n < n_size; n++) {
+        const float *wr = w + n * k_size;
+        float b = bias ? bias[n] : 0.0f;
+        for (int64_t m = 0; m < m_size; m += GROUP) {
+            int rows = m_size - m < GROUP ? (int)(m_size - m) : GROUP;
+            float out[GROUP];
+            f32_group_rows(wr, x + m * k_size, k_size, rows, out);
+            for (int g = 0; g < rows; g++) y[(m + g) * n_size + n] = out[g] + b;
+        }
+    }
+}

@@ -86,6 +86,8 @@ def _library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.bf16_linear.restype = ctypes.c_int
     library.bf16_linear.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]
+    library.f32_linear.restype = None
+    library.f32_linear.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]
     library.cache_attention.restype = ctypes.c_int
     library.cache_attention.argtypes = (
         [ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr] + [i64] * 7
@@ -113,6 +115,22 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor,
         torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"bf16_linear: no scratch memory for a {tuple(x.shape)} input")
+    return y
+
+
+def f32_linear(x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for float32 CPU tensors of a few rows through the compiled
+    kernel (each weight row read once for up to four input rows); only where ``available()``.
+    ``weight`` and ``bias`` contiguous, any x of [..., in]."""
+    out_features, in_features = weight.shape
+    if not x.is_contiguous():
+        x = x.contiguous()
+    y = x.new_empty((*x.shape[:-1], out_features))
+    _library().f32_linear(
+        x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+        y.data_ptr(), x.numel() // in_features, out_features, in_features,
+        torch.get_num_threads())
     return y
 
 
