@@ -274,16 +274,17 @@ def test_verify_costs_tables():
         assert all(b >= a for a, b in zip(costs, costs[1:]))  # never cheaper with more tokens
 
 
-def test_verify_costs_follow_the_bfloat16_kernel(monkeypatch):
-    """bfloat16 verification is cheap where the compiled kernel runs the matmuls (each weight
-    row read once for several input rows), dear with torch's bfloat16 matmul."""
+def test_verify_costs_follow_the_cpu_kernels(monkeypatch):
+    """Verification is cheap where the compiled kernels run the matmuls (each weight row read
+    once for several input rows), dear with torch's bfloat16 matmul."""
     import torch
 
     from verispec.engine import spec_decode
 
     monkeypatch.setattr(spec_decode.cpu_kernels, "available", lambda: True)
     fast = verify_costs(torch.device("cpu"), torch.bfloat16, 6)
-    assert fast == spec_decode.CPU_VERIFY_COSTS_BF16_KERNEL
+    assert fast == spec_decode.CPU_VERIFY_COSTS_WITH_KERNELS
+    assert verify_costs(torch.device("cpu"), torch.float32, 6) == fast
     monkeypatch.setattr(spec_decode.cpu_kernels, "available", lambda: False)
     slow = verify_costs(torch.device("cpu"), torch.bfloat16, 6)
     assert slow == spec_decode.CPU_VERIFY_COSTS[torch.bfloat16]

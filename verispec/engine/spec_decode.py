@@ -15,7 +15,8 @@ tokens) costs more than a plain decode step. ``verify_costs`` gives that cost in
 a fixed table per device and dtype measured on our CPU (docs/benchmarks.md) and near 1 on a GPU
 at decode batch sizes. On CPU it is not linear in n: in float32 the first extra token costs most
 (a different matmul shape), then the cost is nearly flat; in bfloat16 every token adds ~0.5
-with torch's matmul, ~0.1 with the compiled kernel (``models.cpu_kernels``, where it runs). It
+with torch's matmul; with the compiled kernels (``models.cpu_kernels``, where they run) ~0.1 in
+both dtypes. It
 is deliberately not timed at run time: the number of drafts must not depend on the machine's
 momentary load or on the batch, or a seeded request would stop being reproducible. Each request
 keeps an estimate of its per-token acceptance rate alpha (an exponential average of accepted /
@@ -62,10 +63,12 @@ CPU_VERIFY_COSTS = {
     torch.float32: (1.0, 1.7, 2.0, 2.0, 2.0, 2.05, 2.1),
     torch.bfloat16: (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 3.9),
 }
-# bfloat16 where the compiled kernel runs its matmuls (models.cpu_kernels: each weight row read
-# once for up to four input rows): 1.0, 1.11, 1.20-1.23, 1.19-1.24, 1.36-1.42, 1.51-1.53,
-# 1.60-1.73 in two runs (torch's own bfloat16 matmul in the same run: 1.50, 1.99, 2.46, ...).
-CPU_VERIFY_COSTS_BF16_KERNEL = (1.0, 1.1, 1.2, 1.25, 1.4, 1.5, 1.65)
+# Where the compiled kernels run the matmuls of a few rows (models.cpu_kernels: each weight row
+# read once for up to four input rows), both dtypes: bfloat16 1.0, 1.11, 1.20-1.23, 1.19-1.24,
+# 1.36-1.42, 1.51-1.53, 1.60-1.73 in two runs (torch's own bfloat16 matmul in the same run:
+# 1.50, 1.99, 2.46, ...); float32 1.0, 1.08-1.11, 1.13-1.20, 1.17-1.20, 1.31-1.33, 1.44-1.48,
+# 1.55-1.60.
+CPU_VERIFY_COSTS_WITH_KERNELS = (1.0, 1.1, 1.2, 1.25, 1.4, 1.5, 1.65)
 GPU_COST_PER_TOKEN = 0.01  # memory-bound decode: a few more rows are nearly free
 
 
@@ -75,8 +78,8 @@ def verify_costs(device: torch.device, dtype: torch.dtype, max_n: int) -> tuple[
     if device.type == "cuda":
         return tuple(1.0 + GPU_COST_PER_TOKEN * n for n in range(max_n + 1))
     table = list(CPU_VERIFY_COSTS.get(dtype, CPU_VERIFY_COSTS[torch.bfloat16]))
-    if dtype == torch.bfloat16 and cpu_kernels.available():
-        table = list(CPU_VERIFY_COSTS_BF16_KERNEL)
+    if dtype in (torch.bfloat16, torch.float32) and cpu_kernels.available():
+        table = list(CPU_VERIFY_COSTS_WITH_KERNELS)
     while len(table) < max_n + 1:
         table.append(table[-1] + (table[-1] - table[-2]))
     return tuple(table[: max_n + 1])
