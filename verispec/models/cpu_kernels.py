@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("bf16_linear.c", "attention.c")]
+_HEADER = Path(__file__).with_name("cpu_kernels.h")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -67,7 +68,7 @@ def _library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    source = b"".join(path.read_bytes() for path in _SOURCES)
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, _HEADER))
     tag = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
     path = _cache_dir() / f"cpu_kernels-{tag}.so"
     try:

@@ -1,0 +1,34 @@
+/* Helpers shared by the CPU kernels (bf16_linear.c, attention.c): bfloat16 <-> float32 and a
+ * horizontal sum. */
+#ifndef VERISPEC_CPU_KERNELS_H
+#define VERISPEC_CPU_KERNELS_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+/* A bfloat16 value in float32: its 16 bits shifted left by 16 (exact). */
+static inline float widen1(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* float32 to bfloat16, to nearest, ties to even (as torch rounds); NaN stays NaN. */
+static inline uint16_t round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#endif
