@@ -80,15 +80,21 @@ def make_batch(num_drafts, vocab_size, device, *, seed=0, dtype=torch.float32, s
 def _run_both(batch, *, draft_probs=True, top_k=None, top_p=None, min_p=None, rates=None,
               all_greedy=False, chunk_size=None, race_chunk_size=None, max_num_draft_tokens=K,
               **plan):
-    """(torch twin, Triton) outputs; ``plan``: the Triton launch plan (fused, lag)."""
+    """(torch twin, Triton) outputs; ``plan``: the Triton launch plan (fused, lag, and ``tail``:
+    how many of the last requests have their one-hot race split over helper programs)."""
     args = (
         batch["target_logits"], batch["draft_token_ids"], batch["cu_num_draft_tokens"],
         batch["draft_probs"] if draft_probs else None, batch["temperature"], top_k, top_p, min_p,
         batch["seeds"], batch["positions"], max_num_draft_tokens, rates, all_greedy,
     )
     expected = rejection.rejection_sample(*args)
-    actual = triton_ops.rejection_sample(*args, chunk_size=chunk_size,
-                                         race_chunk_size=race_chunk_size, **plan)
+    tail = plan.pop("tail", triton_ops._TAIL)
+    saved, triton_ops._TAIL = triton_ops._TAIL, tail
+    try:
+        actual = triton_ops.rejection_sample(*args, chunk_size=chunk_size,
+                                             race_chunk_size=race_chunk_size, **plan)
+    finally:
+        triton_ops._TAIL = saved
     return expected, actual
 
 
@@ -129,9 +135,11 @@ def test_rejection_parity_rules(rule, cpu_vocab_size, chunk_size, device):
 
 
 # Launch plans: the three launches, and the one-launch kernel (triton_kernels_fused) with the
-# race of a request right after its statistics (lag 0), or 1 or 3 requests later.
-PLANS = [dict(fused=False), dict(fused=True, lag=0), dict(fused=True, lag=1),
-         dict(fused=True, lag=3)]
+# race of a request right after its statistics (lag 0), or 1 or 3 requests later; under the
+# one-hot rule the deciding program races (tail 0), helper programs race for every request of
+# these batches (the default for the last 16 requests), or for the last 5.
+PLANS = [dict(fused=False), dict(fused=True, lag=0, tail=0), dict(fused=True, lag=1),
+         dict(fused=True, lag=3, tail=5)]
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
@@ -151,10 +159,11 @@ def test_rejection_parity_launch_plans(rule, plan, device):
     assert all(_coverage(expected, NUM_DRAFTS)), "the batch must reach every path"
 
 
-def test_one_hot_counters_reset_between_launches(device, monkeypatch):
+@pytest.mark.parametrize("tail", [0, 3, 16])
+def test_one_hot_counters_reset_between_launches(tail, device, monkeypatch):
     """The one-launch one-hot kernel zeroes no counters before it runs: each request's deciding
-    program resets its own. Back-to-back launches (a grown buffer among them) stay exact and
-    leave every counter at zero."""
+    program resets its own, the last helper of a request its flag and counter. Back-to-back
+    launches (a grown buffer among them) stay exact and leave every counter at zero."""
     vocab_size = 150 if device.type == "cpu" else 151936 - 7
     monkeypatch.setattr(triton_ops, "_COUNTERS", {})
     monkeypatch.setattr(triton_ops, "_OUTGROWN", [])
@@ -165,7 +174,7 @@ def test_one_hot_counters_reset_between_launches(device, monkeypatch):
         batch = make_batch(num_drafts, vocab_size, device, seed=seed,
                            boost=5.0 if device.type == "cpu" else 14.0)
         expected, actual = _run_both(batch, draft_probs=False, fused=True,
-                                     chunk_size=64 if device.type == "cpu" else None)
+                                     chunk_size=64 if device.type == "cpu" else None, tail=tail)
         _assert_same(expected, actual)
     assert triton_ops._OUTGROWN and triton_ops._OUTGROWN[0] is small
     (counters,) = triton_ops._COUNTERS.values()

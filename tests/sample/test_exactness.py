@@ -22,7 +22,7 @@ import torch
 
 from tests.sample.stats import P_VALUE_THRESHOLD, chi_square_p_value, record, reference_probs
 from verispec import ops
-from verispec.ops import philox, sampling
+from verispec.ops import backend, philox, sampling
 from verispec.ops import rejection as torch_rejection
 
 NUM_REQUESTS = 200_000
@@ -229,6 +229,35 @@ def test_two_level_race_follows_processed_target(case, device, monkeypatch):
     for col, value in enumerate(values):
         assert value >= P_VALUE_THRESHOLD, (
             f"{case.name} (blocks of 16): output position {col} ({counts[col].sum()} samples) "
+            f"p-value {value:.3g}"
+        )
+
+
+# One-hot rule without masks on the Triton backend: every request's race split over helper
+# programs (``triton_ops`` gives them only to the last 16 requests of a batch), over one
+# block and over blocks of 32 tokens.
+HELPER_CASE_NAMES = {"onehot_T0.5", "onehot_T1.5", "onehot_p_nearly_one_hot"}
+HELPER_CASES = [c for c in ONEHOT_CASES if c.name in HELPER_CASE_NAMES]
+assert len(HELPER_CASES) == len(HELPER_CASE_NAMES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [None, 32], ids=["one-block", "blocks-of-32"])
+@pytest.mark.parametrize("case", HELPER_CASES, ids=lambda c: c.name)
+def test_helper_races_follow_processed_target(case, block, device, monkeypatch):
+    if backend.default_backend_name(device) != "triton":
+        pytest.skip("helper programs belong to the Triton backend (a CUDA device)")
+    from verispec.ops import triton_ops
+
+    monkeypatch.setattr(triton_ops, "_TAIL", 1 << 30)
+    if block is not None:
+        monkeypatch.setattr(sampling, "SAMPLING_BLOCK", block)
+    counts = run_case(case, device)
+    values = p_values(case, counts)
+    record(f"{case.name}, helper races, blocks of {block or 'V'}", NUM_REQUESTS, values)
+    for col, value in enumerate(values):
+        assert value >= P_VALUE_THRESHOLD, (
+            f"{case.name} (helper races): output position {col} ({counts[col].sum()} samples) "
             f"p-value {value:.3g}"
         )
 

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from verispec.ops.triton_kernels import (
     RESIDUAL_STREAM,
+    _argmax_vec,
     _chosen_block,
     _helper,
     _request_span,
@@ -68,12 +69,13 @@ def _fused_kernel(
     sync_ptr,  # [3, B] int32 (one-hot rule: [B]), zero: per request statistics programs done,
     #            decision, race programs done
     token_ids_ptr, token_ids_stride,  # [B, width] int32
-    batch_size, num_rows, vocab_size, width, bonus_stream, lag,
+    batch_size, num_rows, vocab_size, width, bonus_stream, lag, num_tail,
     ROWS: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr, NC_P2: tl.constexpr,
     ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr, RACE_CHUNK: tl.constexpr,
     NUM_RACE_CHUNKS: tl.constexpr, NRC_P2: tl.constexpr, BLOCK: tl.constexpr,
     NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr, BLOCK_SPAN: tl.constexpr,
     RACE_SUB: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr, SYNTHETIC: tl.constexpr,
+    HELPERS: tl.constexpr = 0, HELPER_TILE: tl.constexpr = 16, HELPERS_P2: tl.constexpr = 2,
 ):
     """Grid ((B + lag) * (ROWS * NUM_CHUNKS + NUM_RACE_CHUNKS),): see the module docstring;
     NUM_RACE_CHUNKS and lag are 0 under the one-hot rule. No masks (their thresholds need a
@@ -82,7 +84,16 @@ def _fused_kernel(
     step = tl.program_id(0) // (num_stats + NUM_RACE_CHUNKS)
     item = tl.program_id(0) % (num_stats + NUM_RACE_CHUNKS)
     decision_ptr = sync_ptr + batch_size  # 0: pending, 1: race the final row, 2: written
-    if item < num_stats:
+    if HELPERS > 0 and tl.program_id(0) >= batch_size * num_stats:
+        # one-hot rule: helper h of the last num_tail requests, HELPERS programs each
+        extra = tl.program_id(0) - batch_size * num_stats
+        req = batch_size - num_tail + extra // HELPERS
+        _helper_race(
+            req, extra % HELPERS, logits_ptr, logits_stride, cu_ptr, temperature_ptr,
+            seeds_ptr, positions_ptr, race_f_ptr, race_i_ptr, decision_ptr + req,
+            sync_ptr + 2 * batch_size + req, token_ids_ptr, token_ids_stride, vocab_size,
+            BLOCK, HELPERS, HELPER_TILE, HELPERS_P2)
+    elif item < num_stats:
         req = step
         if req < batch_size:
             index_in_request = item % ROWS  # == num_drafts on the bonus row
@@ -121,6 +132,14 @@ def _fused_kernel(
                 if HAS_DRAFT_PROBS:
                     tl.debug_barrier()
                     tl.atomic_xchg(decision_ptr + req, 2 - needs_race, sem="release")
+                elif HELPERS > 0 and req >= batch_size - num_tail:
+                    # a request near the end of the grid: its helpers split the block race
+                    _publish_block(
+                        req, draft_ids_ptr, draft_start, seeds_ptr, positions_ptr, race_f_ptr,
+                        race_i_ptr, decision_ptr + req, token_ids_ptr, token_ids_stride,
+                        needs_race, num_accepted, rejected_id, m, s, p_masses,
+                        residual_masses, bonus_stream, width, NUM_CHUNKS, NC_P2, CHUNK,
+                        WIDTH_P2, BLOCK, NUM_BLOCKS, NB_P2, HELPERS)
                 elif needs_race == 1:
                     _block_race(
                         req, logits_ptr, logits_stride, draft_ids_ptr, draft_start,
@@ -182,15 +201,9 @@ def _block_race(
     seed = tl.load(seeds_ptr + req)
     position = tl.load(positions_ptr + req) + num_accepted
     final_row = draft_start + req + num_accepted
-    c = tl.arange(0, NC_P2)
-    c_ok = c < NUM_CHUNKS
-    stream = tl.where(rejected_id >= 0, RESIDUAL_STREAM, bonus_stream)
-    masses = tl.where(rejected_id >= 0, residual_masses, p_masses)
-    if tl.max(masses, axis=0) == 0.0:  # empty residual: sample from p
-        rejected_id = -1
-        masses = p_masses
-    first = _chosen_block(masses, c, c_ok, seed, position, stream, CHUNK, BLOCK, NUM_BLOCKS,
-                          NB_P2).to(tl.int64) * BLOCK
+    first, stream, rejected_id = _race_block(
+        seed, position, num_accepted, rejected_id, p_masses, residual_masses, bonus_stream,
+        NUM_CHUNKS, NC_P2, CHUNK, BLOCK, NUM_BLOCKS, NB_P2)
     t_eff = tl.where(temperature > 0.0, temperature, 1.0)
     best = tl.full((), -1.0, tl.float32)
     token = first
@@ -212,3 +225,111 @@ def _block_race(
             best = tl.maximum(score, best)
     _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
                   num_accepted, token, width, WIDTH_P2, False)
+
+
+@_helper
+def _race_block(seed, position, num_accepted, rejected_id, p_masses, residual_masses,
+                bonus_stream, NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr,
+                CHUNK: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+                NB_P2: tl.constexpr):
+    """The block level of the final row's race (one-hot rule): (first token of the chosen
+    block, the stream, the token to exclude or -1). The residual stream at a rejection, the
+    sample stream on the bonus row; an empty residual (p(d) = 1 in float32) falls back to p,
+    on the residual stream, as the twin does."""
+    c = tl.arange(0, NC_P2)
+    c_ok = c < NUM_CHUNKS
+    stream = tl.where(rejected_id >= 0, RESIDUAL_STREAM, bonus_stream)
+    masses = tl.where(rejected_id >= 0, residual_masses, p_masses)
+    if tl.max(masses, axis=0) == 0.0:  # empty residual: sample from p
+        rejected_id = -1
+        masses = p_masses
+    first = _chosen_block(masses, c, c_ok, seed, position, stream, CHUNK, BLOCK, NUM_BLOCKS,
+                          NB_P2).to(tl.int64) * BLOCK
+    return first, stream, rejected_id
+
+
+@_helper
+def _publish_block(req, draft_ids_ptr, draft_start, seeds_ptr, positions_ptr, race_f_ptr,
+                   race_i_ptr, flag_ptr, token_ids_ptr, token_ids_stride, needs_race,
+                   num_accepted, rejected_id, m, s, p_masses, residual_masses, bonus_stream,
+                   width, NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
+                   WIDTH_P2: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+                   NB_P2: tl.constexpr, HELPERS: tl.constexpr):
+    """One-hot rule, a request whose block race is split over HELPERS programs, just verified:
+    write its output row but the final token, put the token to exclude, the stream, m and S
+    in the request's slots of ``race_i`` / ``race_f`` (HELPERS + 4 each: the helpers'
+    winners, then these), then raise the flag: 1 when there is nothing to race (a greedy
+    request, its row already written), else 2 + num_accepted * 2^16 + the chosen block, so
+    that a helper knows which tile to read as soon as it sees the flag."""
+    flag = tl.full((), 1, tl.int32)
+    if needs_race == 1:
+        seed = tl.load(seeds_ptr + req)
+        position = tl.load(positions_ptr + req) + num_accepted
+        first, stream, rejected_id = _race_block(
+            seed, position, num_accepted, rejected_id, p_masses, residual_masses,
+            bonus_stream, NUM_CHUNKS, NC_P2, CHUNK, BLOCK, NUM_BLOCKS, NB_P2)
+        slot = req * (HELPERS + 4) + HELPERS
+        tl.store(race_i_ptr + slot, rejected_id)
+        tl.store(race_i_ptr + slot + 1, stream.to(tl.int32))
+        tl.store(race_f_ptr + slot, m)
+        tl.store(race_f_ptr + slot + 1, s)
+        col = tl.arange(0, WIDTH_P2)
+        drafts = tl.load(draft_ids_ptr + draft_start + col, mask=col < num_accepted, other=-1)
+        tl.store(token_ids_ptr + req.to(tl.int64) * token_ids_stride + col,
+                 tl.where(col < num_accepted, drafts, -1),
+                 mask=(col < width) & (col != num_accepted))
+        flag = (2 + num_accepted * 65536 + first // BLOCK).to(tl.int32)
+    tl.debug_barrier()
+    tl.atomic_xchg(flag_ptr, flag, sem="release")
+
+
+@_helper
+def _helper_race(req, h, logits_ptr, logits_stride, cu_ptr, temperature_ptr, seeds_ptr,
+                 positions_ptr, race_f_ptr, race_i_ptr, flag_ptr, counter_ptr, token_ids_ptr,
+                 token_ids_stride, vocab_size, BLOCK: tl.constexpr, HELPERS: tl.constexpr,
+                 SUB: tl.constexpr, HELPERS_P2: tl.constexpr):
+    """Helper h of request ``req`` (one-hot rule): wait for its verification
+    (``_publish_block``), race tokens h * SUB .. (h + 1) * SUB of the chosen block (the
+    HELPERS tiles cover it; every token scored exactly), and the last helper to finish picks
+    the best (ties: the smallest index, as the one-program race) and writes the final token.
+    That last helper also resets the flag and the counter to zero for the next launch. The
+    wait ends: the deciding program has a smaller program id and waits for nothing."""
+    # what does not depend on the verification is loaded while it runs
+    draft_start = tl.load(cu_ptr + req).to(tl.int64)
+    temperature = tl.load(temperature_ptr + req)
+    seed = tl.load(seeds_ptr + req)
+    position = tl.load(positions_ptr + req)
+    # poll with plain loads (an atomic per poll would contend with the counters), then one
+    # acquire so that the reads below see what the deciding program wrote
+    flag = tl.load(flag_ptr, volatile=True)
+    while flag == 0:
+        flag = tl.load(flag_ptr, volatile=True)
+    flag = tl.atomic_add(flag_ptr, 0, sem="acquire")
+    slot = req * (HELPERS + 4)
+    num_accepted = ((flag - 2) >> 16).to(tl.int64)
+    if flag >= 2:
+        first = ((flag - 2) & 65535).to(tl.int64) * BLOCK
+        # written by another program of this launch: read from L2 (.cg)
+        rejected_id = tl.load(race_i_ptr + slot + HELPERS, cache_modifier=".cg")
+        stream = tl.load(race_i_ptr + slot + HELPERS + 1, cache_modifier=".cg")
+        m = tl.load(race_f_ptr + slot + HELPERS, cache_modifier=".cg")
+        s = tl.load(race_f_ptr + slot + HELPERS + 1, cache_modifier=".cg")
+        score, idx, _ = _exact_tile_winner(
+            logits_ptr + (draft_start + req + num_accepted) * logits_stride, first + h * SUB,
+            vocab_size, tl.where(temperature > 0.0, temperature, 1.0), seed,
+            position + num_accepted, stream, rejected_id, m, s, 0.0, 0.0, 1.0, 0.0, 1.0, SUB,
+            False, False, False)
+        tl.store(race_f_ptr + slot + h, score)
+        tl.store(race_i_ptr + slot + h, idx)
+    tl.debug_barrier()
+    num_done = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if num_done == HELPERS - 1:
+        if flag >= 2:
+            j = tl.arange(0, HELPERS_P2)
+            scores = tl.load(race_f_ptr + slot + j, mask=j < HELPERS, other=-2.0,
+                             volatile=True)
+            ids = tl.load(race_i_ptr + slot + j, mask=j < HELPERS, other=0, volatile=True)
+            _, token = _argmax_vec(scores, ids)
+            tl.store(token_ids_ptr + req.to(tl.int64) * token_ids_stride + num_accepted, token)
+        tl.store(counter_ptr, 0)
+        tl.store(flag_ptr, 0)

@@ -25,6 +25,8 @@ _MAX_CHUNK = 4096  # tokens per program: 16 KB of float32 logits
 _MASK_TILE = 8192  # tokens per loop step of the one-program-per-row threshold search
 _LAG = 8  # requests between a request's statistics and its race in the one-launch kernel
 _SMALL_BATCH = 16  # below this batch size the one-launch kernel favours latency
+_TAIL = 16  # one-hot rule: the last requests of the grid, whose block races helpers split
+_HELPERS = 16  # helper programs per such race, each racing 1/16 of the block
 
 
 def _p2(n: int, least: int = 16) -> int:
@@ -337,12 +339,19 @@ def _verify_fused(logits, draft_token_ids, cu, draft_probs, params: _Params, bat
     _, chunk, race_chunk = launch_plan(batch_size, vocab_size, not one_hot, chunk, race_chunk,
                                        True)
     num_chunks = _cdiv(vocab_size, chunk)
-    # the one-hot rule samples inside the deciding program: no race programs, no lag
+    blocks = _blocks(vocab_size)
+    block_span = min(num_chunks * chunk, blocks["BLOCK"])
+    # the one-hot rule samples inside the deciding program (no race programs, no lag), but for
+    # the last ``num_tail`` requests of the grid, whose block race ``helpers`` programs split
     num_race_chunks = 0 if one_hot else _cdiv(vocab_size, race_chunk)
-    ws = _Workspace(num_rows, batch_size, num_chunks, num_race_chunks, False, logits.device,
+    helper_tile = _p2(_cdiv(block_span, _HELPERS))
+    helpers = _cdiv(block_span, helper_tile) if one_hot else 0
+    num_tail = min(_TAIL, batch_size) if helpers else 0
+    ws = _Workspace(num_rows, batch_size, num_chunks,
+                    helpers + 4 if one_hot else num_race_chunks, False, logits.device,
                     residual_sums=one_hot)
-    if one_hot:  # counters only, each reset by its request's last program
-        sync = _self_resetting_counters(logits.device, batch_size)
+    if one_hot:  # [3, B] counters, decisions, helper counters, each reset by its last user
+        sync = _self_resetting_counters(logits.device, 3 * batch_size)
     else:  # [3, B]: counters, decisions, race counters
         sync = torch.zeros(3 * batch_size, dtype=torch.int32, device=logits.device)
     rows = max_num_draft_tokens + 1
@@ -350,20 +359,21 @@ def _verify_fused(logits, draft_token_ids, cu, draft_probs, params: _Params, bat
     lag = 0 if one_hot else max(0, min(_LAG if lag is None else lag, batch_size - 1))
     q = logits if one_hot else draft_probs
     q_stride = 0 if one_hot else draft_probs.stride(0)
-    blocks = _blocks(vocab_size)
     _launch(
-        _fused_kernel, ((batch_size + lag) * (rows * num_chunks + num_race_chunks),),
+        _fused_kernel,
+        ((batch_size + lag) * (rows * num_chunks + num_race_chunks) + num_tail * helpers,),
         (logits, logits.stride(0), draft_token_ids, cu, q, q_stride, params.temperature,
          params.seeds, params.positions, params.temperature if rates is None else rates,
          ws.part_f, ws.part_i, ws.record, ws.record_f, ws.race_f, ws.race_i, sync, token_ids,
          token_ids.stride(0), batch_size, num_rows, vocab_size, token_ids.shape[1],
-         philox.SAMPLE_STREAM, lag),
+         philox.SAMPLE_STREAM, lag, num_tail),
         num_warps or _fused_num_warps(chunk, batch_size), ROWS=rows, NUM_CHUNKS=num_chunks,
         CHUNK=chunk,
         NC_P2=_p2(num_chunks, 2), ROWS_P2=rows_p2, WIDTH_P2=rows_p2, RACE_CHUNK=race_chunk,
         NUM_RACE_CHUNKS=num_race_chunks, NRC_P2=_p2(num_race_chunks, 2), **blocks,
-        BLOCK_SPAN=min(num_chunks * chunk, blocks["BLOCK"]), RACE_SUB=min(chunk, race_chunk),
-        HAS_DRAFT_PROBS=not one_hot, SYNTHETIC=rates is not None,
+        BLOCK_SPAN=block_span, RACE_SUB=min(chunk, race_chunk), HAS_DRAFT_PROBS=not one_hot,
+        SYNTHETIC=rates is not None, HELPERS=helpers, HELPER_TILE=helper_tile,
+        HELPERS_P2=_p2(helpers, 2),
     )
     return token_ids
 
