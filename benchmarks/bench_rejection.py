@@ -9,7 +9,9 @@ without), k = 4 drafts per request, temperature 1, float32 target logits:
 and the median GPU time of each op (CUDA events around single calls, after warm-up, inputs
 rotated over enough buffer sets that L2 cannot hold them, and L2 flushed before each call by
 reading a buffer larger than it), as
-microseconds and as a multiple of the floor. The host time per call of the Triton op (Python and
+microseconds and as a multiple of the floor. Beside them, ``read``: the same bytes read once by
+a kernel that only takes each 4096-token chunk's maximum (``read_kernel``), the floor in
+practice, and the Triton op as a multiple of it. The host time per call of the Triton op (Python and
 launch overhead, which a CUDA graph removes) is printed beside it. At B in {1, 8} the Triton op
 is also timed inside a CUDA graph (one graph replaying one call per buffer set). Drafts are
 accepted about 80 % of the time per position (the drafted token's
@@ -186,7 +188,9 @@ def main() -> None:
     parser.add_argument("--skip-torch", action="store_true")
     args = parser.parse_args()
 
-    from verispec.ops import triton_ops  # imports triton: only on a GPU machine
+    import read_kernel  # imports triton: only on a GPU machine
+
+    from verispec.ops import triton_ops
 
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
@@ -197,8 +201,9 @@ def main() -> None:
           f"torch {torch.__version__}; k = {K}; float32 logits; temperature 1")
     results = []
     header = (f"{'V':>7} {'B':>4} {'rule':>8} {'plan':>4} {'chunk':>5} {'race':>5} {'floor us':>9} "
-              f"{'triton us':>10} {'x floor':>8} {'graph us':>9} {'host us':>8} {'torch us':>9} "
-              f"{'x floor':>8} {'accept len':>10} {'same':>5}")
+              f"{'read us':>8} {'x floor':>8} {'triton us':>10} {'x floor':>8} {'x read':>7} "
+              f"{'graph us':>9} {'host us':>8} {'torch us':>9} {'x floor':>8} "
+              f"{'accept len':>10} {'same':>5}")
     print(header)
     print("-" * len(header))
     for vocab_size in args.vocab_sizes:
@@ -212,6 +217,13 @@ def main() -> None:
                 if with_q:
                     floor_bytes += batch_size * K * vocab_size * 4
                 floor_us = floor_bytes / bandwidth * 1e6
+                read_out = torch.empty(
+                    batch_size * (2 * K + 1) * math.ceil(vocab_size / read_kernel.CHUNK),
+                    device=device)
+                read_us = time_gpu(
+                    lambda s, q=with_q, out=read_out: read_kernel.chunk_max(
+                        s["target_logits"], s["draft_probs"] if q else None, out),
+                    sets, flush, budget / 2)
                 expected = call(rejection.rejection_sample, sets[0], with_q)
                 accept_len = float((expected != -1).sum(1).float().mean())
                 torch_us = None
@@ -239,8 +251,11 @@ def main() -> None:
                     row = dict(
                         vocab_size=vocab_size, batch_size=batch_size, rule=rule,
                         launches=1 if fused else 3, chunk=plan_chunk, race_chunk=plan_race,
-                        floor_us=round(floor_us, 2), triton_us=round(triton_us, 2),
+                        floor_us=round(floor_us, 2), read_us=round(read_us, 2),
+                        read_x_floor=round(read_us / floor_us, 3),
+                        triton_us=round(triton_us, 2),
                         triton_x_floor=round(triton_us / floor_us, 3),
+                        triton_x_read=round(triton_us / read_us, 3),
                         triton_graph_us=None if graph_us is None else round(graph_us, 2),
                         triton_host_us=round(host_us, 1),
                         torch_us=None if torch_us is None else round(torch_us, 2),
@@ -251,7 +266,9 @@ def main() -> None:
                     print(f"{vocab_size:>7} {batch_size:>4} {rule:>8} {row['launches']:>4} "
                           f"{row['chunk']:>5} "
                           f"{row['race_chunk']:>5} "
-                          f"{floor_us:>9.1f} {triton_us:>10.1f} {row['triton_x_floor']:>8.2f} "
+                          f"{floor_us:>9.1f} {read_us:>8.1f} {row['read_x_floor']:>8.2f} "
+                          f"{triton_us:>10.1f} {row['triton_x_floor']:>8.2f} "
+                          f"{row['triton_x_read']:>7.2f} "
                           f"{fmt(graph_us, '9.1f'):>9} {host_us:>8.1f} {fmt(torch_us, '9.1f'):>9} "
                           f"{fmt(row['torch_x_floor'], '8.2f'):>8} {accept_len:>10.2f} "
                           f"{str(same):>5}", flush=True)
