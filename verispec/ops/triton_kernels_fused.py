@@ -14,19 +14,27 @@ reading that row again from device memory. Here one grid does all of it:
                                  masses that the statistics already hold (the residual's, summed
                                  without the draft), and only that block of the final row is
                                  read again (16 KB, from L2: its statistics were just read) and
-                                 raced. No other program waits for anything.
+                                 raced. For the last ``num_tail`` requests it only picks the
+                                 block and publishes it (``_publish_block``) for:
         full rule                publishes the decision for:
     item >= ROWS * NUM_CHUNKS    (full rule only) one chunk of the race over the final row of
                                  request ``step - lag`` (its residual max(0, p - q) has no mass
                                  per chunk before m and S are known); the last of them picks the
                                  token and writes the output row.
+    program id >= B * ROWS * NUM_CHUNKS
+                                 (one-hot rule only) HELPERS programs per tail request, each
+                                 racing 1/HELPERS of its chosen block (``_helper_race``): the
+                                 race of a request near the end of the grid would otherwise run
+                                 in one program after the last byte is read, with nothing left
+                                 to overlap it.
 
 A race program waits (spins) until its request is decided. Programs start in the order of their
 ids, and every program a race program waits for has a smaller id and waits for nothing later
 than itself, so the wait always ends; with ``lag`` requests between a request's statistics and
 its race it rarely waits at all, and the final row is read back from L2. Counters and decision
-flags live in ``sync``: under the one-hot rule [B] int32 counters, zero before the launch and
-reset by each request's deciding program; under the full rule [3, B], zeroed before it.
+flags live in ``sync``: under the one-hot rule [3, B] int32 (statistics counters, block flags,
+helper counters), zero before the launch and reset by the deciding program and the last helper
+of each request; under the full rule [3, B], zeroed before it.
 
 Every step computes what the three launches compute (the same helpers, the same arithmetic for
 every score), so the tokens are the same.
