@@ -20,7 +20,9 @@ the mean acceptance length is printed. Each configuration also checks that the t
 same tokens. ``plan`` is the number of Triton launches (``triton_ops.launch_plan``: one for the
 one-hot rule, three for the full rule), ``chunk`` its tokens per statistics program, ``race``
 the tokens per race program (three launches) or per step of the deciding program's race over
-one block (one launch).
+one block (one launch). ``req-order us`` (one-hot rule): the request-ordered one-launch kernel
+(``row_order=False``), which reads every row; the default reads rows in order and skips those
+after a request's known first rejection, so it may run below the floor of all rows.
 
 Prints a human table, then one JSON line.
 
@@ -202,7 +204,8 @@ def main() -> None:
     results = []
     header = (f"{'V':>7} {'B':>4} {'rule':>8} {'plan':>4} {'chunk':>5} {'race':>5} {'floor us':>9} "
               f"{'read us':>8} {'x floor':>8} {'triton us':>10} {'x floor':>8} {'x read':>7} "
-              f"{'graph us':>9} {'host us':>8} {'torch us':>9} {'x floor':>8} "
+              f"{'req-order us':>12} {'graph us':>9} {'host us':>8} {'torch us':>9} "
+              f"{'x floor':>8} "
               f"{'accept len':>10} {'same':>5}")
     print(header)
     print("-" * len(header))
@@ -241,6 +244,12 @@ def main() -> None:
 
                     triton_us = time_gpu(op, sets, flush, budget)
                     host_us = time_host(op, sets[0])
+                    # the one-hot rule's request-ordered kernel, which reads every row
+                    req_us = None
+                    if not with_q:
+                        req_us = time_gpu(
+                            lambda s, kw=kw: call(triton_ops.rejection_sample, s, False,
+                                                  row_order=False, **kw), sets, flush, budget)
                     graph_us = None
                     if batch_size in args.graph_batch_sizes:
                         graph_us = time_graph(
@@ -256,6 +265,7 @@ def main() -> None:
                         triton_us=round(triton_us, 2),
                         triton_x_floor=round(triton_us / floor_us, 3),
                         triton_x_read=round(triton_us / read_us, 3),
+                        request_order_us=None if req_us is None else round(req_us, 2),
                         triton_graph_us=None if graph_us is None else round(graph_us, 2),
                         triton_host_us=round(host_us, 1),
                         torch_us=None if torch_us is None else round(torch_us, 2),
@@ -269,6 +279,7 @@ def main() -> None:
                           f"{floor_us:>9.1f} {read_us:>8.1f} {row['read_x_floor']:>8.2f} "
                           f"{triton_us:>10.1f} {row['triton_x_floor']:>8.2f} "
                           f"{row['triton_x_read']:>7.2f} "
+                          f"{fmt(req_us, '12.1f'):>12} "
                           f"{fmt(graph_us, '9.1f'):>9} {host_us:>8.1f} {fmt(torch_us, '9.1f'):>9} "
                           f"{fmt(row['torch_x_floor'], '8.2f'):>8} {accept_len:>10.2f} "
                           f"{str(same):>5}", flush=True)

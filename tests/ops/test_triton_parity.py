@@ -80,21 +80,27 @@ def make_batch(num_drafts, vocab_size, device, *, seed=0, dtype=torch.float32, s
 def _run_both(batch, *, draft_probs=True, top_k=None, top_p=None, min_p=None, rates=None,
               all_greedy=False, chunk_size=None, race_chunk_size=None, max_num_draft_tokens=K,
               **plan):
-    """(torch twin, Triton) outputs; ``plan``: the Triton launch plan (fused, lag, and ``tail``:
-    how many of the last requests have their one-hot race split over helper programs)."""
+    """(torch twin, Triton) outputs; ``plan``: the Triton launch plan (fused, lag, row_order,
+    and ``tail``: how many of the last requests, or rows in the row-ordered kernel, have their
+    one-hot race split over helper programs). ``row_order`` applies to the one-hot rule only."""
     args = (
         batch["target_logits"], batch["draft_token_ids"], batch["cu_num_draft_tokens"],
         batch["draft_probs"] if draft_probs else None, batch["temperature"], top_k, top_p, min_p,
         batch["seeds"], batch["positions"], max_num_draft_tokens, rates, all_greedy,
     )
     expected = rejection.rejection_sample(*args)
-    tail = plan.pop("tail", triton_ops._TAIL)
-    saved, triton_ops._TAIL = triton_ops._TAIL, tail
+    plan = dict(plan)
+    if draft_probs:
+        plan.pop("row_order", None)
+    tail = plan.pop("tail", None)
+    saved = triton_ops._TAIL, triton_ops._ROW_TAIL
+    if tail is not None:
+        triton_ops._TAIL = triton_ops._ROW_TAIL = tail
     try:
         actual = triton_ops.rejection_sample(*args, chunk_size=chunk_size,
                                              race_chunk_size=race_chunk_size, **plan)
     finally:
-        triton_ops._TAIL = saved
+        triton_ops._TAIL, triton_ops._ROW_TAIL = saved
     return expected, actual
 
 
@@ -134,12 +140,16 @@ def test_rejection_parity_rules(rule, cpu_vocab_size, chunk_size, device):
     assert all(_coverage(expected, NUM_DRAFTS)), "the batch must reach every path"
 
 
-# Launch plans: the three launches, and the one-launch kernel (triton_kernels_fused) with the
-# race of a request right after its statistics (lag 0), or 1 or 3 requests later; under the
-# one-hot rule the deciding program races (tail 0), helper programs race for every request of
-# these batches (the default for the last 16 requests), or for the last 5.
-PLANS = [dict(fused=False), dict(fused=True, lag=0, tail=0), dict(fused=True, lag=1),
-         dict(fused=True, lag=3, tail=5)]
+# Launch plans: the three launches; the request-ordered one-launch kernel
+# (triton_kernels_fused) with the race of a request right after its statistics (lag 0), or 1 or
+# 3 requests later, and under the one-hot rule the deciding program racing (tail 0), helper
+# programs racing for every request of these batches (the default tail of 32 requests), or for
+# the last 5; the row-ordered one-hot kernel (triton_kernels_rows, the full rule takes the
+# request-ordered one there) with every row racing in its last statistics program (tail 0) or
+# the last 7 rows in helpers.
+PLANS = [dict(fused=False), dict(fused=True, lag=0, tail=0, row_order=False),
+         dict(fused=True, lag=1, row_order=False), dict(fused=True, lag=3, tail=5, row_order=False),
+         dict(fused=True, row_order=True, tail=0), dict(fused=True, row_order=True, tail=7)]
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
@@ -159,11 +169,14 @@ def test_rejection_parity_launch_plans(rule, plan, device):
     assert all(_coverage(expected, NUM_DRAFTS)), "the batch must reach every path"
 
 
+@pytest.mark.parametrize("row_order", [False, True])
 @pytest.mark.parametrize("tail", [0, 3, 16])
-def test_one_hot_counters_reset_between_launches(tail, device, monkeypatch):
-    """The one-launch one-hot kernel zeroes no counters before it runs: each request's deciding
-    program resets its own, the last helper of a request its flag and counter. Back-to-back
-    launches (a grown buffer among them) stay exact and leave every counter at zero."""
+def test_one_hot_counters_reset_between_launches(tail, row_order, device, monkeypatch):
+    """The one-launch one-hot kernels zero no counters before they run: each request's deciding
+    program resets its own (each row's last program its row counter, the last publisher of a
+    request its state word), the last helper of a request (of a row) its flag and counter.
+    Back-to-back launches (a grown buffer among them) stay exact and leave every counter at
+    zero."""
     vocab_size = 150 if device.type == "cpu" else 151936 - 7
     monkeypatch.setattr(triton_ops, "_COUNTERS", {})
     monkeypatch.setattr(triton_ops, "_OUTGROWN", [])
@@ -174,12 +187,50 @@ def test_one_hot_counters_reset_between_launches(tail, device, monkeypatch):
         batch = make_batch(num_drafts, vocab_size, device, seed=seed,
                            boost=5.0 if device.type == "cpu" else 14.0)
         expected, actual = _run_both(batch, draft_probs=False, fused=True,
-                                     chunk_size=64 if device.type == "cpu" else None, tail=tail)
+                                     chunk_size=64 if device.type == "cpu" else None, tail=tail,
+                                     row_order=row_order)
         _assert_same(expected, actual)
     assert triton_ops._OUTGROWN and triton_ops._OUTGROWN[0] is small
     (counters,) = triton_ops._COUNTERS.values()
     assert counters.numel() >= len(NUM_DRAFTS)
     assert int(counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("rule", ["one_hot", "synthetic"])
+def test_row_order_reads_no_row_after_a_known_rejection(rule, device, monkeypatch):
+    """The row-ordered kernel reads no logits of a row that follows its request's first
+    rejection once that rejection is published (synthetic rates: of any row but the final one).
+    Under the interpreter the programs run one after another in id order, so every rejection is
+    published before the next row's programs start, and the rows read are exactly the rows
+    needed: one per output token. (On a GPU which rows are skipped depends on timing; the
+    tokens never do.)"""
+    if device.type != "cpu":
+        pytest.skip("program order is deterministic only under the interpreter")
+    from verispec.ops import triton_kernels_rows
+
+    rows_read = []
+    stats = triton_kernels_rows._row_chunk_stats
+
+    def counting(*args):
+        rows_read.append(int(args[12]))  # the row
+        return stats(*args)
+
+    monkeypatch.setattr(triton_kernels_rows, "_row_chunk_stats", counting)
+    batch = make_batch(NUM_DRAFTS, 150, device, seed=51, boost=5.0)
+    rates = torch.tensor([0.9, 0.6, 0.5, 0.3]) if rule == "synthetic" else None
+    expected, actual = _run_both(batch, draft_probs=False, rates=rates, chunk_size=64,
+                                 fused=True, row_order=True, tail=0)
+    _assert_same(expected, actual)
+    num_out = (expected != -1).sum(1)
+    assert int(num_out.sum()) < sum(n + 1 for n in NUM_DRAFTS)  # some rows can be skipped
+    cu = batch["cu_num_draft_tokens"]
+    needed = sorted(int(cu[r]) + r + i for r in range(len(NUM_DRAFTS))
+                    for i in range(int(num_out[r])))
+    if rule == "synthetic":  # only the final row of each request
+        needed = [int(cu[r]) + r + int(num_out[r]) - 1 for r in range(len(NUM_DRAFTS))]
+    assert sorted(set(rows_read)) == sorted(needed)
+    chunks_per_row = -(-150 // min(64, sampling.SAMPLING_BLOCK))
+    assert len(rows_read) == chunks_per_row * len(needed)  # every chunk of them, once
 
 
 def _forced_batch(device, vocab_size, num_drafts, first_rejections, temperatures):

@@ -208,31 +208,42 @@ def _block_race(
     temperature = tl.load(temperature_ptr + req)
     seed = tl.load(seeds_ptr + req)
     position = tl.load(positions_ptr + req) + num_accepted
-    final_row = draft_start + req + num_accepted
     first, stream, rejected_id = _race_block(
         seed, position, num_accepted, rejected_id, p_masses, residual_masses, bonus_stream,
         NUM_CHUNKS, NC_P2, CHUNK, BLOCK, NUM_BLOCKS, NB_P2)
-    t_eff = tl.where(temperature > 0.0, temperature, 1.0)
+    token = _block_token(
+        logits_ptr + (draft_start + req + num_accepted) * logits_stride, first, vocab_size,
+        tl.where(temperature > 0.0, temperature, 1.0), seed, position, stream, rejected_id, m,
+        s, BLOCK_SPAN, RACE_SUB)
+    _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
+                  num_accepted, token, width, WIDTH_P2, False)
+
+
+@_helper
+def _block_token(row_ptr, first, vocab_size, t_eff, seed, position, stream, rejected_id, m, s,
+                 BLOCK_SPAN: tl.constexpr, RACE_SUB: tl.constexpr):
+    """The race over the chosen block of a final row (its BLOCK_SPAN tokens from ``first``:
+    BLOCK, or the whole row when it is one block), one-hot rule without masks, in one program:
+    RACE_SUB tokens at a time, the steps' winners compared in index order (ties: the smallest
+    index). One step: bounds on the noise leave a few candidates, scored exactly (cheapest for
+    one tile); several steps: every token scored exactly, no candidate loop per step (whose
+    dependent loads would lengthen the critical path); a step past the vocabulary reads
+    nothing and scores -1. Small steps keep the program's registers, and so the occupancy of
+    the statistics programs beside it, low."""
     best = tl.full((), -1.0, tl.float32)
     token = first
-    row_ptr = logits_ptr + final_row * logits_stride
     if RACE_SUB == BLOCK_SPAN:
-        # one step: bounds leave a few candidates, scored exactly (cheapest for one tile)
         _, token, _ = _chunk_winner(row_ptr, row_ptr, first, vocab_size, t_eff, seed, position,
                                     stream, rejected_id, rejected_id >= 0, m, s, 0.0, 0.0, 1.0,
                                     0.0, 1.0, RACE_SUB, False, False, False, False)
     else:
-        # several steps: every token scored exactly, no candidate loop per step (whose
-        # dependent loads would lengthen the critical path); a step past the vocabulary
-        # reads nothing and scores -1
         for j in tl.static_range(0, BLOCK_SPAN // RACE_SUB):
             score, idx, _ = _exact_tile_winner(
                 row_ptr, first + j * RACE_SUB, vocab_size, t_eff, seed, position, stream,
                 rejected_id, m, s, 0.0, 0.0, 1.0, 0.0, 1.0, RACE_SUB, False, False, False)
             token = tl.where(score > best, idx, token)
             best = tl.maximum(score, best)
-    _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
-                  num_accepted, token, width, WIDTH_P2, False)
+    return token
 
 
 @_helper

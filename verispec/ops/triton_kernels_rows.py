@@ -1,0 +1,347 @@
+"""Rejection sampling under the one-hot rule in one Triton launch, rows in order (REFERENCE §3).
+
+Under the one-hot rule everything about a verify row is decided by that row alone: whether its
+draft passes (u_i < p_i(d_i), with u_i from the acceptance stream at position + i), and the
+token the request would emit if this row were its final one (the race over p_i without d_i on
+the residual stream at position + i, or over the bonus row's p on the sample stream). The
+request's output is then the accepted drafts up to its first *candidate* row (a rejected draft,
+or the bonus row) and that row's token. So this kernel reads rows, not requests, in order:
+
+    program id = (j * B + r) * NUM_CHUNKS + c     statistics of chunk c of row j of request r
+    program id >= B * ROWS * NUM_CHUNKS           HELPERS programs per row of the tail
+
+All requests' first rows stream first, then all second rows, and so on. The last statistics
+program of a row (a counter per row) decides the row (``_decide_row``); at a candidate row of a
+random request it picks the race's block from the chunk masses and races that block of the row
+(read back from L2) at once, while later rows still stream, then publishes (``_publish_row``):
+the row's token, and its bits in the request's state word (done, candidate), set with one
+atomic OR. The OR that first makes the state *resolved* (some candidate row f, every row up to
+f done) belongs to the program that writes the request's output row.
+
+Rows after a request's first candidate are never needed. A statistics program of row j first
+reads its request's state, and when a candidate before row j is already known it reads no
+logits at all (it still counts, marked as skipped, so that the row's last program publishes
+the row as done). With rows in order, row j of a request is decided well before its row j + 2
+starts (at any batch size; before row j + 1 from a few dozen requests on), so at 80 %
+acceptance per position about a quarter to a third of the bytes are never read. Synthetic
+rates decide acceptance without the logits: there every program knows the final row from the
+acceptance uniforms alone and only that row is read.
+
+The rows at the end of the grid (``num_tail`` of them) race in HELPERS programs each, as the
+request-ordered kernel's tail does: after the last byte is read nothing else would overlap a
+race in one program.
+
+Synchronisation words (int32, ``sync``): a counter per row ([num_rows]: programs done, + 2^16
+per skipped one), a state per request ([B]: bit j row j done, bit 16 + j row j a candidate),
+a flag and a counter per tail row. All are zero before the launch and reset by their last
+user: the row's last program, the last publisher of a request, the tail row's last helper.
+Every program waits for nothing but helpers, which wait for a program with a smaller id that
+waits for nothing, so the launch always ends. Rows per request are at most 16 (the state word).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from verispec.ops.triton_kernels import (
+    ACCEPT_STREAM,
+    BIG_INDEX,
+    _argmax_vec,
+    _helper,
+    _partial_planes,
+    _processed,
+    _request_span,
+    _row_chunk_stats,
+    _scale,
+    _uniform_at,
+    _write_output,
+)
+from verispec.ops.triton_kernels_fused import _block_token, _race_block
+from verispec.ops.triton_kernels_race import _exact_tile_winner
+
+SKIPPED = tl.constexpr(65536)  # what a statistics program that read nothing adds to the counter
+
+
+@triton.jit
+def _rows_kernel(
+    logits_ptr, logits_stride,  # [num_rows, V]
+    draft_ids_ptr,  # [num_draft_tokens] int
+    cu_ptr,  # [B + 1] int, leading 0
+    temperature_ptr,  # [B] float32, 0 = greedy
+    seeds_ptr, positions_ptr,  # [B] int64
+    rates_ptr,  # [>= ROWS - 1] float32 conditional rates (SYNTHETIC)
+    part_f_ptr,  # [4, num_rows, NUM_CHUNKS] float32: chunk max m_c, sum exp(z - m_c), raw
+    #              max, the same sum without the row's draft
+    part_i_ptr,  # [2, num_rows, NUM_CHUNKS] int32: raw argmax (plane 1 unused)
+    race_f_ptr,  # [num_tail, HELPERS + 4] float32: helpers' best scores, then m, S
+    race_i_ptr,  # [num_tail, HELPERS + 4] int32: helpers' winners, then excluded id, stream
+    row_token_ptr,  # [B, ROWS] int32: the token of each candidate row
+    sync_ptr,  # int32, zero: [num_rows] row counters, [B] request states, [num_tail] flags,
+    #            [num_tail] helper counters
+    token_ids_ptr, token_ids_stride,  # [B, width] int32
+    batch_size, num_rows, vocab_size, width, bonus_stream, num_tail,
+    ROWS: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr, NC_P2: tl.constexpr,
+    ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr, BLOCK_SPAN: tl.constexpr,
+    RACE_SUB: tl.constexpr, SYNTHETIC: tl.constexpr, HELPERS: tl.constexpr,
+    HELPER_TILE: tl.constexpr, HELPERS_P2: tl.constexpr,
+):
+    """Grid (B * ROWS * NUM_CHUNKS + num_tail * HELPERS,): see the module docstring. No masks
+    (their thresholds need a pass of their own first)."""
+    num_stats = batch_size * ROWS * NUM_CHUNKS
+    state_ptr = sync_ptr + num_rows
+    flag_ptr = state_ptr + batch_size
+    first_tail = batch_size * ROWS - num_tail  # row order (j * B + r) of the first tail row
+    pid = tl.program_id(0)
+    if pid >= num_stats:
+        slot = (pid - num_stats) // HELPERS
+        _row_helper(
+            first_tail + slot, (pid - num_stats) % HELPERS, slot, logits_ptr, logits_stride,
+            draft_ids_ptr, cu_ptr, temperature_ptr, seeds_ptr, positions_ptr, race_f_ptr,
+            race_i_ptr, row_token_ptr, state_ptr, flag_ptr + slot, flag_ptr + num_tail + slot,
+            token_ids_ptr, token_ids_stride, batch_size, vocab_size, width, ROWS, ROWS_P2,
+            WIDTH_P2, BLOCK, HELPERS, HELPER_TILE, HELPERS_P2)
+    else:
+        order = pid // NUM_CHUNKS
+        chunk = pid % NUM_CHUNKS
+        j = order // batch_size
+        req = order % batch_size
+        # independent loads, issued together: a skipped program is two round trips long
+        draft_start, num_drafts = _request_span(cu_ptr, req, False)
+        seed = tl.load(seeds_ptr + req)
+        position = tl.load(positions_ptr + req)
+        state = tl.zeros((), dtype=tl.int32)
+        if not SYNTHETIC:
+            state = tl.load(state_ptr + req, volatile=True)
+        if j <= num_drafts:
+            row = draft_start + req + j
+            if SYNTHETIC:
+                skip = j != _synthetic_final_row(seed, position, num_drafts, rates_ptr, ROWS_P2)
+            else:
+                skip = _earlier_candidate(state, j)
+            if skip:
+                # nothing written to publish: a relaxed count (a skipped row's last program
+                # reads no partials)
+                num_done = tl.atomic_add(sync_ptr + row, 1 + SKIPPED, sem="relaxed")
+            else:
+                excluded_id = tl.load(draft_ids_ptr + draft_start + j, mask=j < num_drafts,
+                                      other=-1)
+                _row_chunk_stats(
+                    logits_ptr, logits_stride, temperature_ptr, seeds_ptr, positions_ptr,
+                    part_f_ptr, part_f_ptr, part_i_ptr, num_rows, vocab_size, bonus_stream,
+                    req, row, chunk, j == num_drafts, num_drafts, excluded_id,
+                    NUM_CHUNKS, CHUNK, False, False, False, False, False, False, True,
+                )
+                # the row's last program (every one counts, skipped or not) sees all partials
+                tl.debug_barrier()
+                num_done = tl.atomic_add(sync_ptr + row, 1, sem="acq_rel")
+            if (num_done & (SKIPPED - 1)) == NUM_CHUNKS - 1:
+                tl.store(sync_ptr + row, 0)  # every program has counted: ready for reuse
+                incomplete = (num_done >= SKIPPED) | skip
+                _finish_row(
+                    req, j, row, order >= first_tail, order - first_tail, incomplete == 0,
+                    state, draft_start, num_drafts, seed, position, logits_ptr, logits_stride,
+                    draft_ids_ptr, temperature_ptr, rates_ptr, part_f_ptr, part_i_ptr,
+                    race_f_ptr, race_i_ptr, row_token_ptr, state_ptr, flag_ptr,
+                    token_ids_ptr, token_ids_stride, num_rows, vocab_size, width,
+                    bonus_stream, ROWS, NUM_CHUNKS, NC_P2, CHUNK, ROWS_P2, WIDTH_P2, BLOCK,
+                    NUM_BLOCKS, NB_P2, BLOCK_SPAN, RACE_SUB, SYNTHETIC, HELPERS)
+
+
+@_helper
+def _synthetic_final_row(seed, position, num_drafts, rates_ptr, ROWS_P2: tl.constexpr):
+    """Synthetic rates: the request's final row, the first draft with u_i >= c_i (or the bonus
+    row), from the acceptance uniforms alone."""
+    i = tl.arange(0, ROWS_P2)
+    is_draft = i < num_drafts
+    u = _uniform_at(seed, position + i, ACCEPT_STREAM)
+    accepted = (u < tl.load(rates_ptr + i, mask=is_draft, other=0.0)) & is_draft
+    return tl.min(tl.where(accepted, ROWS_P2, i), axis=0)
+
+
+@_helper
+def _earlier_candidate(state, j):
+    """Whether a request's state word shows a candidate row before row j."""
+    return ((state >> 16) & ((1 << j) - 1)) != 0
+
+
+@_helper
+def _resolution(state, ROWS_P2: tl.constexpr):
+    """(first candidate row f, whether rows 0..f are all done) of a request's state word."""
+    i = tl.arange(0, ROWS_P2)
+    done = (state >> i) & 1
+    candidate = (state >> (16 + i)) & 1
+    first = tl.min(tl.where(candidate == 1, i, ROWS_P2), axis=0)
+    resolved = (first < ROWS_P2) & (tl.min(tl.where(i <= first, done, 1), axis=0) == 1)
+    return first, resolved
+
+
+@_helper
+def _decide_row(row, j, num_drafts, d, greedy, t_eff, seed, position, rates_ptr, logits_ptr,
+                logits_stride, part_f_ptr, part_i_ptr, num_rows, NUM_CHUNKS: tl.constexpr,
+                NC_P2: tl.constexpr, SYNTHETIC: tl.constexpr):
+    """Row j of a request from its chunk partials: (1 if it is a candidate, i.e. its draft is
+    rejected or it is the bonus row, else 0; its raw argmax; m; S; the chunk masses of p and of
+    p without the draft, on the scale exp(z - m)). The arithmetic of ``_decide_request``."""
+    part_m_ptr, part_s_ptr, part_amax_ptr, part_aidx_ptr, _ = _partial_planes(
+        part_f_ptr, part_i_ptr, num_rows, NUM_CHUNKS)
+    c = tl.arange(0, NC_P2)
+    c_ok = c < NUM_CHUNKS
+    part = row * NUM_CHUNKS + c
+    # written by other programs of this launch: read from L2 (.cg)
+    amax = tl.load(part_amax_ptr + part, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+    aidx = tl.load(part_aidx_ptr + part, mask=c_ok, other=BIG_INDEX, cache_modifier=".cg")
+    pm = tl.load(part_m_ptr + part, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+    ps = tl.load(part_s_ptr + part, mask=c_ok, other=0.0, cache_modifier=".cg")
+    pr = tl.load(part_f_ptr + 3 * num_rows * NUM_CHUNKS + part, mask=c_ok, other=0.0,
+                 cache_modifier=".cg")
+    row_max = tl.max(amax, axis=0)
+    argmax = tl.min(tl.where(amax == row_max, aidx, BIG_INDEX), axis=0)
+    m = tl.max(pm, axis=0)
+    scale = tl.exp(pm - tl.where(m == float("-inf"), 0.0, m))
+    masses = ps * scale
+    s = tl.sum(masses, axis=0)
+    is_draft = j < num_drafts
+    u = _uniform_at(seed, position + j, ACCEPT_STREAM)
+    if SYNTHETIC:
+        accepted = u < tl.load(rates_ptr + j, mask=is_draft, other=0.0)
+    else:
+        x_d = tl.load(logits_ptr + row * logits_stride + d, mask=is_draft, other=0.0)
+        p_d = _processed(_scale(x_d.to(tl.float32), t_eff), m, s, 0.0, 0.0, 1.0, 0.0, 1.0,
+                         False, False, False)
+        # greedy target: accept iff d == argmax p; one-hot rule: iff u < p(d)
+        accepted = tl.where(greedy, d == argmax, u < p_d)
+    candidate = 1 - (accepted & is_draft).to(tl.int32)
+    return candidate, argmax, m, s, masses, pr * scale
+
+
+@_helper
+def _finish_row(
+    req, j, row, in_tail, slot, complete, state, draft_start, num_drafts, seed, position,
+    logits_ptr, logits_stride, draft_ids_ptr, temperature_ptr, rates_ptr, part_f_ptr,
+    part_i_ptr, race_f_ptr, race_i_ptr, row_token_ptr, state_ptr, flag_ptr, token_ids_ptr,
+    token_ids_stride, num_rows, vocab_size, width, bonus_stream,
+    ROWS: tl.constexpr, NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
+    ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr, BLOCK_SPAN: tl.constexpr,
+    RACE_SUB: tl.constexpr, SYNTHETIC: tl.constexpr, HELPERS: tl.constexpr,
+):
+    """The last statistics program of row j: decide it and, at a candidate row of a random
+    request, race its block (a tail row: hand the block to its helpers); then publish. A row
+    that was skipped (``complete`` = 0) only comes after a known candidate: published as done.
+    A candidate whose request already showed an earlier candidate (``state``, read when this
+    program started) is not raced: its token is never used."""
+    candidate = tl.zeros((), dtype=tl.int32)
+    token = tl.zeros((), dtype=tl.int32)
+    flag = tl.full((), 1, tl.int32)  # for the helpers of a tail row: 1 nothing to race
+    if complete:
+        temperature = tl.load(temperature_ptr + req)
+        greedy = temperature == 0.0
+        t_eff = tl.where(greedy, 1.0, temperature)
+        d = tl.load(draft_ids_ptr + draft_start + j, mask=j < num_drafts, other=-1)
+        candidate, token, m, s, masses, residual_masses = _decide_row(
+            row, j, num_drafts, d, greedy, t_eff, seed, position, rates_ptr, logits_ptr,
+            logits_stride, part_f_ptr, part_i_ptr, num_rows, NUM_CHUNKS, NC_P2, SYNTHETIC)
+        if (candidate == 1) & (temperature != 0.0) & (_earlier_candidate(state, j) == 0):
+            first, stream, excluded_id = _race_block(
+                seed, position + j, j, tl.where(j < num_drafts, d, -1).to(tl.int32), masses,
+                residual_masses, bonus_stream, NUM_CHUNKS, NC_P2, CHUNK, BLOCK, NUM_BLOCKS,
+                NB_P2)
+            if in_tail:
+                at = slot * (HELPERS + 4) + HELPERS
+                tl.store(race_i_ptr + at, excluded_id)
+                tl.store(race_i_ptr + at + 1, stream.to(tl.int32))
+                tl.store(race_f_ptr + at, m)
+                tl.store(race_f_ptr + at + 1, s)
+                flag = (2 + first // BLOCK).to(tl.int32)
+            else:
+                token = _block_token(logits_ptr + row * logits_stride, first, vocab_size,
+                                     t_eff, seed, position + j, stream, excluded_id, m, s,
+                                     BLOCK_SPAN, RACE_SUB).to(tl.int32)
+    if in_tail:
+        tl.debug_barrier()
+        tl.atomic_xchg(flag_ptr + slot, flag, sem="release")
+    if flag == 1:
+        _publish_row(req, j, candidate, token, row_token_ptr, state_ptr, draft_ids_ptr,
+                     draft_start, num_drafts, token_ids_ptr, token_ids_stride, width, ROWS,
+                     ROWS_P2, WIDTH_P2)
+
+
+@_helper
+def _publish_row(req, j, candidate, token, row_token_ptr, state_ptr, draft_ids_ptr,
+                 draft_start, num_drafts, token_ids_ptr, token_ids_stride, width,
+                 ROWS: tl.constexpr, ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr):
+    """Row j of request ``req`` is done (and a candidate with ``token``, or not): store the
+    token, set the row's bits in the request's state with one atomic OR; the OR that resolves
+    the request writes its output row, the last one (every row done) resets the state."""
+    if candidate == 1:
+        tl.store(row_token_ptr + req * ROWS + j, token)
+    tl.debug_barrier()
+    bits = ((1 << j) | (candidate << (16 + j))).to(tl.int32)
+    old = tl.atomic_or(state_ptr + req, bits, sem="acq_rel")
+    new = old | bits
+    _, was_resolved = _resolution(old, ROWS_P2)
+    final, resolved = _resolution(new, ROWS_P2)
+    if resolved & (was_resolved == 0):
+        if final != j:  # another row's token, stored before its OR: read from L2
+            token = tl.load(row_token_ptr + req * ROWS + final, volatile=True)
+        _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
+                      final, token, width, WIDTH_P2, False)
+    if (new & 65535) == (2 << num_drafts) - 1:
+        tl.store(state_ptr + req, 0)  # every row published: ready for reuse
+
+
+@_helper
+def _row_helper(order, h, slot, logits_ptr, logits_stride, draft_ids_ptr, cu_ptr,
+                temperature_ptr, seeds_ptr, positions_ptr, race_f_ptr, race_i_ptr,
+                row_token_ptr, state_ptr, flag_ptr, counter_ptr, token_ids_ptr,
+                token_ids_stride, batch_size, vocab_size, width, ROWS: tl.constexpr,
+                ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr, BLOCK: tl.constexpr,
+                HELPERS: tl.constexpr, SUB: tl.constexpr, HELPERS_P2: tl.constexpr):
+    """Helper h of the tail row ``order`` (= j * B + r): wait for the row's last statistics
+    program (its flag), race tokens h * SUB .. (h + 1) * SUB of the chosen block (every token
+    scored exactly), and the last helper to finish picks the best (ties: the smallest index),
+    publishes the row and resets the flag and the counter. A row past the request's drafts
+    has no programs and no flag: its helpers return at once."""
+    j = order // batch_size
+    req = order % batch_size
+    draft_start, num_drafts = _request_span(cu_ptr, req, False)
+    if j <= num_drafts:
+        # what does not depend on the row's statistics is loaded while they stream
+        row = draft_start + req + j
+        temperature = tl.load(temperature_ptr + req)
+        seed = tl.load(seeds_ptr + req)
+        position = tl.load(positions_ptr + req) + j
+        # poll with plain loads (an atomic per poll would contend with the counters), then
+        # one acquire so that the reads below see what the row's last program wrote
+        flag = tl.load(flag_ptr, volatile=True)
+        while flag == 0:
+            flag = tl.load(flag_ptr, volatile=True)
+        flag = tl.atomic_add(flag_ptr, 0, sem="acquire")
+        at = slot * (HELPERS + 4)
+        if flag >= 2:
+            excluded_id = tl.load(race_i_ptr + at + HELPERS, cache_modifier=".cg")
+            stream = tl.load(race_i_ptr + at + HELPERS + 1, cache_modifier=".cg")
+            m = tl.load(race_f_ptr + at + HELPERS, cache_modifier=".cg")
+            s = tl.load(race_f_ptr + at + HELPERS + 1, cache_modifier=".cg")
+            score, idx, _ = _exact_tile_winner(
+                logits_ptr + row * logits_stride, (flag - 2).to(tl.int64) * BLOCK + h * SUB,
+                vocab_size, tl.where(temperature > 0.0, temperature, 1.0), seed, position,
+                stream, excluded_id, m, s, 0.0, 0.0, 1.0, 0.0, 1.0, SUB, False, False, False)
+            tl.store(race_f_ptr + at + h, score)
+            tl.store(race_i_ptr + at + h, idx)
+        tl.debug_barrier()
+        num_done = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+        if num_done == HELPERS - 1:
+            if flag >= 2:
+                k = tl.arange(0, HELPERS_P2)
+                scores = tl.load(race_f_ptr + at + k, mask=k < HELPERS, other=-2.0,
+                                 volatile=True)
+                ids = tl.load(race_i_ptr + at + k, mask=k < HELPERS, other=0, volatile=True)
+                _, token = _argmax_vec(scores, ids)
+                _publish_row(req, j, tl.full((), 1, tl.int32), token, row_token_ptr,
+                             state_ptr, draft_ids_ptr, draft_start, num_drafts, token_ids_ptr,
+                             token_ids_stride, width, ROWS, ROWS_P2, WIDTH_P2)
+            tl.store(counter_ptr, 0)
+            tl.store(flag_ptr, 0)
