@@ -11,30 +11,34 @@ or the bonus row) and that row's token. So this kernel reads rows, not requests,
     program id >= B * ROWS * NUM_CHUNKS           HELPERS programs per row of the tail
 
 All requests' first rows stream first, then all second rows, and so on. The last statistics
-program of a row (a counter per row) decides the row (``_decide_row``); at a candidate row of a
-random request it picks the race's block from the chunk masses and races that block of the row
-(read back from L2) at once, while later rows still stream, then publishes (``_publish_row``):
+program of a row (a counter per row) decides the row (``_decide_row``); at a candidate row it
+first marks the request's *early* word (bit 16 + j, one relaxed OR), then, for a random
+request, picks the race's block from the chunk masses and races that block of the row (read
+back from L2) at once, while later rows still stream, then publishes (``_publish_row``):
 the row's token, and its bits in the request's state word (done, candidate), set with one
 atomic OR. The OR that first makes the state *resolved* (some candidate row f, every row up to
 f done) belongs to the program that writes the request's output row.
 
 Rows after a request's first candidate are never needed. A statistics program of row j first
-reads its request's state, and when a candidate before row j is already known it reads no
-logits at all (it still counts, marked as skipped, so that the row's last program publishes
-the row as done). With rows in order, row j of a request is decided well before its row j + 2
-starts (at any batch size; before row j + 1 from a few dozen requests on), so at 80 %
-acceptance per position about a quarter to a third of the bytes are never read. Synthetic
-rates decide acceptance without the logits: there every program knows the final row from the
-acceptance uniforms alone and only that row is read.
+reads its request's early word, and when a candidate before row j is already known it reads
+no logits at all (it still counts, marked as skipped, so that the row's last program publishes
+the row as done). The early word is set before the candidate's race (several microseconds in
+one program), so the skip does not wait for it. With rows in order, row j of a request is
+decided before its row j + 2 starts (at any batch size; before row j + 1 from a few dozen
+requests on), so at 80 % acceptance per position up to a third of the bytes are never read.
+Synthetic rates decide acceptance without the logits: there every program knows the final row
+from the acceptance uniforms alone and only that row is read.
 
 The rows at the end of the grid (``num_tail`` of them) race in HELPERS programs each, as the
 request-ordered kernel's tail does: after the last byte is read nothing else would overlap a
 race in one program.
 
 Synchronisation words (int32, ``sync``): a counter per row ([num_rows]: programs done, + 2^16
-per skipped one), a state per request ([B]: bit j row j done, bit 16 + j row j a candidate),
-a flag and a counter per tail row. All are zero before the launch and reset by their last
-user: the row's last program, the last publisher of a request, the tail row's last helper.
+per skipped one), a state per request ([B]: bit j row j done, bit 16 + j row j a candidate
+with its token stored), a flag and a counter per tail row, an early word per request ([B]:
+bit 16 + j row j a candidate, token or not). All are zero before the launch and reset by their
+last user: the row's last program, the last publisher of a request (state and early word:
+every early bit is set before its row is published), the tail row's last helper.
 Every program waits for nothing but helpers, which wait for a program with a smaller id that
 waits for nothing, so the launch always ends. Rows per request are at most 16 (the state word).
 """
@@ -47,6 +51,7 @@ import triton.language as tl
 from verispec.ops.triton_kernels import (
     ACCEPT_STREAM,
     BIG_INDEX,
+    RESIDUAL_STREAM,
     _argmax_vec,
     _helper,
     _partial_planes,
@@ -61,6 +66,9 @@ from verispec.ops.triton_kernels_fused import _block_token, _race_block
 from verispec.ops.triton_kernels_race import _exact_tile_winner
 
 SKIPPED = tl.constexpr(65536)  # what a statistics program that read nothing adds to the counter
+# a tail row's flag: 2 + the chosen block, plus these bits
+HAND_FALLBACK = tl.constexpr(1 << 16)  # the residual is empty: race p, no token excluded
+HAND_EARLY = tl.constexpr(1 << 17)  # the row set its request's early bit (flag released)
 
 
 @triton.jit
@@ -74,11 +82,13 @@ def _rows_kernel(
     part_f_ptr,  # [4, num_rows, NUM_CHUNKS] float32: chunk max m_c, sum exp(z - m_c), raw
     #              max, the same sum without the row's draft
     part_i_ptr,  # [2, num_rows, NUM_CHUNKS] int32: raw argmax (plane 1 unused)
-    race_f_ptr,  # [num_tail, HELPERS + 4] float32: helpers' best scores, then m, S
-    race_i_ptr,  # [num_tail, HELPERS + 4] int32: helpers' winners, then excluded id, stream
+    race_f_ptr,  # [num_tail, HELPERS] float32: helpers' best scores
+    race_i_ptr,  # [num_tail, HELPERS] int32: helpers' winners
     row_token_ptr,  # [B, ROWS] int32: the token of each candidate row
+    draft_logit_ptr,  # [num_rows] float32: each draft row's raw logit of its draft
     sync_ptr,  # int32, zero: [num_rows] row counters, [B] request states, [num_tail] flags,
-    #            [num_tail] helper counters
+    #            [num_tail] helper counters, [B] early words, then (8-byte aligned) [num_tail]
+    #            int64 hand-over words
     token_ids_ptr, token_ids_stride,  # [B, width] int32
     batch_size, num_rows, vocab_size, width, bonus_stream, num_tail,
     ROWS: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr, NC_P2: tl.constexpr,
@@ -92,6 +102,9 @@ def _rows_kernel(
     num_stats = batch_size * ROWS * NUM_CHUNKS
     state_ptr = sync_ptr + num_rows
     flag_ptr = state_ptr + batch_size
+    early_ptr = flag_ptr + 2 * num_tail
+    words = num_rows + 2 * batch_size + 2 * num_tail
+    hand_ptr = (sync_ptr + (words + 1) // 2 * 2).to(tl.pointer_type(tl.int64))
     first_tail = batch_size * ROWS - num_tail  # row order (j * B + r) of the first tail row
     pid = tl.program_id(0)
     if pid >= num_stats:
@@ -99,9 +112,10 @@ def _rows_kernel(
         _row_helper(
             first_tail + slot, (pid - num_stats) % HELPERS, slot, logits_ptr, logits_stride,
             draft_ids_ptr, cu_ptr, temperature_ptr, seeds_ptr, positions_ptr, race_f_ptr,
-            race_i_ptr, row_token_ptr, state_ptr, flag_ptr + slot, flag_ptr + num_tail + slot,
-            token_ids_ptr, token_ids_stride, batch_size, vocab_size, width, ROWS, ROWS_P2,
-            WIDTH_P2, BLOCK, HELPERS, HELPER_TILE, HELPERS_P2)
+            race_i_ptr, row_token_ptr, state_ptr, early_ptr, flag_ptr + slot,
+            flag_ptr + num_tail + slot, hand_ptr + slot, token_ids_ptr, token_ids_stride,
+            batch_size, vocab_size, width, bonus_stream, ROWS, ROWS_P2, WIDTH_P2, BLOCK, HELPERS,
+            HELPER_TILE, HELPERS_P2)
     else:
         order = pid // NUM_CHUNKS
         chunk = pid % NUM_CHUNKS
@@ -111,15 +125,15 @@ def _rows_kernel(
         draft_start, num_drafts = _request_span(cu_ptr, req, False)
         seed = tl.load(seeds_ptr + req)
         position = tl.load(positions_ptr + req)
-        state = tl.zeros((), dtype=tl.int32)
+        early = tl.zeros((), dtype=tl.int32)
         if not SYNTHETIC:
-            state = tl.load(state_ptr + req, volatile=True)
+            early = tl.load(early_ptr + req, volatile=True)
         if j <= num_drafts:
             row = draft_start + req + j
             if SYNTHETIC:
                 skip = j != _synthetic_final_row(seed, position, num_drafts, rates_ptr, ROWS_P2)
             else:
-                skip = _earlier_candidate(state, j)
+                skip = _earlier_candidate(early, j)
             if skip:
                 # nothing written to publish: a relaxed count (a skipped row's last program
                 # reads no partials)
@@ -133,6 +147,11 @@ def _rows_kernel(
                     req, row, chunk, j == num_drafts, num_drafts, excluded_id,
                     NUM_CHUNKS, CHUNK, False, False, False, False, False, False, True,
                 )
+                if (excluded_id >= chunk * CHUNK) & (excluded_id < (chunk + 1) * CHUNK):
+                    # the draft's logit, for the row's decision (there it would be a load
+                    # that waits for the draft id, on the critical path)
+                    x_d = tl.load(logits_ptr + row * logits_stride + excluded_id)
+                    tl.store(draft_logit_ptr + row, x_d.to(tl.float32))
                 # the row's last program (every one counts, skipped or not) sees all partials
                 tl.debug_barrier()
                 num_done = tl.atomic_add(sync_ptr + row, 1, sem="acq_rel")
@@ -141,12 +160,12 @@ def _rows_kernel(
                 incomplete = (num_done >= SKIPPED) | skip
                 _finish_row(
                     req, j, row, order >= first_tail, order - first_tail, incomplete == 0,
-                    state, draft_start, num_drafts, seed, position, logits_ptr, logits_stride,
+                    early, draft_start, num_drafts, seed, position, logits_ptr, logits_stride,
                     draft_ids_ptr, temperature_ptr, rates_ptr, part_f_ptr, part_i_ptr,
-                    race_f_ptr, race_i_ptr, row_token_ptr, state_ptr, flag_ptr,
-                    token_ids_ptr, token_ids_stride, num_rows, vocab_size, width,
-                    bonus_stream, ROWS, NUM_CHUNKS, NC_P2, CHUNK, ROWS_P2, WIDTH_P2, BLOCK,
-                    NUM_BLOCKS, NB_P2, BLOCK_SPAN, RACE_SUB, SYNTHETIC, HELPERS)
+                    race_f_ptr, race_i_ptr, row_token_ptr, draft_logit_ptr, state_ptr,
+                    flag_ptr, early_ptr, hand_ptr, token_ids_ptr, token_ids_stride, num_rows,
+                    vocab_size, width, bonus_stream, ROWS, NUM_CHUNKS, NC_P2, CHUNK, ROWS_P2,
+                    WIDTH_P2, BLOCK, NUM_BLOCKS, NB_P2, BLOCK_SPAN, RACE_SUB, SYNTHETIC, HELPERS)
 
 
 @_helper
@@ -178,8 +197,8 @@ def _resolution(state, ROWS_P2: tl.constexpr):
 
 
 @_helper
-def _decide_row(row, j, num_drafts, d, greedy, t_eff, seed, position, rates_ptr, logits_ptr,
-                logits_stride, part_f_ptr, part_i_ptr, num_rows, NUM_CHUNKS: tl.constexpr,
+def _decide_row(row, j, num_drafts, d, greedy, t_eff, seed, position, rates_ptr,
+                draft_logit_ptr, part_f_ptr, part_i_ptr, num_rows, NUM_CHUNKS: tl.constexpr,
                 NC_P2: tl.constexpr, SYNTHETIC: tl.constexpr):
     """Row j of a request from its chunk partials: (1 if it is a candidate, i.e. its draft is
     rejected or it is the bonus row, else 0; its raw argmax; m; S; the chunk masses of p and of
@@ -207,8 +226,8 @@ def _decide_row(row, j, num_drafts, d, greedy, t_eff, seed, position, rates_ptr,
     if SYNTHETIC:
         accepted = u < tl.load(rates_ptr + j, mask=is_draft, other=0.0)
     else:
-        x_d = tl.load(logits_ptr + row * logits_stride + d, mask=is_draft, other=0.0)
-        p_d = _processed(_scale(x_d.to(tl.float32), t_eff), m, s, 0.0, 0.0, 1.0, 0.0, 1.0,
+        x_d = tl.load(draft_logit_ptr + row, mask=is_draft, other=0.0, cache_modifier=".cg")
+        p_d = _processed(_scale(x_d, t_eff), m, s, 0.0, 0.0, 1.0, 0.0, 1.0,
                          False, False, False)
         # greedy target: accept iff d == argmax p; one-hot rule: iff u < p(d)
         accepted = tl.where(greedy, d == argmax, u < p_d)
@@ -218,9 +237,10 @@ def _decide_row(row, j, num_drafts, d, greedy, t_eff, seed, position, rates_ptr,
 
 @_helper
 def _finish_row(
-    req, j, row, in_tail, slot, complete, state, draft_start, num_drafts, seed, position,
+    req, j, row, in_tail, slot, complete, early, draft_start, num_drafts, seed, position,
     logits_ptr, logits_stride, draft_ids_ptr, temperature_ptr, rates_ptr, part_f_ptr,
-    part_i_ptr, race_f_ptr, race_i_ptr, row_token_ptr, state_ptr, flag_ptr, token_ids_ptr,
+    part_i_ptr, race_f_ptr, race_i_ptr, row_token_ptr, draft_logit_ptr, state_ptr, flag_ptr,
+    early_ptr, hand_ptr, token_ids_ptr,
     token_ids_stride, num_rows, vocab_size, width, bonus_stream,
     ROWS: tl.constexpr, NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
     ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr, BLOCK: tl.constexpr,
@@ -230,46 +250,59 @@ def _finish_row(
     """The last statistics program of row j: decide it and, at a candidate row of a random
     request, race its block (a tail row: hand the block to its helpers); then publish. A row
     that was skipped (``complete`` = 0) only comes after a known candidate: published as done.
-    A candidate whose request already showed an earlier candidate (``state``, read when this
+    A candidate whose request already showed an earlier candidate (``early``, read when this
     program started) is not raced: its token is never used."""
     candidate = tl.zeros((), dtype=tl.int32)
     token = tl.zeros((), dtype=tl.int32)
     flag = tl.full((), 1, tl.int32)  # for the helpers of a tail row: 1 nothing to race
+    early_set = 0
     if complete:
         temperature = tl.load(temperature_ptr + req)
         greedy = temperature == 0.0
         t_eff = tl.where(greedy, 1.0, temperature)
         d = tl.load(draft_ids_ptr + draft_start + j, mask=j < num_drafts, other=-1)
         candidate, token, m, s, masses, residual_masses = _decide_row(
-            row, j, num_drafts, d, greedy, t_eff, seed, position, rates_ptr, logits_ptr,
-            logits_stride, part_f_ptr, part_i_ptr, num_rows, NUM_CHUNKS, NC_P2, SYNTHETIC)
-        if (candidate == 1) & (temperature != 0.0) & (_earlier_candidate(state, j) == 0):
+            row, j, num_drafts, d, greedy, t_eff, seed, position, rates_ptr, draft_logit_ptr,
+            part_f_ptr, part_i_ptr, num_rows, NUM_CHUNKS, NC_P2, SYNTHETIC)
+        if not SYNTHETIC:
+            if (candidate == 1) & (j < num_drafts):
+                # known at once, before the race: later rows of the request that start from
+                # now on read nothing (the state word shows a candidate with its token only)
+                tl.atomic_or(early_ptr + req, 1 << (16 + j), sem="relaxed")
+                early_set = 1
+        if (candidate == 1) & (temperature != 0.0) & (_earlier_candidate(early, j) == 0):
             first, stream, excluded_id = _race_block(
                 seed, position + j, j, tl.where(j < num_drafts, d, -1).to(tl.int32), masses,
                 residual_masses, bonus_stream, NUM_CHUNKS, NC_P2, CHUNK, BLOCK, NUM_BLOCKS,
                 NB_P2)
             if in_tail:
-                at = slot * (HELPERS + 4) + HELPERS
-                tl.store(race_i_ptr + at, excluded_id)
-                tl.store(race_i_ptr + at + 1, stream.to(tl.int32))
-                tl.store(race_f_ptr + at, m)
-                tl.store(race_f_ptr + at + 1, s)
-                flag = (2 + first // BLOCK).to(tl.int32)
+                # m and S in one word that is never zero (S >= 1), so a helper needs no
+                # ordering with the flag to read it
+                tl.store(hand_ptr + slot, (s.to(tl.uint32, bitcast=True).to(tl.int64) << 32)
+                         | m.to(tl.uint32, bitcast=True).to(tl.int64))
+                fallback = (excluded_id < 0) & (j < num_drafts)  # empty residual: race p
+                flag = (2 + first // BLOCK + fallback.to(tl.int32) * HAND_FALLBACK
+                        + early_set * HAND_EARLY).to(tl.int32)
             else:
                 token = _block_token(logits_ptr + row * logits_stride, first, vocab_size,
                                      t_eff, seed, position + j, stream, excluded_id, m, s,
                                      BLOCK_SPAN, RACE_SUB).to(tl.int32)
     if in_tail:
         tl.debug_barrier()
-        tl.atomic_xchg(flag_ptr + slot, flag, sem="release")
+        if early_set == 1:
+            # the helper that publishes the row acquires this: the early bit is set before
+            # the request's last publisher resets the early word
+            tl.atomic_xchg(flag_ptr + slot, flag, sem="release")
+        else:
+            tl.atomic_xchg(flag_ptr + slot, flag, sem="relaxed")
     if flag == 1:
-        _publish_row(req, j, candidate, token, row_token_ptr, state_ptr, draft_ids_ptr,
-                     draft_start, num_drafts, token_ids_ptr, token_ids_stride, width, ROWS,
-                     ROWS_P2, WIDTH_P2)
+        _publish_row(req, j, candidate, token, row_token_ptr, state_ptr, early_ptr,
+                     draft_ids_ptr, draft_start, num_drafts, token_ids_ptr, token_ids_stride,
+                     width, ROWS, ROWS_P2, WIDTH_P2)
 
 
 @_helper
-def _publish_row(req, j, candidate, token, row_token_ptr, state_ptr, draft_ids_ptr,
+def _publish_row(req, j, candidate, token, row_token_ptr, state_ptr, early_ptr, draft_ids_ptr,
                  draft_start, num_drafts, token_ids_ptr, token_ids_stride, width,
                  ROWS: tl.constexpr, ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr):
     """Row j of request ``req`` is done (and a candidate with ``token``, or not): store the
@@ -289,21 +322,27 @@ def _publish_row(req, j, candidate, token, row_token_ptr, state_ptr, draft_ids_p
         _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
                       final, token, width, WIDTH_P2, False)
     if (new & 65535) == (2 << num_drafts) - 1:
-        tl.store(state_ptr + req, 0)  # every row published: ready for reuse
+        # every row published (every early candidate bit set before its row's OR): reuse
+        tl.store(state_ptr + req, 0)
+        tl.store(early_ptr + req, 0)
 
 
 @_helper
 def _row_helper(order, h, slot, logits_ptr, logits_stride, draft_ids_ptr, cu_ptr,
                 temperature_ptr, seeds_ptr, positions_ptr, race_f_ptr, race_i_ptr,
-                row_token_ptr, state_ptr, flag_ptr, counter_ptr, token_ids_ptr,
-                token_ids_stride, batch_size, vocab_size, width, ROWS: tl.constexpr,
-                ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr, BLOCK: tl.constexpr,
-                HELPERS: tl.constexpr, SUB: tl.constexpr, HELPERS_P2: tl.constexpr):
+                row_token_ptr, state_ptr, early_ptr, flag_ptr, counter_ptr, hand_ptr,
+                token_ids_ptr, token_ids_stride, batch_size, vocab_size, width, bonus_stream,
+                ROWS: tl.constexpr, ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr,
+                BLOCK: tl.constexpr, HELPERS: tl.constexpr, SUB: tl.constexpr,
+                HELPERS_P2: tl.constexpr):
     """Helper h of the tail row ``order`` (= j * B + r): wait for the row's last statistics
-    program (its flag), race tokens h * SUB .. (h + 1) * SUB of the chosen block (every token
-    scored exactly), and the last helper to finish picks the best (ties: the smallest index),
-    publishes the row and resets the flag and the counter. A row past the request's drafts
-    has no programs and no flag: its helpers return at once."""
+    program (its flag, then its m and S word), race tokens h * SUB .. (h + 1) * SUB of the
+    chosen block (every token scored exactly), and the last helper to finish picks the best
+    (ties: the smallest index), publishes the row and resets the flag, the word and the
+    counter. Both words are zero until written and never zero after, so the helper reads them
+    with plain loads and races at once; only a row that set its request's early bit makes the
+    publishing helper acquire the flag first. A row past the request's drafts has no programs
+    and no flag: its helpers return at once."""
     j = order // batch_size
     req = order % batch_size
     draft_start, num_drafts = _request_span(cu_ptr, req, False)
@@ -313,35 +352,42 @@ def _row_helper(order, h, slot, logits_ptr, logits_stride, draft_ids_ptr, cu_ptr
         temperature = tl.load(temperature_ptr + req)
         seed = tl.load(seeds_ptr + req)
         position = tl.load(positions_ptr + req) + j
-        # poll with plain loads (an atomic per poll would contend with the counters), then
-        # one acquire so that the reads below see what the row's last program wrote
+        d = tl.load(draft_ids_ptr + draft_start + j, mask=j < num_drafts, other=-1)
+        # poll with plain loads (an atomic per poll would contend with the counters)
         flag = tl.load(flag_ptr, volatile=True)
         while flag == 0:
             flag = tl.load(flag_ptr, volatile=True)
-        flag = tl.atomic_add(flag_ptr, 0, sem="acquire")
-        at = slot * (HELPERS + 4)
+        at = slot * HELPERS
         if flag >= 2:
-            excluded_id = tl.load(race_i_ptr + at + HELPERS, cache_modifier=".cg")
-            stream = tl.load(race_i_ptr + at + HELPERS + 1, cache_modifier=".cg")
-            m = tl.load(race_f_ptr + at + HELPERS, cache_modifier=".cg")
-            s = tl.load(race_f_ptr + at + HELPERS + 1, cache_modifier=".cg")
+            hand = tl.load(hand_ptr, volatile=True)
+            while hand == 0:
+                hand = tl.load(hand_ptr, volatile=True)
+            m = (hand & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+            s = (hand >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+            fallback = (flag & HAND_FALLBACK) != 0
             score, idx, _ = _exact_tile_winner(
-                logits_ptr + row * logits_stride, (flag - 2).to(tl.int64) * BLOCK + h * SUB,
+                logits_ptr + row * logits_stride,
+                ((flag - 2) & (HAND_FALLBACK - 1)).to(tl.int64) * BLOCK + h * SUB,
                 vocab_size, tl.where(temperature > 0.0, temperature, 1.0), seed, position,
-                stream, excluded_id, m, s, 0.0, 0.0, 1.0, 0.0, 1.0, SUB, False, False, False)
+                tl.where(j < num_drafts, RESIDUAL_STREAM, bonus_stream),
+                tl.where(fallback, -1, d), m, s, 0.0, 0.0, 1.0, 0.0, 1.0, SUB, False, False,
+                False)
             tl.store(race_f_ptr + at + h, score)
             tl.store(race_i_ptr + at + h, idx)
         tl.debug_barrier()
         num_done = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
         if num_done == HELPERS - 1:
             if flag >= 2:
+                if (flag & HAND_EARLY) != 0:
+                    tl.atomic_add(flag_ptr, 0, sem="acquire")
                 k = tl.arange(0, HELPERS_P2)
                 scores = tl.load(race_f_ptr + at + k, mask=k < HELPERS, other=-2.0,
                                  volatile=True)
                 ids = tl.load(race_i_ptr + at + k, mask=k < HELPERS, other=0, volatile=True)
                 _, token = _argmax_vec(scores, ids)
                 _publish_row(req, j, tl.full((), 1, tl.int32), token, row_token_ptr,
-                             state_ptr, draft_ids_ptr, draft_start, num_drafts, token_ids_ptr,
-                             token_ids_stride, width, ROWS, ROWS_P2, WIDTH_P2)
+                             state_ptr, early_ptr, draft_ids_ptr, draft_start, num_drafts,
+                             token_ids_ptr, token_ids_stride, width, ROWS, ROWS_P2, WIDTH_P2)
             tl.store(counter_ptr, 0)
             tl.store(flag_ptr, 0)
+            tl.store(hand_ptr, 0)

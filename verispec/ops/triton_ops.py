@@ -37,10 +37,10 @@ _HELPERS = 16  # helper programs per such race, each racing 1/16 of the block
 _ROW_TAIL = 64
 _MAX_ROWS = 16
 # batch sizes from which the one-hot rule reads rows in order (H100, V = 151 936, k = 4, 80 %
-# acceptance: B = 32 49.2 us rows in order vs 45.6 requests in order, B = 48 62.8 vs 61.9,
-# B = 64 73.7 vs 78.7); with synthetic rates, which leave one row per request to read, from 8
-# (B = 1 13.0 vs 12.6 us, B = 8 17.7 vs 22.5, B = 32 29.6 vs 45.2)
-_ROW_ORDER_BATCH = 64
+# acceptance: B = 16 34.4 us rows in order vs 29.6 requests in order, B = 24 37.0 vs 37.4,
+# B = 32 39.7 vs 45.5, B = 64 63.9 vs 78.9); with synthetic rates, which leave one row per
+# request to read, from 8 (B = 1 13.0 vs 12.6 us, B = 8 17.7 vs 22.5, B = 32 29.6 vs 45.2)
+_ROW_ORDER_BATCH = 32
 _ROW_ORDER_BATCH_SYNTHETIC = 8
 
 
@@ -214,19 +214,21 @@ class _Workspace:
 
     def __init__(self, num_rows: int, batch_size: int, num_chunks: int, num_race_chunks: int,
                  masked: bool, device, residual_sums: bool = False,
-                 race_slots: int | None = None, row_tokens: int = 0):
+                 race_slots: int | None = None, row_tokens: int = 0, draft_logits: int = 0):
         part = num_rows * num_chunks
         race = batch_size * num_race_chunks if race_slots is None else race_slots
         f_sizes = [(4 if residual_sums else 3) * part, 2 * race, num_rows * 8 if masked else 0,
-                   8 * batch_size]
+                   8 * batch_size, draft_logits]
         i_sizes = [2 * part, race, batch_size, 2 * batch_size, row_tokens]
         f32 = torch.empty(sum(map(_pad4, f_sizes)), dtype=torch.float32, device=device)
         i32 = torch.empty(sum(map(_pad4, i_sizes)), dtype=torch.int32, device=device)
         self.num_chunks = num_chunks
         self.num_race_chunks = num_race_chunks
         # [3 or 4, num_rows, NUM_CHUNKS]: m_c, S_c, raw max (, S_c without the row's draft);
-        # [2, B, NUM_RACE_CHUNKS];  [num_rows, 8]
-        self.part_f, self.race_f, self.row_stats, self.record_f = _segments(f32, f_sizes)
+        # [2, B, NUM_RACE_CHUNKS];  [num_rows, 8];  [B, 8];  [num_rows] (row-ordered kernel:
+        # each draft row's logit of its draft)
+        self.part_f, self.race_f, self.row_stats, self.record_f, self.draft_logits = _segments(
+            f32, f_sizes)
         if not masked:
             self.row_stats = f32  # unused
         # [2, num_rows, NUM_CHUNKS]: raw argmax, race winner;  [B, NUM_RACE_CHUNKS];  [B];  [B, 2]
@@ -412,17 +414,20 @@ def _verify_rows(logits, draft_token_ids, cu, params: _Params, batch_size: int,
     rows = max_num_draft_tokens + 1
     num_tail = min(_ROW_TAIL, batch_size * rows)
     ws = _Workspace(num_rows, batch_size, num_chunks, 0, False, logits.device,
-                    residual_sums=True, race_slots=num_tail * (helpers + 4),
-                    row_tokens=batch_size * rows)
-    # row counters, request states, tail flags, tail helper counters; each reset by its last user
-    sync = _self_resetting_counters(logits.device, num_rows + batch_size + 2 * num_tail)
+                    residual_sums=True, race_slots=num_tail * helpers,
+                    row_tokens=batch_size * rows, draft_logits=num_rows)
+    # row counters, request states, tail flags, tail helper counters, early candidate words,
+    # (8-byte aligned) the tail rows' int64 hand-over words; each reset by its last user
+    words = num_rows + 2 * batch_size + 2 * num_tail
+    sync = _self_resetting_counters(logits.device, (words + 1) // 2 * 2 + 2 * num_tail)
     rows_p2 = _p2(rows, 2)
     _launch(
         _rows_kernel, (batch_size * rows * num_chunks + num_tail * helpers,),
         (logits, logits.stride(0), draft_token_ids, cu, params.temperature, params.seeds,
          params.positions, params.temperature if rates is None else rates, ws.part_f,
-         ws.part_i, ws.race_f, ws.race_i, ws.row_tokens, sync, token_ids, token_ids.stride(0),
-         batch_size, num_rows, vocab_size, token_ids.shape[1], philox.SAMPLE_STREAM, num_tail),
+         ws.part_i, ws.race_f, ws.race_i, ws.row_tokens, ws.draft_logits, sync, token_ids,
+         token_ids.stride(0), batch_size, num_rows, vocab_size, token_ids.shape[1],
+         philox.SAMPLE_STREAM, num_tail),
         num_warps or _fused_num_warps(chunk, batch_size), ROWS=rows, NUM_CHUNKS=num_chunks,
         CHUNK=chunk, NC_P2=_p2(num_chunks, 2), ROWS_P2=rows_p2, WIDTH_P2=rows_p2, **blocks,
         BLOCK_SPAN=block_span, RACE_SUB=min(chunk, race_chunk), SYNTHETIC=rates is not None,
