@@ -237,7 +237,10 @@ def _block_token(row_ptr, first, vocab_size, t_eff, seed, position, stream, reje
                                     stream, rejected_id, rejected_id >= 0, m, s, 0.0, 0.0, 1.0,
                                     0.0, 1.0, RACE_SUB, False, False, False, False)
     else:
-        for j in tl.static_range(0, BLOCK_SPAN // RACE_SUB):
+        # a loop, not unrolled: in the middle of the stream, where this program runs, an
+        # instruction fetch that misses waits behind the stream's reads (H100, B = 32: a race
+        # of 4 unrolled steps took ~25 us there, ~11 as a loop)
+        for j in range(0, BLOCK_SPAN // RACE_SUB):
             score, idx, _ = _exact_tile_winner(
                 row_ptr, first + j * RACE_SUB, vocab_size, t_eff, seed, position, stream,
                 rejected_id, m, s, 0.0, 0.0, 1.0, 0.0, 1.0, RACE_SUB, False, False, False)
