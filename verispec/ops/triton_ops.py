@@ -39,9 +39,8 @@ _MAX_ROWS = 16
 # batch sizes from which the one-hot rule reads rows in order (H100, k = 4, 80 % acceptance,
 # bench_rejection, V = 151 936 / 128 256: B = 16 27.8 / 24.3 us rows in order vs 29.6 / 26.4
 # requests in order, B = 32 39.3 / 34.7 vs 45.7 / 39.8, B = 64 63.3 / 55.8 vs 78.7 / 67.5);
-# with synthetic rates,
-# which leave one row per request to read, from 8 (B = 1 13.0 vs 12.6 us, B = 8 17.7 vs 22.5,
-# B = 32 29.6 vs 45.2)
+# with synthetic rates, which leave one row per request to read, from 8 (B = 1 13.0 vs 12.6
+# us, B = 8 17.7 vs 22.5, B = 32 29.6 vs 45.2)
 _ROW_ORDER_BATCH = 16
 _ROW_ORDER_BATCH_SYNTHETIC = 8
 
