@@ -92,6 +92,7 @@ def _run_both(batch, *, draft_probs=True, top_k=None, top_p=None, min_p=None, ra
     plan = dict(plan)
     if draft_probs:
         plan.pop("row_order", None)
+        plan.pop("chunks_per_program", None)
     tail = plan.pop("tail", None)
     saved = triton_ops._TAIL, triton_ops._ROW_TAIL
     if tail is not None:
@@ -146,10 +147,13 @@ def test_rejection_parity_rules(rule, cpu_vocab_size, chunk_size, device):
 # programs racing for every request of these batches (the default tail of 32 requests), or for
 # the last 5; the row-ordered one-hot kernel (triton_kernels_rows, the full rule takes the
 # request-ordered one there) with every row racing in its last statistics program (tail 0) or
-# the last 7 rows in helpers.
+# the last 7 rows in helpers, and with 2 or 3 chunks of a row per statistics program (the
+# vocabulary's chunks no multiple of 3: the last program reads its row's last chunk again).
 PLANS = [dict(fused=False), dict(fused=True, lag=0, tail=0, row_order=False),
          dict(fused=True, lag=1, row_order=False), dict(fused=True, lag=3, tail=5, row_order=False),
-         dict(fused=True, row_order=True, tail=0), dict(fused=True, row_order=True, tail=7)]
+         dict(fused=True, row_order=True, tail=0), dict(fused=True, row_order=True, tail=7),
+         dict(fused=True, row_order=True, tail=7, chunks_per_program=2),
+         dict(fused=True, row_order=True, tail=0, chunks_per_program=3)]
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
@@ -169,9 +173,10 @@ def test_rejection_parity_launch_plans(rule, plan, device):
     assert all(_coverage(expected, NUM_DRAFTS)), "the batch must reach every path"
 
 
-@pytest.mark.parametrize("row_order", [False, True])
+@pytest.mark.parametrize("row_order, chunks_per_program", [(False, None), (True, 1), (True, 2)])
 @pytest.mark.parametrize("tail", [0, 3, 16])
-def test_one_hot_counters_reset_between_launches(tail, row_order, device, monkeypatch):
+def test_one_hot_counters_reset_between_launches(tail, row_order, chunks_per_program, device,
+                                                 monkeypatch):
     """The one-launch one-hot kernels zero no counters before they run: each request's deciding
     program resets its own (each row's last program its row counter, the last publisher of a
     request its state word), the last helper of a request (of a row) its flag and counter.
@@ -188,7 +193,7 @@ def test_one_hot_counters_reset_between_launches(tail, row_order, device, monkey
                            boost=5.0 if device.type == "cpu" else 14.0)
         expected, actual = _run_both(batch, draft_probs=False, fused=True,
                                      chunk_size=64 if device.type == "cpu" else None, tail=tail,
-                                     row_order=row_order)
+                                     row_order=row_order, chunks_per_program=chunks_per_program)
         _assert_same(expected, actual)
     assert triton_ops._OUTGROWN and triton_ops._OUTGROWN[0] is small
     (counters,) = triton_ops._COUNTERS.values()
@@ -485,6 +490,12 @@ def test_input_checks(device):
             args["target_logits"], args["draft_token_ids"], args["cu_num_draft_tokens"],
             args["draft_probs"].double(), args["temperature"], None, None, None,
             args["seeds"], args["positions"], 2)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"chunks_per_program .*got {bad!r}"):
+            triton_ops.rejection_sample(
+                args["target_logits"], args["draft_token_ids"], args["cu_num_draft_tokens"],
+                None, args["temperature"], None, None, None, args["seeds"], args["positions"],
+                2, chunks_per_program=bad)
 
 
 @pytest.mark.gpu

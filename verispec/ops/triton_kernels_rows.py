@@ -7,10 +7,13 @@ the residual stream at position + i, or over the bonus row's p on the sample str
 request's output is then the accepted drafts up to its first *candidate* row (a rejected draft,
 or the bonus row) and that row's token. So this kernel reads rows, not requests, in order:
 
-    program id = (j * B + r) * NUM_CHUNKS + c     statistics of chunk c of row j of request r
-    program id >= B * ROWS * NUM_CHUNKS           HELPERS programs per row of the tail
+    program id = (j * B + r) * NUM_GROUPS + g     statistics of chunks g * GROUP ..
+                                                  (g + 1) * GROUP - 1 of row j of request r
+    program id >= B * ROWS * NUM_GROUPS           HELPERS programs per row of the tail
 
-All requests' first rows stream first, then all second rows, and so on. The last statistics
+All requests' first rows stream first, then all second rows, and so on. A statistics program
+reads GROUP chunks (one or two): each program costs a check of the early word and a count
+besides its reads, and at large batches two chunks per program halve those. The last statistics
 program of a row (a counter per row) decides the row (``_decide_row``); at a candidate row it
 first marks the request's *early* word (bit 16 + j, one relaxed OR), then, for a random
 request, picks the race's block from the chunk masses and races that block of the row (read
@@ -34,12 +37,12 @@ The rows at the end of the grid (``num_tail`` of them) race in HELPERS programs 
 request-ordered kernel's tail does: after the last byte is read nothing else would overlap a
 race in one program.
 
-Synchronisation words (int32, ``sync``): a counter per row ([num_rows]: programs done, + 2^16
-per skipped one), a state per request ([B]: bit j row j done, bit 16 + j row j a candidate
-with its token stored), a flag and a counter per tail row, an early word per request ([B]:
-bit 16 + j row j a candidate, token or not). All are zero before the launch and reset by their
-last user: the row's last program, the last publisher of a request (state and early word:
-every early bit is set before its row is published), the tail row's last helper.
+Synchronisation words (int32, ``sync``): a counter per row ([num_rows]: statistics programs
+done, + 2^16 per skipped one), a state per request ([B]: bit j row j done, bit 16 + j row j a
+candidate with its token stored), a flag and a counter per tail row, an early word per request
+([B]: bit 16 + j row j a candidate, token or not). All are zero before the launch and reset by
+their last user: the row's last program, the last publisher of a request (state and early
+word: every early bit is set before its row is published), the tail row's last helper.
 Every program waits for nothing but helpers, which wait for a program with a smaller id that
 waits for nothing, so the launch always ends. Rows per request are at most 16 (the state word).
 """
@@ -96,11 +99,13 @@ def _rows_kernel(
     ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr, BLOCK: tl.constexpr,
     NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr, BLOCK_SPAN: tl.constexpr,
     RACE_SUB: tl.constexpr, SYNTHETIC: tl.constexpr, HELPERS: tl.constexpr,
-    HELPER_TILE: tl.constexpr, HELPERS_P2: tl.constexpr,
+    HELPER_TILE: tl.constexpr, HELPERS_P2: tl.constexpr, GROUP: tl.constexpr = 1,
 ):
-    """Grid (B * ROWS * NUM_CHUNKS + num_tail * HELPERS,): see the module docstring. No masks
-    (their thresholds need a pass of their own first)."""
-    num_stats = batch_size * ROWS * NUM_CHUNKS
+    """Grid (B * ROWS * NUM_GROUPS + num_tail * HELPERS,), NUM_GROUPS = ceil(NUM_CHUNKS /
+    GROUP): see the module docstring; a statistics program reads GROUP chunks of its row. No
+    masks (their thresholds need a pass of their own first)."""
+    NUM_GROUPS: tl.constexpr = (NUM_CHUNKS + GROUP - 1) // GROUP
+    num_stats = batch_size * ROWS * NUM_GROUPS
     state_ptr = sync_ptr + num_rows
     flag_ptr = state_ptr + batch_size
     early_ptr = flag_ptr + 2 * num_tail
@@ -118,8 +123,8 @@ def _rows_kernel(
             batch_size, vocab_size, width, bonus_stream, ROWS, ROWS_P2, WIDTH_P2, BLOCK, HELPERS,
             HELPER_TILE, HELPERS_P2)
     else:
-        order = pid // NUM_CHUNKS
-        chunk = pid % NUM_CHUNKS
+        order = pid // NUM_GROUPS
+        group = pid % NUM_GROUPS
         j = order // batch_size
         req = order % batch_size
         # independent loads, issued together: a skipped program is two round trips long
@@ -142,13 +147,17 @@ def _rows_kernel(
             else:
                 excluded_id = tl.load(draft_ids_ptr + draft_start + j, mask=j < num_drafts,
                                       other=-1)
-                _row_chunk_stats(
-                    logits_ptr, logits_stride, temperature_ptr, seeds_ptr, positions_ptr,
-                    part_f_ptr, part_f_ptr, part_i_ptr, num_rows, vocab_size, bonus_stream,
-                    req, row, chunk, j == num_drafts, num_drafts, excluded_id,
-                    NUM_CHUNKS, CHUNK, False, False, False, False, False, False, True,
-                )
-                if (excluded_id >= chunk * CHUNK) & (excluded_id < (chunk + 1) * CHUNK):
+                for c in tl.static_range(GROUP):
+                    # past the row's last chunk: that chunk again (the same partials)
+                    _row_chunk_stats(
+                        logits_ptr, logits_stride, temperature_ptr, seeds_ptr, positions_ptr,
+                        part_f_ptr, part_f_ptr, part_i_ptr, num_rows, vocab_size,
+                        bonus_stream, req, row, tl.minimum(group * GROUP + c, NUM_CHUNKS - 1),
+                        j == num_drafts, num_drafts, excluded_id, NUM_CHUNKS, CHUNK, False,
+                        False, False, False, False, False, True,
+                    )
+                first_id = group * GROUP * CHUNK
+                if (excluded_id >= first_id) & (excluded_id < first_id + GROUP * CHUNK):
                     # the draft's logit, for the row's decision (there it would be a load
                     # that waits for the draft id, on the critical path)
                     x_d = tl.load(logits_ptr + row * logits_stride + excluded_id)
@@ -156,7 +165,7 @@ def _rows_kernel(
                 # the row's last program (every one counts, skipped or not) sees all partials
                 tl.debug_barrier()
                 num_done = tl.atomic_add(sync_ptr + row, 1, sem="acq_rel")
-            if (num_done & (SKIPPED - 1)) == NUM_CHUNKS - 1:
+            if (num_done & (SKIPPED - 1)) == NUM_GROUPS - 1:
                 tl.store(sync_ptr + row, 0)  # every program has counted: ready for reuse
                 incomplete = (num_done >= SKIPPED) | skip
                 _finish_row(
@@ -354,15 +363,15 @@ def _row_helper(order, h, slot, logits_ptr, logits_stride, draft_ids_ptr, cu_ptr
         seed = tl.load(seeds_ptr + req)
         position = tl.load(positions_ptr + req) + j
         d = tl.load(draft_ids_ptr + draft_start + j, mask=j < num_drafts, other=-1)
-        # poll with plain loads (an atomic per poll would contend with the counters)
+        # poll with plain loads (an atomic per poll would contend with the counters), the
+        # flag and the m and S word together
         flag = tl.load(flag_ptr, volatile=True)
-        while flag == 0:
+        hand = tl.load(hand_ptr, volatile=True)
+        while (flag == 0) | ((flag >= 2) & (hand == 0)):
             flag = tl.load(flag_ptr, volatile=True)
+            hand = tl.load(hand_ptr, volatile=True)
         at = slot * HELPERS
         if flag >= 2:
-            hand = tl.load(hand_ptr, volatile=True)
-            while hand == 0:
-                hand = tl.load(hand_ptr, volatile=True)
             m = (hand & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
             s = (hand >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
             fallback = (flag & HAND_FALLBACK) != 0

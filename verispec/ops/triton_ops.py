@@ -43,6 +43,16 @@ _MAX_ROWS = 16
 # us, B = 8 17.7 vs 22.5, B = 32 29.6 vs 45.2)
 _ROW_ORDER_BATCH = 16
 _ROW_ORDER_BATCH_SYNTHETIC = 8
+# batch size from which each statistics program of the row-ordered kernel reads two chunks of
+# its row (one count, one early-word check per 32 KB): H100, k = 4, one-hot, V = 151 936 /
+# 128 256, one run: B = 64 60.2 / 54.5 us vs 63.4 / 53.5 with one chunk, B = 96 82.9 / 71.8 vs
+# 93.2 / 75.0, B = 128 107.1 / 89.8 vs 124.5 / 97.9, B = 256 202.9 / 172.3 vs 242.0 / 194.3;
+# slower at B = 32 (41.4 / 36.4 vs 39.7 / 34.9) and 48, where a program's longer wait decides a
+# row after more of the next row's programs have started. With synthetic rates (only the final
+# row read: most programs skip) from B = 32: B = 32 24.9 / 26.3 us vs 27.5 / 26.5, B = 64 36.9
+# / 32.8 vs 43.8 / 38.1, B = 256 111.5 / 97.1 vs 143.7 / 120.9 (B = 16 23.0 / 22.2 vs 19.4 / 17.7)
+_ROW_GROUP_BATCH = 64
+_ROW_GROUP_BATCH_SYNTHETIC = 32
 
 
 def _p2(n: int, least: int = 16) -> int:
@@ -401,7 +411,8 @@ def _verify_fused(logits, draft_token_ids, cu, draft_probs, params: _Params, bat
 
 def _verify_rows(logits, draft_token_ids, cu, params: _Params, batch_size: int,
                  max_num_draft_tokens: int, rates, token_ids: torch.Tensor, chunk: int | None,
-                 race_chunk: int | None, num_warps: int | None) -> torch.Tensor:
+                 race_chunk: int | None, num_warps: int | None,
+                 chunks_per_program: int | None) -> torch.Tensor:
     """The one-hot rule in one launch, rows in order (``triton_kernels_rows``): no masks,
     drafts present, not all greedy, at most ``_MAX_ROWS`` rows per request; chunk sizes as
     ``launch_plan``. Its counters need no zeroing launch (``_self_resetting_counters``)."""
@@ -422,8 +433,10 @@ def _verify_rows(logits, draft_token_ids, cu, params: _Params, batch_size: int,
     words = num_rows + 2 * batch_size + 2 * num_tail
     sync = _self_resetting_counters(logits.device, (words + 1) // 2 * 2 + 2 * num_tail)
     rows_p2 = _p2(rows, 2)
+    group = chunks_per_program or (2 if batch_size >= (
+        _ROW_GROUP_BATCH if rates is None else _ROW_GROUP_BATCH_SYNTHETIC) else 1)
     _launch(
-        _rows_kernel, (batch_size * rows * num_chunks + num_tail * helpers,),
+        _rows_kernel, (batch_size * rows * _cdiv(num_chunks, group) + num_tail * helpers,),
         (logits, logits.stride(0), draft_token_ids, cu, params.temperature, params.seeds,
          params.positions, params.temperature if rates is None else rates, ws.part_f,
          ws.part_i, ws.race_f, ws.race_i, ws.row_tokens, ws.draft_logits, sync, token_ids,
@@ -432,7 +445,7 @@ def _verify_rows(logits, draft_token_ids, cu, params: _Params, batch_size: int,
         num_warps or _fused_num_warps(chunk, batch_size), ROWS=rows, NUM_CHUNKS=num_chunks,
         CHUNK=chunk, NC_P2=_p2(num_chunks, 2), ROWS_P2=rows_p2, WIDTH_P2=rows_p2, **blocks,
         BLOCK_SPAN=block_span, RACE_SUB=min(chunk, race_chunk), SYNTHETIC=rates is not None,
-        HELPERS=helpers, HELPER_TILE=helper_tile, HELPERS_P2=_p2(helpers, 2),
+        HELPERS=helpers, HELPER_TILE=helper_tile, HELPERS_P2=_p2(helpers, 2), GROUP=group,
     )
     return token_ids
 
@@ -458,6 +471,7 @@ def rejection_sample(
     lag: int | None = None,
     num_warps: int | None = None,
     row_order: bool | None = None,
+    chunks_per_program: int | None = None,
 ) -> torch.Tensor:
     """Verify the drafts of a batch; the contract is ``verispec.ops.rejection.rejection_sample``.
 
@@ -468,12 +482,20 @@ def rejection_sample(
     request's statistics and its race, in requests, and ``num_warps`` its warps per program.
     ``row_order`` picks, for the one-hot rule in one launch, the kernel that reads rows in order
     and skips those after a known rejection (``triton_kernels_rows``; the default where it
-    applies) over the one that reads whole requests in order (``triton_kernels_fused``).
+    applies) over the one that reads whole requests in order (``triton_kernels_fused``), and
+    ``chunks_per_program`` how many chunks of a row each of its statistics programs reads
+    (``None``: 2 from batch ``_ROW_GROUP_BATCH`` on, synthetic rates from
+    ``_ROW_GROUP_BATCH_SYNTHETIC``, else 1).
 
     Returns
     -------
     token_ids : [B, max_num_draft_tokens + 1] int32, -1 padded.
     """
+    if chunks_per_program is not None and (
+            isinstance(chunks_per_program, bool) or not isinstance(chunks_per_program, int)
+            or chunks_per_program < 1):
+        raise ValueError(
+            f"chunks_per_program must be an int >= 1 or None, got {chunks_per_program!r}")
     device = target_logits.device
     batch_size = cu_num_draft_tokens.shape[0] - 1
     num_draft_tokens = draft_token_ids.shape[0]
@@ -517,7 +539,7 @@ def rejection_sample(
         if row_order:
             return _verify_rows(target_logits, draft_token_ids, cu_num_draft_tokens, params,
                                 batch_size, max_num_draft_tokens, rates, token_ids, chunk_size,
-                                race_chunk_size, num_warps)
+                                race_chunk_size, num_warps, chunks_per_program)
         return _verify_fused(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
                              params, batch_size, max_num_draft_tokens, rates, token_ids,
                              chunk_size, race_chunk_size, lag, num_warps)
