@@ -45,12 +45,13 @@ _ROW_ORDER_BATCH = 16
 _ROW_ORDER_BATCH_SYNTHETIC = 8
 # batch size from which each statistics program of the row-ordered kernel reads two chunks of
 # its row (one count, one early-word check per 32 KB): H100, k = 4, one-hot, V = 151 936 /
-# 128 256, one run: B = 64 60.2 / 54.5 us vs 63.4 / 53.5 with one chunk, B = 96 82.9 / 71.8 vs
-# 93.2 / 75.0, B = 128 107.1 / 89.8 vs 124.5 / 97.9, B = 256 202.9 / 172.3 vs 242.0 / 194.3;
-# slower at B = 32 (41.4 / 36.4 vs 39.7 / 34.9) and 48, where a program's longer wait decides a
-# row after more of the next row's programs have started. With synthetic rates (only the final
-# row read: most programs skip) from B = 32: B = 32 24.9 / 26.3 us vs 27.5 / 26.5, B = 64 36.9
-# / 32.8 vs 43.8 / 38.1, B = 256 111.5 / 97.1 vs 143.7 / 120.9 (B = 16 23.0 / 22.2 vs 19.4 / 17.7)
+# 128 256, one run: B = 64 59.8 / 54.1 us vs 63.7 / 53.6 with one chunk, B = 128 106.5 / 89.7 vs
+# 124.5 / 97.9, B = 256 202.5 / 173.3 vs 242.0 / 194.3 (another run: B = 96 82.9 / 71.8 vs 93.2
+# / 75.0); slower at B = 32 (41.2 / 37.3 vs 39.7 / 34.9) and 48, where a program's longer wait
+# decides a row after more of the next row's programs have started. With synthetic rates (only
+# the final row read: most programs skip) from B = 32: B = 32 24.9 / 26.3 us vs 27.5 / 26.5,
+# B = 64 36.9 / 32.8 vs 43.8 / 38.1, B = 256 111.5 / 97.1 vs 143.7 / 120.9 (B = 16 23.0 / 22.2
+# vs 19.4 / 17.7)
 _ROW_GROUP_BATCH = 64
 _ROW_GROUP_BATCH_SYNTHETIC = 32
 
