@@ -12,15 +12,15 @@ or the bonus row) and that row's token. So this kernel reads rows, not requests,
     program id >= B * ROWS * NUM_GROUPS           HELPERS programs per row of the tail
 
 All requests' first rows stream first, then all second rows, and so on. A statistics program
-reads GROUP chunks (one or two): each program costs a check of the early word and a count
-besides its reads, and at large batches two chunks per program halve those. The last statistics
-program of a row (a counter per row) decides the row (``_decide_row``); at a candidate row it
-first marks the request's *early* word (bit 16 + j, one relaxed OR), then, for a random
-request, picks the race's block from the chunk masses and races that block of the row (read
-back from L2) at once, while later rows still stream, then publishes (``_publish_row``):
-the row's token, and its bits in the request's state word (done, candidate), set with one
-atomic OR. The OR that first makes the state *resolved* (some candidate row f, every row up to
-f done) belongs to the program that writes the request's output row.
+reads GROUP chunks (by default two from B = 64, one below): each program costs a check of the
+early word and a count besides its reads, and at large batches two chunks per program halve
+those. The last statistics program of a row (a counter per row) decides the row
+(``_decide_row``); at a candidate row it first marks the request's *early* word (bit 16 + j, one
+relaxed OR), then, for a random request, picks the race's block from the chunk masses and races
+that block of the row (read back from L2) at once, while later rows still stream, then publishes
+(``_publish_row``): the row's token, and its bits in the request's state word (done, candidate),
+set with one atomic OR. The OR that first makes the state *resolved* (some candidate row f,
+every row up to f done) belongs to the program that writes the request's output row.
 
 Rows after a request's first candidate are never needed. A statistics program of row j first
 reads its request's early word, and when a candidate before row j is already known it reads
