@@ -528,3 +528,26 @@ def test_cuda_graph_replay_matches_eager(device):
             fresh["draft_probs"], fresh["temperature"], None, None, None, fresh["seeds"],
             fresh["positions"], K)
         _assert_same(expected, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunks_per_program", [1, 2])
+@pytest.mark.parametrize("batch_size", [32, 64])
+def test_row_order_many_launches(batch_size, chunks_per_program, device, monkeypatch):
+    """The row-ordered kernel, launch after launch on one GPU at the sizes where its skips race
+    its decisions (rows read or skipped depend on timing; the tokens must not): 40 launches with
+    fresh seeds, each == the torch twin, and every synchronisation word back at zero after."""
+    if device.type != "cuda":
+        pytest.skip("the races between programs need a GPU")
+    monkeypatch.setattr(triton_ops, "_COUNTERS", {})
+    batch = make_batch([K] * batch_size, 151936, device, seed=batch_size,
+                       temperatures=(1.0, 1.0, 1.0, 0.0), boost=14.0)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(40):
+        batch["seeds"] = torch.randint(-(2**62), 2**62, (batch_size,), generator=gen).to(device)
+        batch["positions"] = torch.randint(0, 10_000, (batch_size,), generator=gen).to(device)
+        expected, actual = _run_both(batch, draft_probs=False, fused=True, row_order=True,
+                                     chunks_per_program=chunks_per_program)
+        _assert_same(expected, actual)
+    (counters,) = triton_ops._COUNTERS.values()
+    assert int(counters.abs().sum()) == 0

@@ -23,15 +23,15 @@ set with one atomic OR. The OR that first makes the state *resolved* (some candi
 every row up to f done) belongs to the program that writes the request's output row.
 
 Rows after a request's first candidate are never needed. A statistics program of row j first
-reads its request's early word, and when a candidate before row j is already known it reads
-no logits at all (it still counts, marked as skipped, so that the row's last program publishes
-the row as done). The early word is set before the candidate's race (several microseconds in
-one program), so the skip does not wait for it. With rows in order, row j of a request is
-decided before its row j + 2 starts at any batch size, and mostly before its row j + 1 from
-B = 32 on (H100, B = 32: the row-1 programs of requests rejected at row 0 nearly all read
-nothing), so at 80 % acceptance per position up to a third of the bytes are never read.
-Synthetic rates decide acceptance without the logits: there every program knows the final row
-from the acceptance uniforms alone and only that row is read.
+reads its request's early word (``_program_word``: one read for all its threads), and when a
+candidate before row j is already known it reads no logits at all (it still counts, marked as
+skipped, so that the row's last program publishes the row as done). The early word is set before
+the candidate's race (several microseconds in one program), so the skip does not wait for it.
+With rows in order, row j of a request is decided before its row j + 2 starts at any batch size,
+and mostly before its row j + 1 from B = 32 on (H100, B = 32: the row-1 programs of requests
+rejected at row 0 nearly all read nothing), so at 80 % acceptance per position up to a third of
+the bytes are never read. Synthetic rates decide acceptance without the logits: there every
+program knows the final row from the acceptance uniforms alone and only that row is read.
 
 The rows at the end of the grid (``num_tail`` of them) race in HELPERS programs each, as the
 request-ordered kernel's tail does: after the last byte is read nothing else would overlap a
@@ -133,7 +133,7 @@ def _rows_kernel(
         position = tl.load(positions_ptr + req)
         early = tl.zeros((), dtype=tl.int32)
         if not SYNTHETIC:
-            early = tl.load(early_ptr + req, volatile=True)
+            early = _program_word(early_ptr + req)
         if j <= num_drafts:
             row = draft_start + req + j
             if SYNTHETIC:
@@ -176,6 +176,15 @@ def _rows_kernel(
                     flag_ptr, early_ptr, hand_ptr, token_ids_ptr, token_ids_stride, num_rows,
                     vocab_size, width, bonus_stream, ROWS, NUM_CHUNKS, NC_P2, CHUNK, ROWS_P2,
                     WIDTH_P2, BLOCK, NUM_BLOCKS, NB_P2, BLOCK_SPAN, RACE_SUB, SYNTHETIC, HELPERS)
+
+
+@_helper
+def _program_word(ptr):
+    """A word that other programs change, read once for the whole program. A plain load is
+    made by every thread, and threads that see different values (one before another program's
+    write, one after) would take different branches, past barriers and single-thread atomics;
+    an atomic is made by one thread and its value shared."""
+    return tl.atomic_or(ptr, 0, sem="relaxed")
 
 
 @_helper
