@@ -373,7 +373,9 @@ def _row_helper(order, h, slot, logits_ptr, logits_stride, draft_ids_ptr, cu_ptr
         position = tl.load(positions_ptr + req) + j
         d = tl.load(draft_ids_ptr + draft_start + j, mask=j < num_drafts, other=-1)
         # poll with plain loads (an atomic per poll would contend with the counters), the
-        # flag and the m and S word together
+        # flag and the m and S word together; per-thread loads are safe here, unlike the early
+        # word's (``_program_word``): each word is written once per launch, so every thread
+        # leaves the loop with the same values
         flag = tl.load(flag_ptr, volatile=True)
         hand = tl.load(hand_ptr, volatile=True)
         while (flag == 0) | ((flag >= 2) & (hand == 0)):
