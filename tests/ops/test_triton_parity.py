@@ -498,6 +498,47 @@ def test_input_checks(device):
                 2, chunks_per_program=bad)
 
 
+def test_knobs_that_cannot_apply_raise(device):
+    """A one-launch knob given where three launches run, ``lag`` with rows in order and
+    ``chunks_per_program`` with the request-ordered kernel: one clear error each, never a value
+    silently dropped."""
+    batch = make_batch([2, 1, 2], 40, device, seed=3)
+
+    def run(draft_probs=None, top_k=None, all_greedy=False, **knobs):
+        return triton_ops.rejection_sample(
+            batch["target_logits"], batch["draft_token_ids"], batch["cu_num_draft_tokens"],
+            draft_probs, batch["temperature"], top_k, None, None, batch["seeds"],
+            batch["positions"], 2, None, all_greedy, **knobs)
+
+    top_k = torch.full((3,), 5, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="fused=True cannot apply: sampling masks"):
+        run(top_k=top_k, fused=True)
+    with pytest.raises(ValueError, match="lag=1 applies to the one-launch kernels only: "
+                                         "all_greedy"):
+        run(all_greedy=True, lag=1)
+    with pytest.raises(ValueError, match="chunks_per_program=2 applies to the one-launch "
+                                         "kernels only: the three launches"):
+        run(draft_probs=batch["draft_probs"], chunks_per_program=2)
+    with pytest.raises(ValueError, match="num_warps=4 .*fused=False"):
+        run(fused=False, num_warps=4)
+    with pytest.raises(ValueError, match="row_order=True applies"):
+        run(top_k=top_k, row_order=True)
+    with pytest.raises(ValueError, match="chunks_per_program=2 applies to rows in order only"):
+        run(row_order=False, chunks_per_program=2)
+    with pytest.raises(ValueError, match="lag=1 applies to the request-ordered kernel only"):
+        run(row_order=True, lag=1)
+    # what a plan honours passes: row_order=False anywhere, each knob on its own kernel
+    expected = rejection.rejection_sample(
+        batch["target_logits"], batch["draft_token_ids"], batch["cu_num_draft_tokens"], None,
+        batch["temperature"], top_k, None, None, batch["seeds"], batch["positions"], 2)
+    assert torch.equal(run(top_k=top_k, row_order=False), expected)
+    plain = rejection.rejection_sample(
+        batch["target_logits"], batch["draft_token_ids"], batch["cu_num_draft_tokens"], None,
+        batch["temperature"], None, None, None, batch["seeds"], batch["positions"], 2)
+    for knobs in (dict(row_order=True, chunks_per_program=2), dict(row_order=False, lag=1)):
+        assert torch.equal(run(**knobs), plain)
+
+
 @pytest.mark.gpu
 def test_cuda_graph_replay_matches_eager(device):
     """Captured once, replayed on new inputs copied into the same buffers: == eager."""

@@ -486,7 +486,9 @@ def rejection_sample(
     applies) over the one that reads whole requests in order (``triton_kernels_fused``), and
     ``chunks_per_program`` how many chunks of a row each of its statistics programs reads
     (``None``: 2 from batch ``_ROW_GROUP_BATCH`` on, synthetic rates from
-    ``_ROW_GROUP_BATCH_SYNTHETIC``, else 1).
+    ``_ROW_GROUP_BATCH_SYNTHETIC``, else 1). A knob given where the plan cannot honour it (the
+    one-launch knobs where masks or ``all_greedy`` take three launches, ``lag`` with rows in
+    order, ``chunks_per_program`` without) raises ``ValueError`` rather than being dropped.
 
     Returns
     -------
@@ -524,9 +526,11 @@ def rejection_sample(
         return token_ids
     if num_draft_tokens == 0:  # keep a valid pointer; nothing is read from it
         draft_token_ids = cu_num_draft_tokens
-    fused = launch_plan(batch_size, target_logits.shape[1], draft_probs is not None,
-                        fused=fused)[0]
-    if fused and not (all_greedy or params.masked):
+    one_launch = launch_plan(batch_size, target_logits.shape[1], draft_probs is not None,
+                             fused=fused)[0] and not (all_greedy or params.masked)
+    _check_knobs(fused, one_launch, all_greedy, params.masked, lag=lag, num_warps=num_warps,
+                 row_order=row_order, chunks_per_program=chunks_per_program)
+    if one_launch:
         row_order_fits = draft_probs is None and max_num_draft_tokens < _MAX_ROWS
         if row_order and not row_order_fits:
             raise ValueError(
@@ -538,15 +542,40 @@ def rejection_sample(
             row_order = row_order_fits and batch_size >= (
                 _ROW_ORDER_BATCH if rates is None else _ROW_ORDER_BATCH_SYNTHETIC)
         if row_order:
+            if lag is not None:
+                raise ValueError(f"lag={lag!r} applies to the request-ordered kernel only, "
+                                 "not to rows in order (row_order=False picks it)")
             return _verify_rows(target_logits, draft_token_ids, cu_num_draft_tokens, params,
                                 batch_size, max_num_draft_tokens, rates, token_ids, chunk_size,
                                 race_chunk_size, num_warps, chunks_per_program)
+        if chunks_per_program is not None:
+            raise ValueError(
+                f"chunks_per_program={chunks_per_program!r} applies to rows in order only (the "
+                "one-hot rule, row_order=True or the default from batch "
+                f"{_ROW_ORDER_BATCH}), not to the request-ordered kernel")
         return _verify_fused(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
                              params, batch_size, max_num_draft_tokens, rates, token_ids,
                              chunk_size, race_chunk_size, lag, num_warps)
     return _verify(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, params,
                    batch_size, max_num_draft_tokens, rates, all_greedy, philox.SAMPLE_STREAM,
                    token_ids, chunk_size, race_chunk_size)[0]
+
+
+def _check_knobs(fused, one_launch: bool, all_greedy: bool, masked: bool, **knobs) -> None:
+    """A tuning knob of the one-launch kernels given where three launches run: an error that
+    says why, not a silently dropped value (row_order=False is always honoured)."""
+    if one_launch:
+        return
+    if all_greedy or masked:
+        why = ("sampling masks (top_k, top_p, min_p) run the three launches" if masked
+               else "all_greedy runs the three launches")
+    else:
+        why = "the three launches run (fused=False, or the full rule's default)"
+    if fused:
+        raise ValueError(f"fused={fused!r} cannot apply: {why}")
+    for name, value in knobs.items():
+        if value is not None and not (name == "row_order" and value is False):
+            raise ValueError(f"{name}={value!r} applies to the one-launch kernels only: {why}")
 
 
 def sample(
