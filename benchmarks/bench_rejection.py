@@ -172,6 +172,28 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def add_timing_args(parser: argparse.ArgumentParser) -> None:
+    """The options every GPU benchmark here shares: buffer rotation, flush, budget, torch."""
+    parser.add_argument("--rotate-bytes", type=float, default=256e6,
+                        help="bytes of input buffer sets to rotate over (>> L2)")
+    parser.add_argument("--flush-bytes", type=float, default=1e9,
+                        help="bytes read before each timed call (evicts L2, hides host time)")
+    parser.add_argument("--quick", action="store_true", help="shorter timing budgets")
+    parser.add_argument("--skip-torch", action="store_true")
+
+
+def timing_setup(args, what: str) -> tuple:
+    """(device, its name, copy bandwidth in bytes/s, timing budget in s, flush buffer); prints
+    the line that names them, ``what`` appended."""
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    bandwidth = copy_bandwidth(device)
+    print(f"device: {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); "
+          f"torch {torch.__version__}; k = {K}; float32 logits; temperature 1{what}")
+    flush = torch.ones(int(args.flush_bytes) // 4, dtype=torch.float32, device=device)
+    return device, name, bandwidth, 0.3 if args.quick else 1.0, flush
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128, 256])
@@ -182,25 +204,14 @@ def main() -> None:
     parser.add_argument("--race-chunk-sizes", type=int, nargs="+", default=[0],
                         help="Triton tokens per race program, or per step of the one-launch "
                              "race (0 = default)")
-    parser.add_argument("--rotate-bytes", type=float, default=256e6,
-                        help="bytes of input buffer sets to rotate over (>> L2)")
-    parser.add_argument("--flush-bytes", type=float, default=1e9,
-                        help="bytes written before each timed call (evicts L2, hides host time)")
-    parser.add_argument("--quick", action="store_true", help="shorter timing budgets")
-    parser.add_argument("--skip-torch", action="store_true")
+    add_timing_args(parser)
     args = parser.parse_args()
 
     import read_kernel  # imports triton: only on a GPU machine
 
     from verispec.ops import triton_ops
 
-    device = torch.device("cuda")
-    name = torch.cuda.get_device_name(device)
-    bandwidth = copy_bandwidth(device)
-    budget = 0.3 if args.quick else 1.0
-    flush = torch.ones(int(args.flush_bytes) // 4, dtype=torch.float32, device=device)
-    print(f"device: {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); "
-          f"torch {torch.__version__}; k = {K}; float32 logits; temperature 1")
+    device, name, bandwidth, budget, flush = timing_setup(args, "")
     results = []
     header = (f"{'V':>7} {'B':>4} {'rule':>8} {'plan':>4} {'chunk':>5} {'race':>5} {'floor us':>9} "
               f"{'read us':>8} {'x floor':>8} {'triton us':>10} {'x floor':>8} {'x read':>7} "

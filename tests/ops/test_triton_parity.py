@@ -319,9 +319,14 @@ def _masks(batch_size, vocab_size, device):
     return top_k[idx].to(device), top_p[idx].to(device), min_p[idx].to(device)
 
 
+@pytest.mark.parametrize("wide", [True, False])
 @pytest.mark.parametrize("which, draft_probs",
                          [("top_k", True), ("top_p", False), ("min_p", True), ("all", False)])
-def test_rejection_parity_masks(which, draft_probs, device):
+def test_rejection_parity_masks(which, draft_probs, wide, device, monkeypatch):
+    """Both mask-search programs: the wide one (these few rows fit one per SM) and, forced,
+    the narrow one that larger batches get (on a GPU: another tile, so another sum order)."""
+    if not wide:
+        monkeypatch.setattr(triton_ops, "_MASK_WIDE_WARPS", triton_ops._MASK_WARPS)
     vocab_size = _vocab_size(device, 100)
     num_drafts = [3, 0, 4, 2, 4, 1, 4, 2]
     batch = make_batch(num_drafts, vocab_size, device, seed=17, scale=3.0)
@@ -332,6 +337,15 @@ def test_rejection_parity_masks(which, draft_probs, device):
         min_p=min_p if which in ("min_p", "all") else None,
     )
     _assert_same(*_run_both(batch, draft_probs=draft_probs, **masks))
+
+
+def test_mask_search_width(monkeypatch):
+    """The mask search runs wide programs while the rows fit one per SM, narrow ones beyond."""
+    monkeypatch.setattr(triton_ops, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert triton_ops._mask_warps(132, cuda) == triton_ops._MASK_WIDE_WARPS == 32
+    assert triton_ops._mask_warps(133, cuda) == triton_ops._MASK_WARPS == 8
+    assert triton_ops._mask_warps(10_000, torch.device("cpu")) == triton_ops._MASK_WIDE_WARPS
 
 
 def _dyadic_batch(device, vocab_size=64):
