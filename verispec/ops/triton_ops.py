@@ -27,10 +27,11 @@ _LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_CHUNK = 4096  # tokens per program: 16 KB of float32 logits
 # the one-program-per-row threshold search of the sampling masks: warps per program, and the
 # tokens of each loop step (1024 per warp: 32 per thread). Its loop is latency-bound, so where
-# the rows fit one program per SM a program of 32 warps keeps four times the bytes in flight;
-# H100, V = 151 936, k = 4, the search alone, 8 -> 32 warps: B = 8 (40 rows) top-k 50 499 ->
-# 350 us, top-p 0.9 1279 -> 880, min-p 82 -> 63, all three 4202 -> 2324; B = 64 (320 rows)
-# the same or slower (top-p 2524 -> 2862), as programs of 32 warps take a whole SM each
+# the rows fit one program per SM a program of 32 warps keeps four times the bytes in flight
+# (benchmarks/bench_masks.py, H100, V = 151 936, k = 4, B = 8 = 40 rows, the one-hot op, 8 ->
+# 32 warps: top-k 50 516 -> 363 us, top-p 0.9 1316 -> 918, min-p 108 -> 88, all three 4233 ->
+# 2350); at B = 64 (320 rows) the search alone was the same or slower in one sweep (top-p 2524
+# -> 2862 us), as programs of 32 warps take a whole SM each
 _MASK_WARPS = 8
 _MASK_WIDE_WARPS = 32
 _LAG = 8  # requests between a request's statistics and its race in the one-launch kernel
