@@ -19,11 +19,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 
 import torch
-from bench_rejection import K, add_timing_args, fmt, make_inputs, time_gpu, timing_setup
+from bench_rejection import (
+    K,
+    add_timing_args,
+    fmt,
+    make_inputs,
+    print_json,
+    time_gpu,
+    timing_setup,
+)
 
 from verispec.ops import rejection
 
@@ -130,9 +137,7 @@ def main() -> None:
                       f"{str(same):>5}", flush=True)
             del sets
             torch.cuda.empty_cache()
-    print(json.dumps(dict(benchmark="bench_masks", device=name,
-                          copy_bandwidth_tb_s=round(bandwidth / 1e12, 3), k=K,
-                          torch=torch.__version__, results=results)))
+    print_json("bench_masks", name, bandwidth, results)
 
 
 if __name__ == "__main__":

@@ -194,6 +194,13 @@ def timing_setup(args, what: str) -> tuple:
     return device, name, bandwidth, 0.3 if args.quick else 1.0, flush
 
 
+def print_json(benchmark: str, device_name: str, bandwidth: float, results: list) -> None:
+    """The one JSON line a GPU benchmark here ends with."""
+    print(json.dumps(dict(benchmark=benchmark, device=device_name,
+                          copy_bandwidth_tb_s=round(bandwidth / 1e12, 3), k=K,
+                          torch=torch.__version__, results=results)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128, 256])
@@ -296,9 +303,7 @@ def main() -> None:
                           f"{str(same):>5}", flush=True)
             del sets
             torch.cuda.empty_cache()
-    print(json.dumps(dict(benchmark="bench_rejection", device=name,
-                          copy_bandwidth_tb_s=round(bandwidth / 1e12, 3), k=K,
-                          torch=torch.__version__, results=results)))
+    print_json("bench_rejection", name, bandwidth, results)
 
 
 if __name__ == "__main__":
