@@ -469,6 +469,26 @@ def test_sample_draft_parity(device):
     torch.testing.assert_close(q_t, q, rtol=1e-5, atol=1e-7)
 
 
+def test_launch_cache_argument_map():
+    """A launch after the first skips Triton's argument binding and passes the compiled kernel
+    its arguments by the map made at the first: constexprs given, constexprs left at their
+    defaults, and the runtime arguments in order."""
+    import inspect
+
+    from verispec.ops.triton_kernels_rows import _rows_kernel
+
+    params = list(inspect.signature(_rows_kernel.fn).parameters.values())
+    names = [p.name for p in params]
+    assert names == list(_rows_kernel.arg_names)
+    constexpr = [n for n in names if n.isupper()]  # the kernels' naming: constexprs in capitals
+    assert constexpr == [p.name for p in params if triton_ops._is_constexpr(p)]
+    given = {p.name: 7 for p in params if p.name in constexpr and p.default is p.empty}
+    positions = dict(zip(names, triton_ops._arg_positions(_rows_kernel, given)))
+    assert positions["ROWS"] == (True, 7)
+    assert positions["GROUP"] == (True, 1)  # left at its default
+    assert [n for n in names if not positions[n][0]] == [n for n in names if n not in constexpr]
+
+
 def test_backend_registry_and_signatures():
     """The backend carries the twins' signatures (extra keyword-only tuning knobs aside)."""
     import inspect

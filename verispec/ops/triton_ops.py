@@ -11,6 +11,7 @@ the kernels: make it before capturing a CUDA graph.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -182,15 +183,31 @@ def _launch(kernel, grid: tuple, args: tuple, num_warps: int, **constexprs) -> N
     entry = _COMPILED.get(key)
     if entry is None:
         compiled = kernel[grid](*args, num_warps=num_warps, **constexprs)
-        positions = [(True, constexprs[n]) if n in constexprs else (False, None)
-                     for n in kernel.arg_names]
-        _COMPILED[key] = (compiled, positions)
+        _COMPILED[key] = (compiled, _arg_positions(kernel, constexprs))
         return
     compiled, positions = entry
     it = iter(args)
     full = [value if is_const else next(it) for is_const, value in positions]
     grid = tuple(grid) + (1,) * (3 - len(grid))
     compiled[grid](*full)
+
+
+def _arg_positions(kernel, constexprs: dict) -> list:
+    """For each parameter of ``kernel``, in order, what a compiled launch passes there: (True,
+    value) for a constexpr, given or left at its default, else (False, None), the next of the
+    runtime arguments."""
+    params = inspect.signature(kernel.fn).parameters.values()
+    return [(True, constexprs[p.name]) if p.name in constexprs
+            else (True, p.default) if _is_constexpr(p) and p.default is not p.empty
+            else (False, None) for p in params]
+
+
+def _is_constexpr(param: inspect.Parameter) -> bool:
+    """Whether a kernel parameter is annotated ``tl.constexpr`` (a string in modules with
+    postponed annotations, as Triton reads it too)."""
+    annotation = param.annotation
+    return annotation is not param.empty and "constexpr" in (
+        annotation if isinstance(annotation, str) else repr(annotation))
 
 
 _INT = (torch.int32, torch.int64)
