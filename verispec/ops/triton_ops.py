@@ -43,9 +43,11 @@ _SMALL_BATCH = 16  # below this batch size the one-launch kernel favours latency
 _TAIL = 32
 _HELPERS = 16  # helper programs per such race, each racing 1/16 of the block
 # the row-ordered one-hot kernel (triton_kernels_rows): rows at the end of its grid whose block
-# race helpers split (64: 0.4-1.4 us faster than 32 at B >= 64), and the most rows per request
-# its state word holds
-_ROW_TAIL = 64
+# race helpers split, and the most rows per request its state word holds. H100, k = 4, one
+# run, V = 128 256 / 151 936, 96 vs 64 tail rows: B = 32 33.0 / 38.5 vs 33.3 / 38.8 us, B = 48
+# 41.5 / 48.8 vs 41.8 / 49.0, B = 64 53.7 / 59.8 vs 54.5 / 61.2, B = 128 85.3 / 101.8 vs 87.2 /
+# 102.8, B = 256 164.6 / 192.0 vs 165.2 / 193.1 (128: slower at B <= 48, B = 32 34.4 / 39.4)
+_ROW_TAIL = 96
 _MAX_ROWS = 16
 # batch sizes from which the one-hot rule reads rows in order (H100, k = 4, 80 % acceptance,
 # bench_rejection, V = 151 936 / 128 256: B = 16 27.8 / 24.3 us rows in order vs 29.6 / 26.4
