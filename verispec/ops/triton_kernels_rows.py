@@ -196,6 +196,7 @@ def _rows_kernel(
 if INTERPRET:
     @_helper
     def _count(ptr, value, RELEASE: tl.constexpr):
+        """The interpreter runs programs one after another: a plain atomic add will do."""
         tl.atomic_add(ptr, value, sem="relaxed")
 else:  # pragma: no cover - CUDA
     @triton.jit
