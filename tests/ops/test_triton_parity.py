@@ -94,14 +94,15 @@ def _run_both(batch, *, draft_probs=True, top_k=None, top_p=None, min_p=None, ra
         plan.pop("row_order", None)
         plan.pop("chunks_per_program", None)
     tail = plan.pop("tail", None)
-    saved = triton_ops._TAIL, triton_ops._ROW_TAIL
-    if tail is not None:
+    saved = triton_ops._TAIL, triton_ops._ROW_TAIL, triton_ops._ROW_TAIL_PASSES
+    if tail is not None:  # the last ``tail`` requests (rows), all of them if fewer
         triton_ops._TAIL = triton_ops._ROW_TAIL = tail
+        triton_ops._ROW_TAIL_PASSES = 1 << 30
     try:
         actual = triton_ops.rejection_sample(*args, chunk_size=chunk_size,
                                              race_chunk_size=race_chunk_size, **plan)
     finally:
-        triton_ops._TAIL, triton_ops._ROW_TAIL = saved
+        triton_ops._TAIL, triton_ops._ROW_TAIL, triton_ops._ROW_TAIL_PASSES = saved
     return expected, actual
 
 
@@ -179,7 +180,8 @@ def test_one_hot_counters_reset_between_launches(tail, row_order, chunks_per_pro
                                                  monkeypatch):
     """The one-launch one-hot kernels zero no counters before they run: each request's deciding
     program resets its own (each row's last program its row counter, the last publisher of a
-    request its state word), the last helper of a request (of a row) its flag and counter.
+    request its state word), the last helper of a request its flag and counter (of a tail
+    row: the row's counter and its own).
     Back-to-back launches (a grown buffer among them) stay exact and leave every counter at
     zero."""
     vocab_size = 150 if device.type == "cpu" else 151936 - 7

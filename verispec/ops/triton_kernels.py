@@ -208,17 +208,40 @@ def _chosen_block(masses, c, c_ok, seed, position, stream, CHUNK: tl.constexpr,
     (CHUNK <= BLOCK tokens each, any common scale), block b wins with argmax_b M_b / E'_b,
     E'_b the draw at BLOCK_NOISE_INDEX + b (ties: the smallest b). Block masses are sums, equal
     to the twin's up to summation order. 0 when the row is one block."""
+    noise = _block_noise(seed, position, stream, c.shape[0], CHUNK, BLOCK, NUM_BLOCKS, NB_P2)
+    return _block_of_noise(masses, noise, c, c_ok, CHUNK, BLOCK, NUM_BLOCKS, NB_P2)
+
+
+@_helper
+def _block_noise(seed, position, stream, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
+                 BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr):
+    """The draws E'_b of ``_chosen_block``, by chunk where a chunk is a block (NC_P2 of
+    them), else by block (a scalar when the row is one block). They need no logits, so a
+    program can draw them before its row's statistics are in."""
+    noise = tl.zeros((), dtype=tl.float32)
+    if NUM_BLOCKS > 1:
+        if CHUNK == BLOCK:
+            noise = _noise_at(seed, position, stream,
+                              tl.arange(0, NC_P2).to(tl.int64) + BLOCK_NOISE_INDEX)
+        else:
+            noise = _noise_at(seed, position, stream,
+                              tl.arange(0, NB_P2).to(tl.int64) + BLOCK_NOISE_INDEX)
+    return noise
+
+
+@_helper
+def _block_of_noise(masses, noise, c, c_ok, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                    NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr):
+    """``_chosen_block`` from its draws (``_block_noise``)."""
     chosen = tl.sum(c * 0, axis=0)
     if NUM_BLOCKS > 1:
         if CHUNK == BLOCK:  # a chunk is a block
-            noise = _noise_at(seed, position, stream, c.to(tl.int64) + BLOCK_NOISE_INDEX)
             _, chosen = _argmax_vec(tl.where(c_ok, tl.math.div_rn(masses, noise), -1.0), c)
         else:
             blk_of = c // (BLOCK // CHUNK)
             b = tl.arange(0, NB_P2)
             in_b = (blk_of[None, :] == b[:, None]) & c_ok[None, :]
             block_mass = tl.sum(tl.where(in_b, masses[None, :], 0.0), axis=1)  # [NB_P2]
-            noise = _noise_at(seed, position, stream, b.to(tl.int64) + BLOCK_NOISE_INDEX)
             _, chosen = _argmax_vec(tl.where(b < NUM_BLOCKS,
                                              tl.math.div_rn(block_mass, noise), -1.0), b)
     return chosen

@@ -48,7 +48,8 @@ import triton.language as tl
 from verispec.ops.triton_kernels import (
     RESIDUAL_STREAM,
     _argmax_vec,
-    _chosen_block,
+    _block_noise,
+    _block_of_noise,
     _helper,
     _request_span,
     _row_chunk_stats,
@@ -258,16 +259,27 @@ def _race_block(seed, position, num_accepted, rejected_id, p_masses, residual_ma
     block, the stream, the token to exclude or -1). The residual stream at a rejection, the
     sample stream on the bonus row; an empty residual (p(d) = 1 in float32) falls back to p,
     on the residual stream, as the twin does."""
-    c = tl.arange(0, NC_P2)
-    c_ok = c < NUM_CHUNKS
     stream = tl.where(rejected_id >= 0, RESIDUAL_STREAM, bonus_stream)
+    noise = _block_noise(seed, position, stream, NC_P2, CHUNK, BLOCK, NUM_BLOCKS, NB_P2)
+    first, rejected_id = _race_block_drawn(noise, rejected_id, p_masses, residual_masses,
+                                           NUM_CHUNKS, NC_P2, CHUNK, BLOCK, NUM_BLOCKS, NB_P2)
+    return first, stream, rejected_id
+
+
+@_helper
+def _race_block_drawn(noise, rejected_id, p_masses, residual_masses, NUM_CHUNKS: tl.constexpr,
+                      NC_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                      NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr):
+    """``_race_block`` from the block draws of its stream (``_block_noise``): (first token of
+    the chosen block, the token to exclude or -1)."""
+    c = tl.arange(0, NC_P2)
     masses = tl.where(rejected_id >= 0, residual_masses, p_masses)
     if tl.max(masses, axis=0) == 0.0:  # empty residual: sample from p
         rejected_id = -1
         masses = p_masses
-    first = _chosen_block(masses, c, c_ok, seed, position, stream, CHUNK, BLOCK, NUM_BLOCKS,
-                          NB_P2).to(tl.int64) * BLOCK
-    return first, stream, rejected_id
+    first = _block_of_noise(masses, noise, c, c < NUM_CHUNKS, CHUNK, BLOCK, NUM_BLOCKS,
+                            NB_P2).to(tl.int64) * BLOCK
+    return first, rejected_id
 
 
 @_helper

@@ -9,21 +9,22 @@ or the bonus row) and that row's token. So this kernel reads rows, not requests,
 
     program id = (j * B + r) * NUM_GROUPS + g     statistics of chunks g * GROUP ..
                                                   (g + 1) * GROUP - 1 of row j of request r
-    program id >= B * ROWS * NUM_GROUPS           HELPERS programs per row of the tail
+    program id >= B * ROWS * NUM_GROUPS           HELPERS programs per row of the tail, which
+                                                  decide the row and race its block
 
 All requests' first rows stream first, then all second rows, and so on. A statistics program
 reads GROUP chunks (by default two from B = 64, one below): each program costs a check of the
 early word and a count besides its reads, and at large batches two chunks per program halve
-those. The row's last statistics program (its last id) decides the row (``_decide_row``) once
-the others have counted: they count with a reduction that returns nothing (``_count``), so no
-program but the decider waits for a round trip after its reads, and the decider polls the
-row's counter with acquiring loads. At a candidate row it first marks the request's *early*
-word (bit 16 + j, one relaxed OR), then, for a random request, picks the race's block from the
-chunk masses and races that block of the row (read back from L2) at once, while later rows
-still stream, then publishes (``_publish_row``): the row's token, and its bits in the request's
-state word (done, candidate), set with one atomic OR. The OR that first makes the state
-*resolved* (some candidate row f, every row up to f done) belongs to the program that writes the
-request's output row.
+those. Outside the tail, the row's last statistics program (its last id) decides the row
+(``_decide_row``) once the others have counted: they count with a reduction that returns
+nothing (``_count``), so no program but the decider waits for a round trip after its reads,
+and the decider polls the row's counter with acquiring loads. At a candidate row it first
+marks the request's *early* word (bit 16 + j, one relaxed OR), then, for a random request,
+picks the race's block from the chunk masses and races that block of the row (read back from
+L2) at once, while later rows still stream, then publishes (``_publish_row``): the row's
+token, and its bits in the request's state word (done, candidate), set with one atomic OR. The
+OR that first makes the state *resolved* (some candidate row f, every row up to f done)
+belongs to the program that writes the request's output row.
 
 Rows after a request's first candidate are never needed. A statistics program of row j first
 reads its request's early word (``_program_word``: one read for all its threads), and when a
@@ -36,18 +37,23 @@ rejected at row 0 nearly all read nothing), so at 80 % acceptance per position u
 the bytes are never read. Synthetic rates decide acceptance without the logits: there every
 program knows the final row from the acceptance uniforms alone and only that row is read.
 
-The rows at the end of the grid (``num_tail`` of them) race in HELPERS programs each, as the
-request-ordered kernel's tail does: after the last byte is read nothing else would overlap a
-race in one program.
+The rows at the end of the grid (``num_tail`` of them) are decided and raced by HELPERS
+programs each (``_row_helper``), placed after every statistics program: after the last byte
+is read nothing else would overlap a race in one program. Each helper polls the row's counter
+(all the row's statistics programs count), decides the row from the partials itself and races
+its share of the block, so no hand-over from a decider (a fence, a flag, a poll) lies between
+the row's last byte and its race; the draws that need no logits (the acceptance uniform, the
+block noise) are made while the helper waits.
 
 Synchronisation words (int32, ``sync``): a counter per row ([num_rows]: statistics programs
 done, + 2^16 per skipped one), a state per request ([B]: bit j row j done, bit 16 + j row j a
-candidate with its token stored), a flag and a counter per tail row, an early word per request
+candidate with its token stored), a helper counter per tail row, an early word per request
 ([B]: bit 16 + j row j a candidate, token or not). All are zero before the launch and reset by
-their last user: the row's decider, the last publisher of a request (state and early word:
-every early bit is set before its row is published), the tail row's last helper. A decider
-waits for its row's other programs, a helper for its row's decider: each only for programs with
-smaller ids, which started before it and wait for none but programs with still smaller ids, so
+their last user: the row's decider (of a tail row: its last helper), the last publisher of a
+request (state and early word: every early bit is set before its row is published), the tail
+row's last helper. A decider or a helper waits for its row's statistics programs only: programs
+with smaller ids, which started before it and wait for none but programs with still smaller
+ids, so the launch always ends. Rows per request are at most 16 (the state word).
 the launch always ends. Rows per request are at most 16 (the state word).
 """
 
@@ -62,6 +68,7 @@ from verispec.ops.triton_kernels import (
     INTERPRET,
     RESIDUAL_STREAM,
     _argmax_vec,
+    _block_noise,
     _helper,
     _partial_planes,
     _processed,
@@ -71,13 +78,10 @@ from verispec.ops.triton_kernels import (
     _uniform_at,
     _write_output,
 )
-from verispec.ops.triton_kernels_fused import _block_token, _race_block
+from verispec.ops.triton_kernels_fused import _block_token, _race_block, _race_block_drawn
 from verispec.ops.triton_kernels_race import _exact_tile_winner
 
 SKIPPED = tl.constexpr(65536)  # what a statistics program that read nothing adds to the counter
-# a tail row's flag: 2 + the chosen block, plus these bits
-HAND_FALLBACK = tl.constexpr(1 << 16)  # the residual is empty: race p, no token excluded
-HAND_EARLY = tl.constexpr(1 << 17)  # the row set its request's early bit (flag released)
 
 
 @triton.jit
@@ -95,9 +99,8 @@ def _rows_kernel(
     race_i_ptr,  # [num_tail, HELPERS] int32: helpers' winners
     row_token_ptr,  # [B, ROWS] int32: the token of each candidate row
     draft_logit_ptr,  # [num_rows] float32: each draft row's raw logit of its draft
-    sync_ptr,  # int32, zero: [num_rows] row counters, [B] request states, [num_tail] flags,
-    #            [num_tail] helper counters, [B] early words, then (8-byte aligned) [num_tail]
-    #            int64 hand-over words
+    sync_ptr,  # int32, zero: [num_rows] row counters, [B] request states, [num_tail] helper
+    #            counters, [B] early words
     token_ids_ptr, token_ids_stride,  # [B, width] int32
     batch_size, num_rows, vocab_size, width, bonus_stream, num_tail,
     ROWS: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr, NC_P2: tl.constexpr,
@@ -112,26 +115,26 @@ def _rows_kernel(
     NUM_GROUPS: tl.constexpr = (NUM_CHUNKS + GROUP - 1) // GROUP
     num_stats = batch_size * ROWS * NUM_GROUPS
     state_ptr = sync_ptr + num_rows
-    flag_ptr = state_ptr + batch_size
-    early_ptr = flag_ptr + 2 * num_tail
-    words = num_rows + 2 * batch_size + 2 * num_tail
-    hand_ptr = (sync_ptr + (words + 1) // 2 * 2).to(tl.pointer_type(tl.int64))
+    early_ptr = state_ptr + batch_size + num_tail
     first_tail = batch_size * ROWS - num_tail  # row order (j * B + r) of the first tail row
     pid = tl.program_id(0)
     if pid >= num_stats:
         slot = (pid - num_stats) // HELPERS
         _row_helper(
             first_tail + slot, (pid - num_stats) % HELPERS, slot, logits_ptr, logits_stride,
-            draft_ids_ptr, cu_ptr, temperature_ptr, seeds_ptr, positions_ptr, race_f_ptr,
-            race_i_ptr, row_token_ptr, state_ptr, early_ptr, flag_ptr + slot,
-            flag_ptr + num_tail + slot, hand_ptr + slot, token_ids_ptr, token_ids_stride,
-            batch_size, vocab_size, width, bonus_stream, ROWS, ROWS_P2, WIDTH_P2, BLOCK, HELPERS,
-            HELPER_TILE, HELPERS_P2)
+            draft_ids_ptr, cu_ptr, temperature_ptr, seeds_ptr, positions_ptr, rates_ptr,
+            part_f_ptr, part_i_ptr, race_f_ptr, race_i_ptr, row_token_ptr, draft_logit_ptr,
+            sync_ptr, state_ptr, early_ptr, state_ptr + batch_size + slot,
+            token_ids_ptr, token_ids_stride, num_rows, batch_size, vocab_size, width,
+            bonus_stream, ROWS, NUM_CHUNKS, NC_P2, CHUNK, ROWS_P2, WIDTH_P2, BLOCK,
+            NUM_BLOCKS, NB_P2, SYNTHETIC, HELPERS, HELPER_TILE, HELPERS_P2, NUM_GROUPS)
     else:
         order = pid // NUM_GROUPS
         group = pid % NUM_GROUPS
         j = order // batch_size
         req = order % batch_size
+        # a tail row's helpers decide it: every one of its statistics programs counts
+        decides = (group == NUM_GROUPS - 1) & (order < first_tail)
         # independent loads, issued together: a skipped program is one round trip long
         draft_start, num_drafts = _request_span(cu_ptr, req, False)
         seed = tl.load(seeds_ptr + req)
@@ -149,7 +152,7 @@ def _rows_kernel(
             if skip:
                 # nothing written to publish: a relaxed count (a skipped row's decider reads
                 # no partials)
-                if group != NUM_GROUPS - 1:
+                if decides == 0:
                     _count(sync_ptr + row, 1 + SKIPPED, False)
             else:
                 excluded_id = tl.load(draft_ids_ptr + draft_start + j, mask=j < num_drafts,
@@ -171,26 +174,33 @@ def _rows_kernel(
                     tl.store(draft_logit_ptr + row, x_d.to(tl.float32))
                 # the partials of every thread, released to the decider by the count
                 tl.debug_barrier()
-                if group != NUM_GROUPS - 1:
+                if decides == 0:
                     _count(sync_ptr + row, 1, True)
-            if group == NUM_GROUPS - 1:
+            if decides:
                 num_done = tl.zeros((), dtype=tl.int32)
                 if NUM_GROUPS > 1:
-                    # every other program of the row has a smaller id, so it has started;
-                    # an acquiring load per poll (Triton makes an atomic add of 0 one load)
-                    num_done = tl.atomic_add(sync_ptr + row, 0, sem="acquire")
-                    while (num_done & (SKIPPED - 1)) != NUM_GROUPS - 1:
-                        num_done = tl.atomic_add(sync_ptr + row, 0, sem="acquire")
+                    num_done = _wait_row(sync_ptr + row, NUM_GROUPS - 1)
                 tl.store(sync_ptr + row, 0)  # every program has counted: ready for reuse
                 incomplete = (num_done >= SKIPPED) | skip
                 _finish_row(
-                    req, j, row, order >= first_tail, order - first_tail, incomplete == 0,
-                    early, draft_start, num_drafts, seed, position, logits_ptr, logits_stride,
-                    draft_ids_ptr, temperature_ptr, rates_ptr, part_f_ptr, part_i_ptr,
-                    race_f_ptr, race_i_ptr, row_token_ptr, draft_logit_ptr, state_ptr,
-                    flag_ptr, early_ptr, hand_ptr, token_ids_ptr, token_ids_stride, num_rows,
+                    req, j, row, incomplete == 0, early, draft_start, num_drafts, seed,
+                    position, logits_ptr, logits_stride, draft_ids_ptr, temperature_ptr,
+                    rates_ptr, part_f_ptr, part_i_ptr, row_token_ptr, draft_logit_ptr,
+                    state_ptr, early_ptr, token_ids_ptr, token_ids_stride, num_rows,
                     vocab_size, width, bonus_stream, ROWS, NUM_CHUNKS, NC_P2, CHUNK, ROWS_P2,
-                    WIDTH_P2, BLOCK, NUM_BLOCKS, NB_P2, BLOCK_SPAN, RACE_SUB, SYNTHETIC, HELPERS)
+                    WIDTH_P2, BLOCK, NUM_BLOCKS, NB_P2, BLOCK_SPAN, RACE_SUB, SYNTHETIC)
+
+
+@_helper
+def _wait_row(counter_ptr, num_counts):
+    """Poll a row's counter until ``num_counts`` programs have counted (skipped ones add
+    SKIPPED besides); its final value. Each poll is one acquiring load (Triton makes an
+    atomic add of 0 one thread's load); the counting programs have smaller ids than the
+    poller, so they have started."""
+    num_done = tl.atomic_add(counter_ptr, 0, sem="acquire")
+    while (num_done & (SKIPPED - 1)) != num_counts:
+        num_done = tl.atomic_add(counter_ptr, 0, sem="acquire")
+    return num_done
 
 
 if INTERPRET:
@@ -257,10 +267,11 @@ def _resolution(state, ROWS_P2: tl.constexpr):
 
 
 @_helper
-def _decide_row(row, j, num_drafts, d, greedy, t_eff, seed, position, rates_ptr,
-                draft_logit_ptr, part_f_ptr, part_i_ptr, num_rows, NUM_CHUNKS: tl.constexpr,
+def _decide_row(row, j, num_drafts, d, greedy, t_eff, u, rates_ptr, draft_logit_ptr,
+                part_f_ptr, part_i_ptr, num_rows, NUM_CHUNKS: tl.constexpr,
                 NC_P2: tl.constexpr, SYNTHETIC: tl.constexpr):
-    """Row j of a request from its chunk partials: (1 if it is a candidate, i.e. its draft is
+    """Row j of a request from its chunk partials and its acceptance uniform u (drawn at
+    position + j on the acceptance stream): (1 if it is a candidate, i.e. its draft is
     rejected or it is the bonus row, else 0; its raw argmax; m; S; the chunk masses of p and of
     p without the draft, on the scale exp(z - m)). The arithmetic of ``_decide_request``."""
     part_m_ptr, part_s_ptr, part_amax_ptr, part_aidx_ptr, _ = _partial_planes(
@@ -282,7 +293,6 @@ def _decide_row(row, j, num_drafts, d, greedy, t_eff, seed, position, rates_ptr,
     masses = ps * scale
     s = tl.sum(masses, axis=0)
     is_draft = j < num_drafts
-    u = _uniform_at(seed, position + j, ACCEPT_STREAM)
     if SYNTHETIC:
         accepted = u < tl.load(rates_ptr + j, mask=is_draft, other=0.0)
     else:
@@ -297,68 +307,47 @@ def _decide_row(row, j, num_drafts, d, greedy, t_eff, seed, position, rates_ptr,
 
 @_helper
 def _finish_row(
-    req, j, row, in_tail, slot, complete, early, draft_start, num_drafts, seed, position,
-    logits_ptr, logits_stride, draft_ids_ptr, temperature_ptr, rates_ptr, part_f_ptr,
-    part_i_ptr, race_f_ptr, race_i_ptr, row_token_ptr, draft_logit_ptr, state_ptr, flag_ptr,
-    early_ptr, hand_ptr, token_ids_ptr,
-    token_ids_stride, num_rows, vocab_size, width, bonus_stream,
+    req, j, row, complete, early, draft_start, num_drafts, seed, position, logits_ptr,
+    logits_stride, draft_ids_ptr, temperature_ptr, rates_ptr, part_f_ptr, part_i_ptr,
+    row_token_ptr, draft_logit_ptr, state_ptr, early_ptr, token_ids_ptr, token_ids_stride,
+    num_rows, vocab_size, width, bonus_stream,
     ROWS: tl.constexpr, NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
     ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr, BLOCK: tl.constexpr,
     NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr, BLOCK_SPAN: tl.constexpr,
-    RACE_SUB: tl.constexpr, SYNTHETIC: tl.constexpr, HELPERS: tl.constexpr,
+    RACE_SUB: tl.constexpr, SYNTHETIC: tl.constexpr,
 ):
-    """The last statistics program of row j: decide it and, at a candidate row of a random
-    request, race its block (a tail row: hand the block to its helpers); then publish. A row
-    that was skipped (``complete`` = 0) only comes after a known candidate: published as done.
-    A candidate whose request already showed an earlier candidate (``early``, read when this
-    program started) is not raced: its token is never used."""
+    """The last statistics program of row j (not a tail row): decide it and, at a candidate
+    row of a random request, race its block; then publish. A row that was skipped
+    (``complete`` = 0) only comes after a known candidate: published as done. A candidate whose
+    request already showed an earlier candidate (``early``, read when this program started) is
+    not raced: its token is never used."""
     candidate = tl.zeros((), dtype=tl.int32)
     token = tl.zeros((), dtype=tl.int32)
-    flag = tl.full((), 1, tl.int32)  # for the helpers of a tail row: 1 nothing to race
-    early_set = 0
     if complete:
         temperature = tl.load(temperature_ptr + req)
         greedy = temperature == 0.0
         t_eff = tl.where(greedy, 1.0, temperature)
         d = tl.load(draft_ids_ptr + draft_start + j, mask=j < num_drafts, other=-1)
         candidate, token, m, s, masses, residual_masses = _decide_row(
-            row, j, num_drafts, d, greedy, t_eff, seed, position, rates_ptr, draft_logit_ptr,
-            part_f_ptr, part_i_ptr, num_rows, NUM_CHUNKS, NC_P2, SYNTHETIC)
+            row, j, num_drafts, d, greedy, t_eff, _uniform_at(seed, position + j, ACCEPT_STREAM),
+            rates_ptr, draft_logit_ptr, part_f_ptr,
+            part_i_ptr, num_rows, NUM_CHUNKS, NC_P2, SYNTHETIC)
         if not SYNTHETIC:
             if (candidate == 1) & (j < num_drafts):
                 # known at once, before the race: later rows of the request that start from
                 # now on read nothing (the state word shows a candidate with its token only)
                 tl.atomic_or(early_ptr + req, 1 << (16 + j), sem="relaxed")
-                early_set = 1
         if (candidate == 1) & (temperature != 0.0) & (_earlier_candidate(early, j) == 0):
             first, stream, excluded_id = _race_block(
                 seed, position + j, j, tl.where(j < num_drafts, d, -1).to(tl.int32), masses,
                 residual_masses, bonus_stream, NUM_CHUNKS, NC_P2, CHUNK, BLOCK, NUM_BLOCKS,
                 NB_P2)
-            if in_tail:
-                # m and S in one word that is never zero (S >= 1), so a helper needs no
-                # ordering with the flag to read it
-                tl.store(hand_ptr + slot, (s.to(tl.uint32, bitcast=True).to(tl.int64) << 32)
-                         | m.to(tl.uint32, bitcast=True).to(tl.int64))
-                fallback = (excluded_id < 0) & (j < num_drafts)  # empty residual: race p
-                flag = (2 + first // BLOCK + fallback.to(tl.int32) * HAND_FALLBACK
-                        + early_set * HAND_EARLY).to(tl.int32)
-            else:
-                token = _block_token(logits_ptr + row * logits_stride, first, vocab_size,
-                                     t_eff, seed, position + j, stream, excluded_id, m, s,
-                                     BLOCK_SPAN, RACE_SUB).to(tl.int32)
-    if in_tail:
-        tl.debug_barrier()
-        if early_set == 1:
-            # the helper that publishes the row acquires this: the early bit is set before
-            # the request's last publisher resets the early word
-            tl.atomic_xchg(flag_ptr + slot, flag, sem="release")
-        else:
-            tl.atomic_xchg(flag_ptr + slot, flag, sem="relaxed")
-    if flag == 1:
-        _publish_row(req, j, candidate, token, row_token_ptr, state_ptr, early_ptr,
-                     draft_ids_ptr, draft_start, num_drafts, token_ids_ptr, token_ids_stride,
-                     width, ROWS, ROWS_P2, WIDTH_P2)
+            token = _block_token(logits_ptr + row * logits_stride, first, vocab_size,
+                                 t_eff, seed, position + j, stream, excluded_id, m, s,
+                                 BLOCK_SPAN, RACE_SUB).to(tl.int32)
+    _publish_row(req, j, candidate, token, row_token_ptr, state_ptr, early_ptr,
+                 draft_ids_ptr, draft_start, num_drafts, token_ids_ptr, token_ids_stride,
+                 width, ROWS, ROWS_P2, WIDTH_P2)
 
 
 @_helper
@@ -389,20 +378,26 @@ def _publish_row(req, j, candidate, token, row_token_ptr, state_ptr, early_ptr, 
 
 @_helper
 def _row_helper(order, h, slot, logits_ptr, logits_stride, draft_ids_ptr, cu_ptr,
-                temperature_ptr, seeds_ptr, positions_ptr, race_f_ptr, race_i_ptr,
-                row_token_ptr, state_ptr, early_ptr, flag_ptr, counter_ptr, hand_ptr,
-                token_ids_ptr, token_ids_stride, batch_size, vocab_size, width, bonus_stream,
-                ROWS: tl.constexpr, ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr,
-                BLOCK: tl.constexpr, HELPERS: tl.constexpr, SUB: tl.constexpr,
-                HELPERS_P2: tl.constexpr):
-    """Helper h of the tail row ``order`` (= j * B + r): wait for the row's last statistics
-    program (its flag, then its m and S word), race tokens h * SUB .. (h + 1) * SUB of the
-    chosen block (every token scored exactly), and the last helper to finish picks the best
-    (ties: the smallest index), publishes the row and resets the flag, the word and the
-    counter. Both words are zero until written and never zero after, so the helper reads them
-    with plain loads and races at once; only a row that set its request's early bit makes the
-    publishing helper acquire the flag first. A row past the request's drafts has no programs
-    and no flag: its helpers return at once."""
+                temperature_ptr, seeds_ptr, positions_ptr, rates_ptr, part_f_ptr, part_i_ptr,
+                race_f_ptr, race_i_ptr, row_token_ptr, draft_logit_ptr, row_counters_ptr,
+                state_ptr, early_ptr, counter_ptr, token_ids_ptr, token_ids_stride, num_rows,
+                batch_size, vocab_size, width, bonus_stream,
+                ROWS: tl.constexpr, NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr,
+                CHUNK: tl.constexpr, ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr,
+                BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr,
+                SYNTHETIC: tl.constexpr, HELPERS: tl.constexpr, SUB: tl.constexpr,
+                HELPERS_P2: tl.constexpr, NUM_GROUPS: tl.constexpr):
+    """Helper h of the tail row ``order`` (= j * B + r): every helper of the row waits for
+    all its statistics programs to count, decides the row as a decider would (the same
+    partials, so the same decision in every helper) and, at a candidate row of a random
+    request, races tokens h * SUB .. (h + 1) * SUB of the chosen block (every token scored
+    exactly); the last helper to finish picks the best (ties: the smallest index) and
+    publishes the row, and resets the row's counter and its own. A row without a race
+    (skipped, accepted, greedy) is published by helper 0. No decider between the row's last
+    statistics and the race: the hand-over would cost a fence, a flag and a poll. Unlike a
+    decider, the helpers race a candidate row after a known earlier candidate too (the early
+    word, read by each helper at its own time, could differ between them). A row past the
+    request's drafts has no programs: its helpers return at once."""
     j = order // batch_size
     req = order % batch_size
     draft_start, num_drafts = _request_span(cu_ptr, req, False)
@@ -411,45 +406,54 @@ def _row_helper(order, h, slot, logits_ptr, logits_stride, draft_ids_ptr, cu_ptr
         row = draft_start + req + j
         temperature = tl.load(temperature_ptr + req)
         seed = tl.load(seeds_ptr + req)
-        position = tl.load(positions_ptr + req) + j
+        position = tl.load(positions_ptr + req)
         d = tl.load(draft_ids_ptr + draft_start + j, mask=j < num_drafts, other=-1)
-        # poll with plain loads (an atomic per poll would contend with the counters), the
-        # flag and the m and S word together; per-thread loads are safe here, unlike the early
-        # word's (``_program_word``): each word is written once per launch, so every thread
-        # leaves the loop with the same values
-        flag = tl.load(flag_ptr, volatile=True)
-        hand = tl.load(hand_ptr, volatile=True)
-        while (flag == 0) | ((flag >= 2) & (hand == 0)):
-            flag = tl.load(flag_ptr, volatile=True)
-            hand = tl.load(hand_ptr, volatile=True)
-        at = slot * HELPERS
-        if flag >= 2:
-            m = (hand & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-            s = (hand >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
-            fallback = (flag & HAND_FALLBACK) != 0
-            score, idx, _ = _exact_tile_winner(
-                logits_ptr + row * logits_stride,
-                ((flag - 2) & (HAND_FALLBACK - 1)).to(tl.int64) * BLOCK + h * SUB,
-                vocab_size, tl.where(temperature > 0.0, temperature, 1.0), seed, position,
-                tl.where(j < num_drafts, RESIDUAL_STREAM, bonus_stream),
-                tl.where(fallback, -1, d), m, s, 0.0, 0.0, 1.0, 0.0, 1.0, SUB, False, False,
-                False)
-            tl.store(race_f_ptr + at + h, score)
-            tl.store(race_i_ptr + at + h, idx)
+        greedy = temperature == 0.0
+        t_eff = tl.where(greedy, 1.0, temperature)
+        # the draws, which need no logits, while the row streams
+        u = _uniform_at(seed, position + j, ACCEPT_STREAM)
+        stream = tl.where(j < num_drafts, RESIDUAL_STREAM, bonus_stream)
+        noise = _block_noise(seed, position + j, stream, NC_P2, CHUNK, BLOCK, NUM_BLOCKS, NB_P2)
+        num_done = _wait_row(row_counters_ptr + row, NUM_GROUPS)
+        candidate = tl.zeros((), dtype=tl.int32)
+        token = tl.zeros((), dtype=tl.int32)
+        race = 0
+        if num_done < SKIPPED:
+            candidate, token, m, s, masses, residual_masses = _decide_row(
+                row, j, num_drafts, d, greedy, t_eff, u, rates_ptr, draft_logit_ptr,
+                part_f_ptr, part_i_ptr, num_rows, NUM_CHUNKS, NC_P2, SYNTHETIC)
+            if not SYNTHETIC:
+                if (h == 0) & (candidate == 1) & (j < num_drafts):
+                    # released to the publishing helper by helper 0's count (the early bit
+                    # is set before the request's last publisher resets the early word)
+                    tl.atomic_or(early_ptr + req, 1 << (16 + j), sem="relaxed")
+            if (candidate == 1) & (greedy == 0):
+                race = 1
+                first, excluded_id = _race_block_drawn(
+                    noise, tl.where(j < num_drafts, d, -1).to(tl.int32), masses,
+                    residual_masses, NUM_CHUNKS, NC_P2, CHUNK, BLOCK, NUM_BLOCKS, NB_P2)
+                score, idx, _ = _exact_tile_winner(
+                    logits_ptr + row * logits_stride, first + h * SUB, vocab_size, t_eff, seed,
+                    position + j, stream, excluded_id, m, s, 0.0, 0.0, 1.0, 0.0, 1.0, SUB,
+                    False, False, False)
+                tl.store(race_f_ptr + slot * HELPERS + h, score)
+                tl.store(race_i_ptr + slot * HELPERS + h, idx)
+        if (race == 0) & (h == 0):
+            _publish_row(req, j, candidate, token, row_token_ptr, state_ptr, early_ptr,
+                         draft_ids_ptr, draft_start, num_drafts, token_ids_ptr,
+                         token_ids_stride, width, ROWS, ROWS_P2, WIDTH_P2)
         tl.debug_barrier()
-        num_done = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
-        if num_done == HELPERS - 1:
-            if flag >= 2:
-                if (flag & HAND_EARLY) != 0:
-                    tl.atomic_add(flag_ptr, 0, sem="acquire")
+        if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == HELPERS - 1:
+            if race == 1:
                 k = tl.arange(0, HELPERS_P2)
-                scores = tl.load(race_f_ptr + at + k, mask=k < HELPERS, other=-2.0,
-                                 volatile=True)
-                ids = tl.load(race_i_ptr + at + k, mask=k < HELPERS, other=0, volatile=True)
+                scores = tl.load(race_f_ptr + slot * HELPERS + k, mask=k < HELPERS,
+                                 other=-2.0, volatile=True)
+                ids = tl.load(race_i_ptr + slot * HELPERS + k, mask=k < HELPERS, other=0,
+                              volatile=True)
                 _, token = _argmax_vec(scores, ids)
                 _publish_row(req, j, tl.full((), 1, tl.int32), token, row_token_ptr,
                              state_ptr, early_ptr, draft_ids_ptr, draft_start, num_drafts,
                              token_ids_ptr, token_ids_stride, width, ROWS, ROWS_P2, WIDTH_P2)
+            # every helper has read the row's counter
             tl.store(counter_ptr, 0)
-            tl.store(flag_ptr, 0)
-            tl.store(hand_ptr, 0)
+            tl.store(row_counters_ptr + row, 0)

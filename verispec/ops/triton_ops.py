@@ -42,12 +42,18 @@ _SMALL_BATCH = 16  # below this batch size the one-launch kernel favours latency
 # within 0.3 us at B >= 64, while helpers for every request cost 3-4 % at B >= 128
 _TAIL = 32
 _HELPERS = 16  # helper programs per such race, each racing 1/16 of the block
-# the row-ordered one-hot kernel (triton_kernels_rows): rows at the end of its grid whose block
-# race helpers split, and the most rows per request its state word holds. H100, k = 4, one
-# run, V = 128 256 / 151 936, 96 vs 64 tail rows: B = 32 33.0 / 38.5 vs 33.3 / 38.8 us, B = 48
-# 41.5 / 48.8 vs 41.8 / 49.0, B = 64 53.7 / 59.8 vs 54.5 / 61.2, B = 128 85.3 / 101.8 vs 87.2 /
-# 102.8, B = 256 164.6 / 192.0 vs 165.2 / 193.1 (128: slower at B <= 48, B = 32 34.4 / 39.4)
-_ROW_TAIL = 96
+# the row-ordered one-hot kernel (triton_kernels_rows): the rows at the end of its grid (at most
+# _ROW_TAIL, and at most _ROW_TAIL_PASSES passes over the batch), whose _ROW_HELPERS helper
+# programs each decide the row and race 1/_ROW_HELPERS of its block; and the most rows per
+# request its state word holds. H100, k = 4, one-hot, one run, V = 128 256 / 151 936, against
+# 96 tail rows decided by their last statistics program and raced by 16 helpers: B = 32 32.7 /
+# 38.0 vs 33.3 / 38.4 us, B = 48 41.1 / 49.0 vs 41.8 / 48.7, B = 64 52.8 / 59.8 vs 53.6 / 59.9,
+# B = 128 84.0 / 101.1 vs 85.6 / 101.5, B = 256 162.3 / 191.7 vs 166.5 / 192.7; 16 helpers
+# that decide (another run): B = 32 35.2 / 42.2 (each helper polls and decides, so 16 of
+# them per row hold more slots for longer)
+_ROW_TAIL = 128
+_ROW_TAIL_PASSES = 2
+_ROW_HELPERS = 8
 _MAX_ROWS = 16
 # batch sizes from which the one-hot rule reads rows in order (H100, k = 4, 80 % acceptance,
 # bench_rejection, V = 151 936 / 128 256: B = 16 27.8 / 24.3 us rows in order vs 29.6 / 26.4
@@ -466,17 +472,16 @@ def _verify_rows(logits, draft_token_ids, cu, params: _Params, batch_size: int,
     num_chunks = _cdiv(vocab_size, chunk)
     blocks = _blocks(vocab_size)
     block_span = min(num_chunks * chunk, blocks["BLOCK"])
-    helper_tile = _p2(_cdiv(block_span, _HELPERS))
+    helper_tile = _p2(_cdiv(block_span, _ROW_HELPERS))
     helpers = _cdiv(block_span, helper_tile)
     rows = max_num_draft_tokens + 1
-    num_tail = min(_ROW_TAIL, batch_size * rows)
+    num_tail = min(_ROW_TAIL, batch_size * rows, _ROW_TAIL_PASSES * batch_size)
     ws = _Workspace(num_rows, batch_size, num_chunks, 0, False, logits.device,
                     residual_sums=True, race_slots=num_tail * helpers,
                     row_tokens=batch_size * rows, draft_logits=num_rows)
-    # row counters, request states, tail flags, tail helper counters, early candidate words,
-    # (8-byte aligned) the tail rows' int64 hand-over words; each reset by its last user
-    words = num_rows + 2 * batch_size + 2 * num_tail
-    sync = _self_resetting_counters(logits.device, (words + 1) // 2 * 2 + 2 * num_tail)
+    # row counters, request states, tail helper counters, early candidate words; each reset
+    # by its last user
+    sync = _self_resetting_counters(logits.device, num_rows + 2 * batch_size + num_tail)
     rows_p2 = _p2(rows, 2)
     group = chunks_per_program or (2 if batch_size >= (
         _ROW_GROUP_BATCH if rates is None else _ROW_GROUP_BATCH_SYNTHETIC) else 1)
