@@ -94,15 +94,14 @@ def _run_both(batch, *, draft_probs=True, top_k=None, top_p=None, min_p=None, ra
         plan.pop("row_order", None)
         plan.pop("chunks_per_program", None)
     tail = plan.pop("tail", None)
-    saved = triton_ops._TAIL, triton_ops._ROW_TAIL, triton_ops._ROW_TAIL_PASSES
-    if tail is not None:  # the last ``tail`` requests (rows), all of them if fewer
+    saved = triton_ops._TAIL, triton_ops._ROW_TAIL
+    if tail is not None:
         triton_ops._TAIL = triton_ops._ROW_TAIL = tail
-        triton_ops._ROW_TAIL_PASSES = 1 << 30
     try:
         actual = triton_ops.rejection_sample(*args, chunk_size=chunk_size,
                                              race_chunk_size=race_chunk_size, **plan)
     finally:
-        triton_ops._TAIL, triton_ops._ROW_TAIL, triton_ops._ROW_TAIL_PASSES = saved
+        triton_ops._TAIL, triton_ops._ROW_TAIL = saved
     return expected, actual
 
 

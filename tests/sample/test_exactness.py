@@ -261,7 +261,6 @@ def test_helper_races_follow_processed_target(case, block, row_order, device, mo
 
     monkeypatch.setattr(triton_ops, "_TAIL", 1 << 30)
     monkeypatch.setattr(triton_ops, "_ROW_TAIL", 1 << 30)
-    monkeypatch.setattr(triton_ops, "_ROW_TAIL_PASSES", 1 << 30)
     if block is not None:
         monkeypatch.setattr(sampling, "SAMPLING_BLOCK", block)
     _assert_case_passes(case, device, f"helper races, blocks of {block or 'V'}, "

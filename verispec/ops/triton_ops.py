@@ -42,17 +42,18 @@ _SMALL_BATCH = 16  # below this batch size the one-launch kernel favours latency
 # within 0.3 us at B >= 64, while helpers for every request cost 3-4 % at B >= 128
 _TAIL = 32
 _HELPERS = 16  # helper programs per such race, each racing 1/16 of the block
-# the row-ordered one-hot kernel (triton_kernels_rows): the rows at the end of its grid (at most
-# _ROW_TAIL, and at most _ROW_TAIL_PASSES passes over the batch), whose _ROW_HELPERS helper
-# programs each decide the row and race 1/_ROW_HELPERS of its block; and the most rows per
-# request its state word holds. H100, k = 4, one-hot, one run, V = 128 256 / 151 936, against
-# 96 tail rows decided by their last statistics program and raced by 16 helpers: B = 32 32.7 /
-# 38.0 vs 33.3 / 38.4 us, B = 48 41.1 / 49.0 vs 41.8 / 48.7, B = 64 52.8 / 59.8 vs 53.6 / 59.9,
-# B = 128 84.0 / 101.1 vs 85.6 / 101.5, B = 256 162.3 / 191.7 vs 166.5 / 192.7; 16 helpers
-# that decide (another run): B = 32 35.2 / 42.2 (each helper polls and decides, so 16 of
-# them per row hold more slots for longer)
-_ROW_TAIL = 128
-_ROW_TAIL_PASSES = 2
+# the row-ordered one-hot kernel (triton_kernels_rows): the rows at the end of its grid, whose
+# _ROW_HELPERS helper programs each decide the row and race 1/_ROW_HELPERS of its block; and
+# the most rows per request its state word holds. H100, k = 4, one-hot, two runs, V = 128 256
+# / 151 936, against the same 96 tail rows decided by their last statistics program and raced
+# by 16 helpers: B = 32 32.9-33.0 / 38.5-38.6 vs 33.2-33.3 / 38.3-38.4 us (16 inputs timed
+# one by one: the same on each), B = 48 40.9-41.1 / 49.2 vs 41.7-41.8 / 48.7-48.9, B = 64
+# 52.4-52.5 / 59.1-59.4 vs 53.6 / 59.9-60.1, B = 128 84.6-84.8 / 100.8-101.0 vs 85.6 /
+# 101.0-101.5, B = 256 163.8-164.0 / 190.9-191.3 vs 164.4-166.5 / 191.7-192.7. 16 helpers that
+# decide: B = 32 35.2 / 42.2 (each polls and decides, so 16 of them per row hold more slots for
+# longer). 64 tail rows at B = 32: 32.7 / 37.1 median over 16 inputs, but 35.5-36.1 on three
+# of them, where a rejection in the third pass is raced in one program late in the stream
+_ROW_TAIL = 96
 _ROW_HELPERS = 8
 _MAX_ROWS = 16
 # batch sizes from which the one-hot rule reads rows in order (H100, k = 4, 80 % acceptance,
@@ -475,7 +476,7 @@ def _verify_rows(logits, draft_token_ids, cu, params: _Params, batch_size: int,
     helper_tile = _p2(_cdiv(block_span, _ROW_HELPERS))
     helpers = _cdiv(block_span, helper_tile)
     rows = max_num_draft_tokens + 1
-    num_tail = min(_ROW_TAIL, batch_size * rows, _ROW_TAIL_PASSES * batch_size)
+    num_tail = min(_ROW_TAIL, batch_size * rows)
     ws = _Workspace(num_rows, batch_size, num_chunks, 0, False, logits.device,
                     residual_sums=True, race_slots=num_tail * helpers,
                     row_tokens=batch_size * rows, draft_logits=num_rows)
