@@ -221,11 +221,10 @@ def _block_noise(seed, position, stream, NC_P2: tl.constexpr, CHUNK: tl.constexp
     noise = tl.zeros((), dtype=tl.float32)
     if NUM_BLOCKS > 1:
         if CHUNK == BLOCK:
-            noise = _noise_at(seed, position, stream,
-                              tl.arange(0, NC_P2).to(tl.int64) + BLOCK_NOISE_INDEX)
+            b = tl.arange(0, NC_P2)
         else:
-            noise = _noise_at(seed, position, stream,
-                              tl.arange(0, NB_P2).to(tl.int64) + BLOCK_NOISE_INDEX)
+            b = tl.arange(0, NB_P2)
+        noise = _noise_at(seed, position, stream, b.to(tl.int64) + BLOCK_NOISE_INDEX)
     return noise
 
 

@@ -54,7 +54,6 @@ request (state and early word: every early bit is set before its row is publishe
 row's last helper. A decider or a helper waits for its row's statistics programs only: programs
 with smaller ids, which started before it and wait for none but programs with still smaller
 ids, so the launch always ends. Rows per request are at most 16 (the state word).
-the launch always ends. Rows per request are at most 16 (the state word).
 """
 
 from __future__ import annotations
@@ -330,8 +329,8 @@ def _finish_row(
         d = tl.load(draft_ids_ptr + draft_start + j, mask=j < num_drafts, other=-1)
         candidate, token, m, s, masses, residual_masses = _decide_row(
             row, j, num_drafts, d, greedy, t_eff, _uniform_at(seed, position + j, ACCEPT_STREAM),
-            rates_ptr, draft_logit_ptr, part_f_ptr,
-            part_i_ptr, num_rows, NUM_CHUNKS, NC_P2, SYNTHETIC)
+            rates_ptr, draft_logit_ptr, part_f_ptr, part_i_ptr, num_rows, NUM_CHUNKS, NC_P2,
+            SYNTHETIC)
         if not SYNTHETIC:
             if (candidate == 1) & (j < num_drafts):
                 # known at once, before the race: later rows of the request that start from
@@ -415,6 +414,7 @@ def _row_helper(order, h, slot, logits_ptr, logits_stride, draft_ids_ptr, cu_ptr
         stream = tl.where(j < num_drafts, RESIDUAL_STREAM, bonus_stream)
         noise = _block_noise(seed, position + j, stream, NC_P2, CHUNK, BLOCK, NUM_BLOCKS, NB_P2)
         num_done = _wait_row(row_counters_ptr + row, NUM_GROUPS)
+        at = slot * HELPERS  # this row's slots of race_f / race_i
         candidate = tl.zeros((), dtype=tl.int32)
         token = tl.zeros((), dtype=tl.int32)
         race = 0
@@ -436,8 +436,8 @@ def _row_helper(order, h, slot, logits_ptr, logits_stride, draft_ids_ptr, cu_ptr
                     logits_ptr + row * logits_stride, first + h * SUB, vocab_size, t_eff, seed,
                     position + j, stream, excluded_id, m, s, 0.0, 0.0, 1.0, 0.0, 1.0, SUB,
                     False, False, False)
-                tl.store(race_f_ptr + slot * HELPERS + h, score)
-                tl.store(race_i_ptr + slot * HELPERS + h, idx)
+                tl.store(race_f_ptr + at + h, score)
+                tl.store(race_i_ptr + at + h, idx)
         if (race == 0) & (h == 0):
             _publish_row(req, j, candidate, token, row_token_ptr, state_ptr, early_ptr,
                          draft_ids_ptr, draft_start, num_drafts, token_ids_ptr,
@@ -446,10 +446,9 @@ def _row_helper(order, h, slot, logits_ptr, logits_stride, draft_ids_ptr, cu_ptr
         if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == HELPERS - 1:
             if race == 1:
                 k = tl.arange(0, HELPERS_P2)
-                scores = tl.load(race_f_ptr + slot * HELPERS + k, mask=k < HELPERS,
-                                 other=-2.0, volatile=True)
-                ids = tl.load(race_i_ptr + slot * HELPERS + k, mask=k < HELPERS, other=0,
-                              volatile=True)
+                scores = tl.load(race_f_ptr + at + k, mask=k < HELPERS, other=-2.0,
+                                 volatile=True)
+                ids = tl.load(race_i_ptr + at + k, mask=k < HELPERS, other=0, volatile=True)
                 _, token = _argmax_vec(scores, ids)
                 _publish_row(req, j, tl.full((), 1, tl.int32), token, row_token_ptr,
                              state_ptr, early_ptr, draft_ids_ptr, draft_start, num_drafts,
