@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 
 import torch
 from bench_rejection import (
@@ -27,6 +26,7 @@ from bench_rejection import (
     add_timing_args,
     fmt,
     make_inputs,
+    num_buffer_sets,
     print_json,
     time_gpu,
     timing_setup,
@@ -93,7 +93,7 @@ def main() -> None:
     for vocab_size in args.vocab_sizes:
         for batch_size in args.batch_sizes:
             set_bytes = batch_size * (2 * K + 1) * vocab_size * 4
-            num_sets = max(2, min(64, math.ceil(args.rotate_bytes / set_bytes)))
+            num_sets = num_buffer_sets(args, set_bytes)
             sets = [make_inputs(batch_size, vocab_size, device, seed) for seed in range(num_sets)]
             floor_us = batch_size * (K + 1) * vocab_size * 4 / bandwidth * 1e6
             unmasked_us = time_gpu(

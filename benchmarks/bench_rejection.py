@@ -7,7 +7,8 @@ without), k = 4 drafts per request, temperature 1, float32 target logits:
             [B k, V] float32 for the full rule) / the device's measured copy bandwidth
 
 and the median GPU time of each op (CUDA events around single calls, after warm-up, inputs
-rotated over enough buffer sets that L2 cannot hold them, and L2 flushed before each call by
+rotated over enough buffer sets that L2 cannot hold them and at least eight of them, since
+single inputs differ by several percent at small batches, and L2 flushed before each call by
 reading a buffer larger than it), as
 microseconds and as a multiple of the floor. Beside them, ``read``: the same bytes read once by
 a kernel that only takes each 4096-token chunk's maximum (``read_kernel``), the floor in
@@ -33,6 +34,7 @@ Prints a human table, then one JSON line.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -113,18 +115,35 @@ def time_gpu(fn, sets, flush, budget_s, max_reps=200) -> float:
     torch.cuda.synchronize()
     estimate = time.perf_counter() - t0
     reps = int(max(10, min(max_reps, budget_s / max(estimate, 1e-6))))
+    # the GPU sleeps three times the slowest host enqueue seen (at least 1e6 cycles, ~0.6 ms),
+    # so that a slow host does not leave the GPU idle between the op's launches
+    host = max(time_host(fn, s, reps=1) for s in sets[:5]) * 1e-6
+    cycles = max(1_000_000, math.ceil(3 * host * sleep_cycles_per_s()))
     times = []
     for r in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s = sets[r % len(sets)]
         torch.sum(flush, dim=0, out=out)
-        torch.cuda._sleep(1_000_000)  # ~0.6 ms of GPU time: the host enqueues the call meanwhile
+        torch.cuda._sleep(cycles)  # the host enqueues the call meanwhile
         start.record()
         fn(s)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
+
+
+@functools.cache
+def sleep_cycles_per_s() -> float:
+    """Cycles of ``torch.cuda._sleep`` per second of GPU time, measured once."""
+    torch.cuda._sleep(1_000_000)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / (start.elapsed_time(end) * 1e-3)
 
 
 def time_host(fn, s, reps=50) -> float:
@@ -176,10 +195,19 @@ def add_timing_args(parser: argparse.ArgumentParser) -> None:
     """The options every GPU benchmark here shares: buffer rotation, flush, budget, torch."""
     parser.add_argument("--rotate-bytes", type=float, default=256e6,
                         help="bytes of input buffer sets to rotate over (>> L2)")
+    parser.add_argument("--min-sets", type=int, default=8,
+                        help="fewest input buffer sets to rotate over, however large they are "
+                             "(single inputs differ by several percent at small batches)")
     parser.add_argument("--flush-bytes", type=float, default=1e9,
                         help="bytes read before each timed call (evicts L2, hides host time)")
     parser.add_argument("--quick", action="store_true", help="shorter timing budgets")
     parser.add_argument("--skip-torch", action="store_true")
+
+
+def num_buffer_sets(args, set_bytes: int) -> int:
+    """Buffer sets to rotate over: enough bytes that L2 cannot hold them, and at least
+    ``--min-sets`` inputs, so that the median is not one or two inputs' time."""
+    return max(args.min_sets, min(64, math.ceil(args.rotate_bytes / set_bytes)))
 
 
 def timing_setup(args, what: str) -> tuple:
@@ -230,7 +258,7 @@ def main() -> None:
     for vocab_size in args.vocab_sizes:
         for batch_size in args.batch_sizes:
             set_bytes = batch_size * (2 * K + 1) * vocab_size * 4
-            num_sets = max(2, min(64, math.ceil(args.rotate_bytes / set_bytes)))
+            num_sets = num_buffer_sets(args, set_bytes)
             sets = [make_inputs(batch_size, vocab_size, device, seed) for seed in range(num_sets)]
             for with_q in (True, False):
                 rule = "full" if with_q else "one-hot"
