@@ -101,8 +101,9 @@ def call(op, inputs, with_draft_probs, **kwargs):
 
 def time_gpu(fn, sets, flush, budget_s, max_reps=200) -> float:
     """Median GPU microseconds of single calls, rotating over the buffer sets. Before each call a
-    read of ``flush`` (larger than L2) evicts the inputs and keeps the GPU busy while the host
-    enqueues the call, so host overhead stays out of the number (as triton.testing.do_bench).
+    read of ``flush`` (larger than L2) evicts the inputs, and the flush and a GPU sleep keep the
+    GPU busy while the host enqueues the call, so host overhead stays out of the number (as
+    triton.testing.do_bench).
     A read, not a write as do_bench's: a zeroing flush leaves L2 full of dirty lines whose
     write-back then lands inside the timed call (on an H100, +9.4 us on a plain read of 97 MB of
     logits, 44.7 instead of 35.3 us), a cost of the flush, not of the op."""
@@ -115,8 +116,8 @@ def time_gpu(fn, sets, flush, budget_s, max_reps=200) -> float:
     torch.cuda.synchronize()
     estimate = time.perf_counter() - t0
     reps = int(max(10, min(max_reps, budget_s / max(estimate, 1e-6))))
-    # the GPU sleeps three times the slowest host enqueue seen (at least 1e6 cycles, ~0.6 ms),
-    # so that a slow host does not leave the GPU idle between the op's launches
+    # the sleep: three times the slowest host enqueue seen (at least 1e6 cycles, ~0.6 ms), so
+    # that a slow host does not leave the GPU idle between the op's launches
     host = max(time_host(fn, s, reps=1) for s in sets[:5]) * 1e-6
     cycles = max(1_000_000, math.ceil(3 * host * sleep_cycles_per_s()))
     times = []
