@@ -47,6 +47,8 @@ class LLM:
     speculative_config : SpeculativeConfig or a dict of vLLM ``speculative_config`` keys;
         None (or ``method="none"``) decodes one token per step
     device : torch device, default ``"cpu"``
+    enforce_eager : on CUDA, run every step eagerly instead of replaying captured CUDA graphs
+        (vLLM's name); no effect on CPU
     """
 
     def __init__(
@@ -57,8 +59,12 @@ class LLM:
         max_num_seqs: int = 8,
         speculative_config: SpeculativeConfig | dict | None = None,
         device: str | torch.device = "cpu",
+        enforce_eager: bool = False,
     ) -> None:
         parse_dtype(dtype)
+        if not isinstance(enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
+        self.enforce_eager = enforce_eager
         _check_positive_int("max_num_seqs", max_num_seqs)
         if max_model_len is not None:
             _check_positive_int("max_model_len", max_model_len)
