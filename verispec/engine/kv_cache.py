@@ -20,6 +20,11 @@ class KVCache:
     Token-major rows make the append of a step one ``index_put_`` per layer; the attention reads
     ``[slots, :kv_len]`` views. Zero-initialised, so never-written rows are finite (masked keys
     with NaN values would still poison SDPA's weighted sum).
+
+    For fixed-shape (CUDA-graph) steps, ``extra_rows`` rows past ``max_model_len`` take the
+    writes of padding tokens after a request's last real one, and one more slot,
+    ``scratch_slot`` (= ``num_slots``), takes the rows that pad a batch up to its graph's size;
+    neither is ever live.
     """
 
     def __init__(
@@ -30,12 +35,15 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         num_layers: int | None = None,
+        extra_rows: int = 0,
     ) -> None:
         self.num_slots = num_slots
         self.max_model_len = max_model_len
         self.num_layers = config.num_hidden_layers if num_layers is None else num_layers
-        shape = (self.num_layers, num_slots, max_model_len, config.num_key_value_heads,
-                 config.head_dim)
+        self.extra_rows = extra_rows
+        self.scratch_slot = num_slots if extra_rows else None
+        shape = (self.num_layers, num_slots + (1 if extra_rows else 0), max_model_len + extra_rows,
+                 config.num_key_value_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         # Per-layer views, indexed once here rather than on every step.

@@ -11,6 +11,15 @@ This is the one entry point every kind of step uses:
 - early-exit drafting: ``forward(..., num_layers=N)`` runs the first N layers + norm + LM head
   (it writes only those layers' cache rows, which the verify forward later rewrites);
 - a draft model: a second ``ModelRunner`` with its own KV cache over the same slot numbers.
+
+On CUDA the runner uses the flat token layout (``LlamaForCausalLM.forward_flat``: one Triton
+kernel per small op, attention over the cache by ``verispec.ops.model_ops.cache_attention``) and
+replays captured CUDA graphs (``verispec.engine.cuda_graphs``) for steps of a fixed number of new
+tokens per request: ``capture([1, k + 1])`` captures decode and verify. A step whose requests feed
+at most S tokens each replays the graph of the smallest captured S' >= S: each request's tokens
+are padded to S' (the padding tokens write cache rows past the request's last real one, which are
+dead, and are never attended by a real token, all of which come before them). Prefill and steps
+larger than every graph run the same layout eagerly.
 """
 
 from __future__ import annotations
@@ -18,10 +27,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from verispec.engine.cuda_graphs import CUDAGraphRunner, StepInput
 from verispec.engine.kv_cache import KVCache
 from verispec.models import cpu_kernels
-from verispec.models.llama import AttentionMetadata
+from verispec.models.llama import AttentionMetadata, FlatBatch
 from verispec.models.rope import rope_tables
+from verispec.ops.model_ops import get_model_ops
 
 LOGITS_MODES = ("last", "all", "none")
 # bfloat16 CPU matmuls of this many rows or more run in float32 (prefill; see models.llama.linear).
@@ -41,12 +52,26 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device | str = "cpu",
         kv_cache_dtype: torch.dtype | None = None,
+        max_step_tokens: int = 1,
+        enforce_eager: bool = False,
+        flat_layout: bool | None = None,
+        batch_invariant: bool = True,
     ) -> None:
+        """``max_step_tokens``: the most new tokens per request a captured step may feed (k + 1
+        for verify); ``flat_layout`` (default: on CUDA) runs the GPU path, also on CPU with the
+        torch twins (tests); ``enforce_eager`` never replays graphs; ``batch_invariant=False``
+        uses torch's matmul on the GPU path (faster at some sizes, rows depend on the batch)."""
         self.model = model
         self.config = model.config
         self.device = torch.device(device)
         self.dtype = model.embed_weight.dtype
         self.max_model_len = max_model_len
+        self.flat = self.device.type == "cuda" if flat_layout is None else flat_layout
+        self.graphs: CUDAGraphRunner | None = None
+        if self.flat:
+            self._init_flat(num_slots, max_step_tokens, kv_cache_dtype, enforce_eager,
+                            batch_invariant)
+            return
         if kv_cache_dtype is None:
             # On CPU, SDPA over a bfloat16 cache is several times slower than over float32.
             kv_cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
@@ -65,6 +90,159 @@ class ModelRunner:
         self.cos = cos.to(self.device, self.dtype)  # [max_model_len, head_dim]
         self.sin = sin.to(self.device, self.dtype)
         self._key_positions = torch.arange(max_model_len, device=self.device)
+
+    def _init_flat(self, num_slots: int, max_step_tokens: int, kv_cache_dtype, enforce_eager: bool,
+                   batch_invariant: bool) -> None:
+        self.ops = get_model_ops(self.device, batch_invariant)
+        # Rows past max_model_len for the padding tokens of a fixed-shape step, and a scratch
+        # slot for the padding rows of a bucket (kv_cache.KVCache).
+        self.kv_cache = KVCache(self.config, num_slots, self.max_model_len,
+                                kv_cache_dtype or self.dtype, self.device,
+                                extra_rows=max(1, max_step_tokens))
+        cos, sin = rope_tables(self.config, self.max_model_len + self.kv_cache.extra_rows)
+        self.cos = cos.to(self.device, self.dtype)  # [rows, head_dim]
+        self.sin = sin.to(self.device, self.dtype)
+        if not enforce_eager and num_slots > 0:
+            self.graphs = CUDAGraphRunner(self.device, num_slots)
+
+    # ----------------------------------------------------------------- flat layout (GPU)
+
+    @staticmethod
+    def graph_name(num_queries: int, num_layers: int | None = None) -> str:
+        return f"forward_s{num_queries}" + ("" if num_layers is None else f"_l{num_layers}")
+
+    @torch.inference_mode()
+    def capture(self, query_counts, num_layers: int | None = None, pool=None) -> None:
+        """Capture the forward for every batch bucket and each number of new tokens per request
+        in ``query_counts`` (1 = decode, k + 1 = verify); no-op without graphs."""
+        if self.graphs is None:
+            return
+        for num_queries in sorted(set(query_counts)):
+            if num_queries - 1 > self.kv_cache.extra_rows:
+                raise ValueError(
+                    f"cannot capture steps of {num_queries} tokens per request: the cache has "
+                    f"{self.kv_cache.extra_rows} padding rows (max_step_tokens)")
+            name = self.graph_name(num_queries, num_layers)
+            if self.graphs.has(name):
+                continue
+            inputs = {"ids": StepInput(num_queries, torch.int64),
+                      "slots": StepInput(1, torch.int64, self.kv_cache.scratch_slot),
+                      "starts": StepInput(1, torch.int64, 0)}
+            self.graphs.add(name, inputs, lambda x, s=num_queries: self.fixed_step_logits(
+                x["ids"].view(-1), x["slots"].view(-1), x["starts"].view(-1), s, num_layers))
+
+    def fixed_batch(self, slot_ids: torch.Tensor, starts: torch.Tensor,
+                    num_queries: int) -> FlatBatch:
+        """The FlatBatch of B requests feeding ``num_queries`` tokens each, from device tensors
+        (capturable): request b's tokens occupy positions ``starts[b] ..``."""
+        B = slot_ids.shape[0]
+        offsets = torch.arange(num_queries, device=self.device)
+        return FlatBatch(
+            positions=(starts[:, None] + offsets).view(-1),
+            slot_mapping=slot_ids[:, None].expand(B, num_queries).reshape(-1),
+            slot_ids=slot_ids,
+            context_lens=starts + num_queries,
+            query_start=torch.arange(0, (B + 1) * num_queries, num_queries, device=self.device),
+            max_queries=num_queries, cos=self.cos, sin=self.sin, ops=self.ops,
+        )
+
+    def fixed_step_logits(self, input_ids: torch.Tensor, slot_ids: torch.Tensor,
+                          starts: torch.Tensor, num_queries: int,
+                          num_layers: int | None = None) -> torch.Tensor:
+        """[B * num_queries, V] float32 logits of every fed token (the body of a captured step;
+        the cache's lengths are the caller's to advance)."""
+        batch = self.fixed_batch(slot_ids, starts, num_queries)
+        hidden = self.model.forward_flat(input_ids, batch, self.kv_cache.k_layers,
+                                         self.kv_cache.v_layers, num_layers)
+        return self.model.compute_logits(hidden, self.ops)
+
+    def _graph_for(self, batch_size: int, width: int, num_layers: int | None) -> int | None:
+        """The smallest captured number of tokens per request >= width that fits the batch."""
+        if self.graphs is None:
+            return None
+        for num_queries in range(width, self.kv_cache.extra_rows + 2):
+            if self.graphs.fits(self.graph_name(num_queries, num_layers), batch_size):
+                return num_queries
+        return None
+
+    def _forward_flat(self, slots: list[int], counts: np.ndarray, ids: np.ndarray,
+                      scatter: tuple[np.ndarray, torch.Tensor] | None, logits: str,
+                      num_layers: int | None) -> torch.Tensor | None:
+        """The flat-layout forward: ``ids`` [B, width] host (row b's first counts[b] are real),
+        ``scatter`` = (flat indices into it, device token ids) overwrites some of them on the
+        device (drafts that never visit the host)."""
+        cache = self.kv_cache
+        B, width = ids.shape
+        starts = cache.lengths_np[slots]
+        num_queries = self._graph_for(B, width, num_layers)
+        if num_queries is not None:  # replay: every request padded to num_queries tokens
+            if num_queries > width:
+                ids = np.pad(ids, ((0, 0), (0, num_queries - width)))
+            ids_in = ids
+            if scatter is not None:
+                index = scatter[0] // width * num_queries + scatter[0] % width
+                ids_in = torch.from_numpy(ids).to(self.device)
+                ids_in.view(-1)[torch.from_numpy(index).to(self.device)] = scatter[1]
+            slots_np = np.asarray(slots, dtype=np.int64)[:, None]
+            all_logits, _ = self.graphs.run(self.graph_name(num_queries, num_layers), {
+                "ids": ids_in, "slots": slots_np, "starts": starts[:, None]})
+            row_start = np.arange(B) * num_queries
+        else:  # eager, no padding: T = sum(counts) tokens
+            valid = np.arange(width)[None, :] < counts[:, None]
+            query_start = np.zeros(B + 1, dtype=np.int64)
+            np.cumsum(counts, out=query_start[1:])
+            flat_ids = torch.from_numpy(ids[valid]).to(self.device)
+            if scatter is not None:
+                index = np.cumsum(valid.reshape(-1)) - 1  # padded flat index -> flat index
+                flat_ids[torch.from_numpy(index[scatter[0]]).to(self.device)] = scatter[1]
+            positions = (starts[:, None] + np.arange(width)[None, :])[valid]
+            slot_mapping = np.repeat(np.asarray(slots, dtype=np.int64), counts)
+
+            def dev(a: np.ndarray) -> torch.Tensor:
+                return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
+
+            batch = FlatBatch(dev(positions), dev(slot_mapping), dev(np.asarray(slots)),
+                              dev(starts + counts), dev(query_start), int(counts.max()),
+                              self.cos, self.sin, self.ops)
+            hidden = self.model.forward_flat(flat_ids, batch, cache.k_layers, cache.v_layers,
+                                             num_layers)
+            all_logits, row_start = None, query_start[:-1]
+        cache.advance(slots, counts.tolist())
+        if logits == "none":
+            return None
+        if logits == "last":
+            rows = row_start + counts - 1
+        else:
+            rows = np.concatenate([s + np.arange(n) for s, n in zip(row_start, counts)])
+        contiguous = rows.size and rows[-1] - rows[0] == rows.size - 1 and (np.diff(
+            rows) == 1).all()
+        if all_logits is None:
+            hidden = hidden[rows[0]:rows[-1] + 1] if contiguous else hidden[
+                torch.from_numpy(rows).to(self.device)]
+            return self.model.compute_logits(hidden, self.ops)
+        if contiguous:
+            return all_logits[rows[0]:rows[-1] + 1]
+        return all_logits[torch.from_numpy(rows).to(self.device)]
+
+    @torch.inference_mode()
+    def verify(self, slots: list[int], last_token_ids: list[int], draft_token_ids: torch.Tensor,
+               num_draft_tokens: np.ndarray) -> torch.Tensor:
+        """The verify forward: request b feeds its last committed token and its n_b drafts
+        (``draft_token_ids`` [sum n_b] on the device, REFERENCE §2 order). Returns the
+        ``sum(n_b + 1)`` rows of target logits, float32, in the flattened layout."""
+        counts = np.asarray(num_draft_tokens, dtype=np.int64) + 1
+        if not self.flat:
+            drafts = draft_token_ids.tolist()
+            cu = np.concatenate([[0], np.cumsum(counts - 1)])
+            return self.forward(slots, [[t] + drafts[cu[b]:cu[b + 1]] for b, t in
+                                        enumerate(last_token_ids)], logits="all")
+        for slot, n in zip(slots, counts):
+            self.kv_cache.check_append(slot, int(n))
+        width = int(counts.max())
+        ids = np.zeros((len(slots), width), dtype=np.int64)
+        ids[:, 0] = last_token_ids
+        index = np.concatenate([b * width + 1 + np.arange(n - 1) for b, n in enumerate(counts)])
+        return self._forward_flat(slots, counts, ids, (index, draft_token_ids), "all", None)
 
     def _metadata(
         self, slots: list[int], counts: np.ndarray, starts: np.ndarray, width: int
@@ -156,6 +334,8 @@ class ModelRunner:
             ids_np = np.zeros((len(slots), width), dtype=np.int64)
             for row, t in enumerate(token_ids):
                 ids_np[row, : len(t)] = t
+        if self.flat:
+            return self._forward_flat(slots, counts, ids_np, None, logits, num_layers)
         meta, _, valid_index = self._metadata(slots, counts, starts, width)
         input_ids = torch.from_numpy(ids_np).to(self.device)
         hidden = self.model(input_ids, meta, cache.k_layers, cache.v_layers, num_layers)

@@ -24,6 +24,23 @@ from torch import nn
 from verispec.models import cpu_kernels
 from verispec.models.config import ModelConfig
 from verispec.models.rope import apply_rope
+from verispec.ops.model_ops import ModelOps
+
+
+@dataclass
+class FlatBatch:
+    """What the layers of a GPU step share (the flat token layout of ``verispec.ops.model_ops``):
+    T new tokens of B requests, request b owning ``[query_start[b], query_start[b + 1])``."""
+
+    positions: torch.Tensor  # [T] int64: each token's position (= cache row)
+    slot_mapping: torch.Tensor  # [T] int64: each token's cache slot
+    slot_ids: torch.Tensor  # [B] int64
+    context_lens: torch.Tensor  # [B] int64: cache rows of each request after the step
+    query_start: torch.Tensor  # [B + 1] int64, leading 0
+    max_queries: int  # >= every request's number of new tokens
+    cos: torch.Tensor  # [L, head_dim] model dtype (models.rope tables)
+    sin: torch.Tensor  # [L, head_dim] model dtype, signed
+    ops: ModelOps
 
 
 @dataclass
@@ -141,6 +158,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
         self.scale = c.head_dim**-0.5
+        self.window = c.sliding_window
         self.matmul_splits, self.upcast_rows = 1, 0  # see LlamaForCausalLM.set_cpu_matmuls
 
     def forward(
@@ -199,6 +217,24 @@ class Attention(nn.Module):
                       self.matmul_splits, self.upcast_rows)
 
 
+    def forward_flat(self, h: torch.Tensor, batch: FlatBatch, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden] on the flat layout: qkv, RoPE and the cache write in one
+        kernel, attention over the cache, output projection."""
+        ops = batch.ops
+        qkv = ops.linear(h, self.qkv_weight, self.qkv_bias)
+        q = ops.rope_cache_write(
+            qkv, batch.positions, batch.cos, batch.sin, k_cache, v_cache, batch.slot_mapping,
+            self.num_heads, self.num_kv_heads,
+            None if self.q_norm is None else self.q_norm.weight,
+            None if self.k_norm is None else self.k_norm.weight,
+            0.0 if self.q_norm is None else self.q_norm.eps,
+        )
+        out = ops.cache_attention(q, k_cache, v_cache, batch.slot_ids, batch.context_lens,
+                                  batch.query_start, batch.max_queries, self.scale, self.window)
+        return ops.linear(out.view(h.shape[0], self.q_size), self.o_weight, self.o_bias)
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
 
@@ -220,6 +256,11 @@ class MLP(nn.Module):
                       self.upcast_rows)
 
 
+    def forward_flat(self, h: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+        gate_up = ops.linear(h, self.gate_up_weight, self.gate_up_bias)
+        return ops.linear(ops.silu_mul(gate_up), self.down_weight, self.down_bias)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -233,6 +274,23 @@ class DecoderLayer(nn.Module):
         # sums), so the residual adds may run in place.
         x.add_(self.attn(self.input_norm(x), meta, k_cache, v_cache))
         return x.add_(self.mlp(self.post_attn_norm(x)))
+
+    def forward_flat(self, x: torch.Tensor, residual: torch.Tensor | None, batch: FlatBatch,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the flat layout, the residual adds fused into the norms: takes the
+        previous layer's output x and the residual stream before it (None at layer 0: x is the
+        embedding), returns this layer's output and the stream before it."""
+        ops = batch.ops
+        norm = self.input_norm
+        if residual is None:
+            residual = x
+            h = ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h = ops.rms_norm(x, norm.weight, norm.eps, residual)  # residual += x
+        attn = self.attn.forward_flat(h, batch, k_cache, v_cache)
+        h = ops.rms_norm(attn, self.post_attn_norm.weight, self.post_attn_norm.eps, residual)
+        return self.mlp.forward_flat(h, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -270,8 +328,30 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, meta, k_cache, v_cache)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] -> [..., vocab_size] float32 logits."""
+    def forward_flat(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        batch: FlatBatch,
+        k_caches: list[torch.Tensor],  # per layer [num_slots, rows, hkv, head_dim]
+        v_caches: list[torch.Tensor],
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
+        """``forward`` on the flat layout of a GPU step (one kernel per small op, no host
+        work per layer, capturable in a CUDA graph). Returns [T, hidden] after the final norm."""
+        x = F.embedding(input_ids, self.embed_weight)
+        residual = None
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer, k_cache, v_cache in zip(layers, k_caches, v_caches):
+            x, residual = layer.forward_flat(x, residual, batch, k_cache, v_cache)
+        if residual is None:  # no layer ran
+            return batch.ops.rms_norm(x, self.norm.weight, self.norm.eps)
+        return batch.ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)
+
+    def compute_logits(self, hidden: torch.Tensor, ops: ModelOps | None = None) -> torch.Tensor:
+        """[..., hidden] -> [..., vocab_size] float32 logits (through ``ops.linear`` on the GPU
+        path)."""
+        if ops is not None:
+            return ops.linear(hidden, self.lm_head_weight).float()
         return linear(hidden, self.lm_head_weight, None, self.matmul_splits,
                       self.upcast_rows).float()
 

@@ -1,0 +1,168 @@
+"""The model's small ops on the flat token layout of a GPU step, torch twin (reference, CPU) and
+Triton (``verispec.ops.triton_model``) with one signature each.
+
+A step holds T new tokens of B requests, flattened request-major: request b owns tokens
+``[query_start[b], query_start[b + 1])``, which occupy positions ``context_lens[b] - n_b ..
+context_lens[b] - 1`` of its cache slot (n_b = its number of new tokens). Every op computes each
+row the same way whatever else is in the batch and however many tokens the step holds (REFERENCE
+§12): a row's result depends on that row (and, for attention, on its own cache rows) only.
+
+- ``rms_norm(x, weight, eps, residual=None)``: with ``residual``, first ``residual += x`` in place
+  (the decoder's residual add), then the norm of the sum;
+- ``rope_cache_write``: RoPE on q and k of the fused qkv projection (after Qwen3's per-head norm
+  where the model has one), k and v written into the KV cache at each token's slot and position;
+  returns the rotated q;
+- ``cache_attention``: causal attention of each new token over its request's cache rows
+  ``[0, position]`` (a sliding window where the model has one), grouped-query;
+- ``silu_mul``: ``silu(gate) * up`` of the fused gate|up projection;
+- ``linear``: ``x @ weight.T + bias``, on the GPU a kernel whose reduction order over the input
+  features is fixed by the weight's shape alone (never by the number of rows).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H], updated in place: residual += x
+) -> torch.Tensor:
+    """``weight * y`` with ``y = s / sqrt(mean(s^2) + eps)`` rounded to the input dtype, where
+    ``s = x`` or, with ``residual``, ``s = residual + x`` (stored into ``residual``). Statistics in
+    float32, as HF Llama. Returns [T, H] in x's dtype."""
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y * weight
+
+
+def rope_cache_write(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) D]
+    positions: torch.Tensor,  # [T] int64
+    cos: torch.Tensor,  # [L, D] model dtype
+    sin: torch.Tensor,  # [L, D] model dtype, signed ([-sin, sin], see models.rope)
+    k_cache: torch.Tensor,  # [num_slots, max_len, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, max_len, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64: cache slot of each token
+    num_heads: int,
+    num_kv_heads: int,
+    q_norm: torch.Tensor | None = None,  # [D] Qwen3 per-head norm of q
+    k_norm: torch.Tensor | None = None,  # [D]
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Rotate q and k of each token by its position, write k and v into the cache at
+    ``(slot_mapping[t], positions[t])``. Returns q [T, Hq, D] (rotated) in qkv's dtype."""
+    from verispec.models.rope import apply_rope
+
+    T = qkv.shape[0]
+    D = cos.shape[-1]
+    q_size, kv_size = num_heads * D, num_kv_heads * D
+    q = qkv[:, :q_size].view(T, num_heads, D)
+    k = qkv[:, q_size:q_size + kv_size].view(T, num_kv_heads, D)
+    v = qkv[:, q_size + kv_size:].view(T, num_kv_heads, D)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    c, s = cos[positions][:, None], sin[positions][:, None]  # [T, 1, D]
+    q = apply_rope(q[None], c[None], s[None])[0]
+    k = apply_rope(k[None], c[None], s[None])[0]
+    k_cache[slot_mapping, positions] = k.to(k_cache.dtype)
+    v_cache[slot_mapping, positions] = v.to(v_cache.dtype)
+    return q.contiguous()
+
+
+def cache_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_slots, max_len, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, max_len, Hkv, D]
+    slot_ids: torch.Tensor,  # [B] int64
+    context_lens: torch.Tensor,  # [B] int64: cache rows of each request after this step
+    query_start: torch.Tensor,  # [B + 1] int64, leading 0
+    max_queries: int,  # >= every n_b (the kernel's grid; unused by the twin)
+    scale: float,
+    window: int | None = None,  # sliding window: a query at p sees keys p - window < key <= p
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its cache rows. Returns [T, Hq, D] in
+    q's dtype (softmax in float32)."""
+    out = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    starts = query_start.tolist()
+    for b, (slot, ctx) in enumerate(zip(slot_ids.tolist(), context_lens.tolist())):
+        lo, hi = starts[b], starts[b + 1]
+        if hi == lo:
+            continue
+        keys = k_cache[slot, :ctx].float().repeat_interleave(num_heads // num_kv_heads, 1)
+        values = v_cache[slot, :ctx].float().repeat_interleave(num_heads // num_kv_heads, 1)
+        query_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)[:, None]  # [n, 1]
+        key_pos = torch.arange(ctx, device=q.device)[None, :]
+        visible = key_pos <= query_pos
+        if window is not None:
+            visible &= query_pos - key_pos < window
+        scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), keys) * scale
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        out[lo:hi] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: ``silu(gate) * up`` (each rounded to the input dtype, as torch)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, K] @ [N, K].T (+ [N]) -> [T, N] in x's dtype."""
+    return F.linear(x, weight, bias)
+
+
+@dataclass(frozen=True)
+class ModelOps:
+    """The model ops of one backend (all with the twins' signatures)."""
+
+    name: str
+    rms_norm: Callable[..., torch.Tensor]
+    rope_cache_write: Callable[..., torch.Tensor]
+    cache_attention: Callable[..., torch.Tensor]
+    silu_mul: Callable[..., torch.Tensor]
+    linear: Callable[..., torch.Tensor]
+
+
+TORCH_MODEL_OPS = ModelOps("torch", rms_norm, rope_cache_write, cache_attention, silu_mul,
+                           linear)
+
+
+@functools.cache
+def triton_model_ops(batch_invariant: bool = True) -> ModelOps:
+    """The Triton model ops; ``batch_invariant=False`` keeps torch's (cuBLAS) matmul, whose
+    algorithm depends on the number of rows (faster at some sizes, not batch invariant)."""
+    from verispec.ops import triton_model
+
+    return ModelOps(
+        "triton", triton_model.rms_norm, triton_model.rope_cache_write,
+        triton_model.cache_attention, triton_model.silu_mul,
+        triton_model.linear if batch_invariant else linear,
+    )
+
+
+def get_model_ops(device: torch.device | str, batch_invariant: bool = True) -> ModelOps:
+    """Triton on CUDA (Triton is a dependency there), the torch twins elsewhere."""
+    if torch.device(device).type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("running on CUDA needs Triton: pip install 'verispec[gpu]'")
+        return triton_model_ops(batch_invariant)
+    return TORCH_MODEL_OPS
+
+
+def softmax_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

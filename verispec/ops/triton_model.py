@@ -1,0 +1,336 @@
+"""Triton kernels of the model's small ops and its matmul on the flat token layout
+(``verispec.ops.model_ops`` has the contract and the torch twins).
+
+Every kernel computes a row with the same instructions whatever the number of rows, so a token's
+result does not depend on its batch (REFERENCE §12):
+
+- ``_rms_norm_kernel``: one program per row, residual add and norm in one pass;
+- ``_rope_cache_kernel``: one program per (token, head) of the fused qkv: RoPE (after Qwen3's
+  per-head norm), q to the output, k and v into the cache at the token's slot and position;
+- ``_silu_mul_kernel``: elementwise;
+- ``_cache_attention_kernel``: one program per (request, kv head, tile of 16 query rows), the
+  rows of a tile being the (query, head) pairs of one kv head's group; an online softmax over key
+  blocks of 64 from key 0, so a query's result is the same whether it is decoded alone or is one
+  of the k + 1 queries of a verify step (blocks past its position are fully masked and leave its
+  running sums unchanged: rescale by exp(0) = 1, add 0);
+- ``_linear_kernel``: ``x @ W.T`` in tiles of 64 x 64 (rows x outputs), 128 input features per
+  step, the input features cut into ``num_splits(N, K)`` fixed ranges when the outputs alone
+  give too few programs to stream the weight at full bandwidth (a decode step has one row); the
+  float32 partial sums are added in split order by ``_split_sum_kernel``. Tile and split depend on
+  the weight's shape only, never on the number of rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+ATTENTION_BLOCK_Q = 16  # query rows per program (tl.dot needs >= 16)
+ATTENTION_BLOCK_KV = 64  # keys per step of the online softmax (part of the reduction order)
+LINEAR_BLOCK_M, LINEAR_BLOCK_N, LINEAR_BLOCK_K = 64, 64, 128
+# Split the input features until the weight is streamed by at least this many programs.
+LINEAR_MIN_PROGRAMS = 256
+LINEAR_MIN_SPLIT_K = 512  # a split keeps at least this many input features
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, stride_out, H, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # residual += x, one rounding
+        tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (xf * rstd).to(x.dtype).to(tl.float32) * w  # rounded, then scaled (as HF)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """See ``model_ops.rms_norm``."""
+    H = x.shape[-1]
+    x2 = x.reshape(-1, H)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    res = x2 if residual is None else residual.view(-1, H)
+    block = triton.next_power_of_2(H)
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, res, weight, out, x2.stride(0), res.stride(0), out.stride(0), H, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return out.view(x.shape)
+
+
+@triton.jit
+def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                       q_out_ptr, qn_ptr, kn_ptr, stride_qkv, stride_cos,
+                       stride_kc_slot, stride_kc_pos, stride_kc_head,
+                       stride_vc_slot, stride_vc_pos, stride_vc_head, stride_qo_t, eps,
+                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                       HAS_QK_NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    half = tl.arange(0, D // 2)
+    base = qkv_ptr + t * stride_qkv + head * D
+    x1 = tl.load(base + half).to(tl.float32)
+    x2 = tl.load(base + D // 2 + half).to(tl.float32)
+    pos = tl.load(pos_ptr + t)
+    slot = tl.load(slot_ptr + t)
+    if head >= HQ + HKV:  # v: copied into the cache as is
+        dst = v_cache_ptr + slot * stride_vc_slot + pos * stride_vc_pos + (head - HQ - HKV) * \
+            stride_vc_head
+        tl.store(dst + half, x1.to(v_cache_ptr.dtype.element_ty))
+        tl.store(dst + D // 2 + half, x2.to(v_cache_ptr.dtype.element_ty))
+    else:
+        if HAS_QK_NORM:  # Qwen3: RMSNorm over the head, rounded to the model dtype
+            norm_ptr = qn_ptr if head < HQ else kn_ptr
+            rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+            dt = qkv_ptr.dtype.element_ty
+            x1 = (x1 * rstd).to(dt).to(tl.float32) * tl.load(norm_ptr + half).to(tl.float32)
+            x2 = (x2 * rstd).to(dt).to(tl.float32) * tl.load(norm_ptr + D // 2 + half).to(
+                tl.float32)
+            x1 = x1.to(dt).to(tl.float32)
+            x2 = x2.to(dt).to(tl.float32)
+        # rotate-half RoPE: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s] (the sin table is signed)
+        c = tl.load(cos_ptr + pos * stride_cos + half).to(tl.float32)
+        s = tl.load(sin_ptr + pos * stride_cos + D // 2 + half).to(tl.float32)
+        y1 = x1 * c - x2 * s
+        y2 = x2 * c + x1 * s
+        if head < HQ:
+            dst = q_out_ptr + t * stride_qo_t + head * D
+            tl.store(dst + half, y1.to(q_out_ptr.dtype.element_ty))
+            tl.store(dst + D // 2 + half, y2.to(q_out_ptr.dtype.element_ty))
+        else:
+            dst = k_cache_ptr + slot * stride_kc_slot + pos * stride_kc_pos + (head - HQ) * \
+                stride_kc_head
+            tl.store(dst + half, y1.to(k_cache_ptr.dtype.element_ty))
+            tl.store(dst + D // 2 + half, y2.to(k_cache_ptr.dtype.element_ty))
+
+
+def rope_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
+                     num_kv_heads, q_norm=None, k_norm=None, eps=1e-6) -> torch.Tensor:
+    """See ``model_ops.rope_cache_write``."""
+    T = qkv.shape[0]
+    D = cos.shape[-1]
+    q = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return q
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cos", cos), ("sin", sin)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    has_norm = q_norm is not None
+    _rope_cache_kernel[(T, num_heads + 2 * num_kv_heads)](
+        qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q,
+        q_norm if has_norm else cos, k_norm if has_norm else cos,
+        qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), q.stride(0), eps,
+        HQ=num_heads, HKV=num_kv_heads, D=D, HAS_QK_NORM=has_norm, num_warps=1)
+    return q
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, I, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + row * stride_gu + I + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # rounded as torch's F.silu
+    y = silu.to(tl.float32) * u.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """See ``model_ops.silu_mul``."""
+    T, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    if T:
+        _silu_mul_kernel[(T, triton.cdiv(inter, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _cache_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, slot_ptr, ctx_ptr, qs_ptr,
+                            stride_qt, stride_qh, stride_kc_slot, stride_kc_pos, stride_kc_head,
+                            stride_vc_slot, stride_vc_pos, stride_vc_head, stride_ot, stride_oh,
+                            scale, window, G: tl.constexpr, D: tl.constexpr,
+                            BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+                            WINDOWED: tl.constexpr):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_lo = tl.load(qs_ptr + b)
+    num_q = tl.load(qs_ptr + b + 1) - q_lo
+    if tile * BLOCK_Q >= num_q * G:
+        return
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    ctx = tl.load(ctx_ptr + b)
+    rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)  # row = query * G + head in group
+    query = rows // G
+    row_ok = query < num_q
+    pos = ctx - num_q + query  # absolute position of the row's query
+    token = (q_lo + query).to(tl.int64)
+    head = kv_head * G + rows % G
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    m = tl.full((BLOCK_Q,), -1.0e30, tl.float32)  # finite: a fully masked block stays exact
+    s_sum = tl.zeros((BLOCK_Q,), tl.float32)
+    acc = tl.zeros((BLOCK_Q, D), tl.float32)
+    last_pos = ctx - num_q + tl.minimum(num_q - 1, (tile * BLOCK_Q + BLOCK_Q - 1) // G)
+    kv_lo = 0
+    if WINDOWED:  # blocks wholly before every row's window are skipped (aligned to BLOCK_KV)
+        first_pos = ctx - num_q + (tile * BLOCK_Q) // G
+        kv_lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_KV * BLOCK_KV
+    k_base = k_cache_ptr + slot * stride_kc_slot + kv_head * stride_kc_head
+    v_base = v_cache_ptr + slot * stride_vc_slot + kv_head * stride_vc_head
+    for start in range(kv_lo, last_pos + 1, BLOCK_KV):
+        key_pos = start + tl.arange(0, BLOCK_KV)
+        key_ok = key_pos <= last_pos
+        k = tl.load(k_base + key_pos[:, None].to(tl.int64) * stride_kc_pos + d[None, :],
+                    mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_base + key_pos[:, None].to(tl.int64) * stride_vc_pos + d[None, :],
+                    mask=key_ok[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_Q, BLOCK_KV] float32
+        visible = key_pos[None, :] <= pos[:, None]
+        if WINDOWED:
+            visible &= pos[:, None] - key_pos[None, :] < window
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        s_sum = s_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / s_sum[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def cache_attention(q, k_cache, v_cache, slot_ids, context_lens, query_start, max_queries,
+                    scale, window=None) -> torch.Tensor:
+    """See ``model_ops.cache_attention``."""
+    T, num_heads, D = q.shape
+    num_kv_heads = k_cache.shape[2]
+    G = num_heads // num_kv_heads
+    B = slot_ids.shape[0]
+    out = torch.empty_like(q)
+    if T == 0 or B == 0:
+        return out
+    grid = (B, num_kv_heads, triton.cdiv(max_queries * G, ATTENTION_BLOCK_Q))
+    _cache_attention_kernel[grid](
+        q, k_cache, v_cache, out, slot_ids, context_lens, query_start,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        scale, 0 if window is None else window, G=G, D=D, BLOCK_Q=ATTENTION_BLOCK_Q,
+        BLOCK_KV=ATTENTION_BLOCK_KV, WINDOWED=window is not None, num_warps=4)
+    return out
+
+
+@functools.cache
+def num_splits(N: int, K: int) -> int:
+    """Input-feature ranges of a [N, K] weight: doubled while the output tiles alone give fewer
+    than ``LINEAR_MIN_PROGRAMS`` programs and each range keeps ``LINEAR_MIN_SPLIT_K`` features
+    in whole steps. A function of the shape only (the reduction order must not follow the batch)."""
+    splits = 1
+    num_tiles = triton.cdiv(N, LINEAR_BLOCK_N)
+    while (num_tiles * splits < LINEAR_MIN_PROGRAMS and K % (2 * splits * LINEAR_BLOCK_K) == 0
+           and K // (2 * splits) >= LINEAR_MIN_SPLIT_K):
+        splits *= 2
+    return splits
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
+                   stride_os, stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    k_lo = split * k_per_split
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:  # float32 partial sums of this split: [SPLIT, M, N]
+        tl.store(out_ptr + split * stride_os + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
+                 acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_sum_kernel(part_ptr, b_ptr, out_ptr, M, N, stride_ps, stride_pm, stride_om,
+                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.load(part_ptr + row * stride_pm + cols, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):  # in split order: a fixed reduction order
+        acc += tl.load(part_ptr + s * stride_ps + row * stride_pm + cols, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """See ``model_ops.linear``: a fixed tile and a split of the input features that depend on
+    the weight's shape only, so each row's result is independent of the number of rows."""
+    K = x.shape[-1]
+    N = weight.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        raise ValueError("linear: the weight must have a contiguous last dimension")
+    M = x2.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.view(*x.shape[:-1], N)
+    splits = num_splits(N, K)
+    k_per_split = triton.cdiv(triton.cdiv(K, splits), LINEAR_BLOCK_K) * LINEAR_BLOCK_K
+    grid = (triton.cdiv(N, LINEAR_BLOCK_N), triton.cdiv(M, LINEAR_BLOCK_M), splits)
+    has_bias = bias is not None
+    if splits == 1:
+        _linear_kernel[grid](
+            x2, weight, bias if has_bias else weight, out, M, N, K, k_per_split, x2.stride(0),
+            weight.stride(0), 0, out.stride(0), HAS_BIAS=has_bias, SPLIT=1,
+            BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=LINEAR_BLOCK_N, BLOCK_K=LINEAR_BLOCK_K,
+            num_warps=4, num_stages=4)
+    else:
+        part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+        _linear_kernel[grid](
+            x2, weight, weight, part, M, N, K, k_per_split, x2.stride(0), weight.stride(0),
+            part.stride(0), part.stride(1), HAS_BIAS=False, SPLIT=splits,
+            BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=LINEAR_BLOCK_N, BLOCK_K=LINEAR_BLOCK_K,
+            num_warps=4, num_stages=4)
+        block = 1024
+        _split_sum_kernel[(M, triton.cdiv(N, block))](
+            part, bias if has_bias else part, out, M, N, part.stride(0), part.stride(1),
+            out.stride(0), HAS_BIAS=has_bias, SPLIT=splits, BLOCK=block, num_warps=4)
+    return out.view(*x.shape[:-1], N)
