@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -330,3 +331,57 @@ def test_tokenizer_size_mismatch_is_a_clear_error(tmp_path):
         draft_proposer(draft_dir, 2, target_model=target)
     assert draft_dir in str(error.value)
     draft_proposer(draft_dir, 2, target_model=load_model(draft_dir))  # same tokenizer: fine
+
+
+def _flat(proposer: DraftModelProposer) -> DraftModelProposer:
+    """The proposer on the GPU path (flat layout, captured draft; on CPU the capture runs
+    eagerly on the same static buffers)."""
+    ctx = proposer.context
+    proposer.runner = ModelRunner(proposer.loaded.model, ctx.max_num_seqs, ctx.max_model_len,
+                                  flat_layout=True,
+                                  max_step_tokens=proposer.num_speculative_tokens + 1)
+    proposer._init_buffers(ctx.max_num_seqs, VOCAB)
+    proposer.capture()
+    return proposer
+
+
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_captured_draft_matches_eager(llama_dir, method):
+    """Over simulated steps with random acceptance, the captured k-step draft (catch-up of the
+    last two committed tokens) proposes what the eager drafting proposes: the same tokens and,
+    for probabilistic drafting, the same q (float32, up to summation order). The first step
+    after the prompt drafts eagerly (the cache lacks the prompt)."""
+    k = 3
+    eager = draft_proposer(llama_dir, k, method)
+    graph = _flat(draft_proposer(llama_dir, k, method))
+    rng = random.Random(0)
+    contexts = {0: [5, 9, 11, 3], 2: [7, 1, 22, 40, 41, 8, 2]}
+    replays = 0
+    for _ in range(6):
+        requests = [Request(list(c), k, slot, temperature=0.8 if method != "greedy" else 0.0,
+                            seed=slot + 10) for slot, c in contexts.items()]
+        replays += graph._can_replay(requests, np.arange(2), np.array([0, 2]))
+        a, b = eager.propose(requests), graph.propose(requests)
+        assert a.draft_token_ids.tolist() == b.draft_token_ids.tolist()
+        if method != "greedy":
+            torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-4, atol=1e-6)
+        for r in requests:  # accept a random number of drafts, then a token of our choosing
+            drafts = a.draft_token_ids.tolist()[:k] if r.slot == 0 else \
+                a.draft_token_ids.tolist()[k:]
+            contexts[r.slot] += drafts[:rng.randint(0, k)] + [rng.randrange(VOCAB)]
+        for p in (eager, graph):
+            p.on_commit(list(contexts), [len(c) for c in contexts.values()])
+    assert replays == 5
+
+
+def test_captured_draft_refuses_swapped_buffers(llama_dir):
+    """A buffer replaced after capture would never be written by a replay (the drafts would be
+    stale): the proposer refuses to replay instead."""
+    proposer = _flat(draft_proposer(llama_dir, 2, "probabilistic"))
+    requests = [Request([5, 9, 11, 3], 2, 0, temperature=1.0)]
+    proposer.propose(requests)
+    proposer.on_commit([0], [5])
+    requests[0].token_ids.append(4)
+    proposer.draft_probs_buffer = torch.zeros_like(proposer.draft_probs_buffer)
+    with pytest.raises(RuntimeError, match="replaced after the CUDA graph was captured"):
+        proposer.propose(requests)

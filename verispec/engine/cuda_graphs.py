@@ -98,6 +98,7 @@ class CUDAGraphRunner:
     def has(self, name: str) -> bool:
         return name in self._steps
 
+    @torch.inference_mode()
     def add(self, name: str, inputs: Mapping[str, StepInput],
             step: Callable[[dict[str, torch.Tensor]], object]) -> None:
         """Allocate the static inputs of ``step`` for every bucket, warm it up and capture it
@@ -138,6 +139,7 @@ class CUDAGraphRunner:
     def fits(self, name: str, batch_size: int) -> bool:
         return name in self._steps and 0 < batch_size <= self.max_batch_size
 
+    @torch.inference_mode()
     def run(self, name: str, rows: Mapping[str, np.ndarray | torch.Tensor]) -> tuple[object, int]:
         """Replay step ``name`` for ``B`` rows: ``rows[key]`` is ``[B, width]`` (host arrays,
         or device tensors copied on the device). Returns (the step's outputs, bucket): output

@@ -29,6 +29,30 @@ DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_DTYPE = "bfloat16"
 
 
+def check_device(device: Any) -> torch.device:
+    """The torch device for ``device``: ``"cpu"`` or ``"cuda[:i]"`` that exists here; a
+    ValueError naming the value otherwise (refused at construction, not at the first step)."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}: verispec runs on "
+                         "CPUs and CUDA GPUs")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={device!r}, but CUDA is not available here (torch "
+                f"{torch.__version__}{' is a CPU-only build' if torch.version.cuda is None else ''}"
+                "); use device='cpu'")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}, but this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+        if parsed.index is None:
+            parsed = torch.device("cuda", torch.cuda.current_device())
+    return parsed
+
+
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -68,12 +92,7 @@ class LLM:
         _check_positive_int("max_num_seqs", max_num_seqs)
         if max_model_len is not None:
             _check_positive_int("max_model_len", max_model_len)
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise ValueError(
-                f"device must be a torch device such as 'cpu', got {device!r}"
-            ) from None
+        self.device = check_device(device)
         if isinstance(speculative_config, dict):
             if speculative_config.get("method") == "none":
                 speculative_config = None
@@ -102,13 +121,21 @@ class LLM:
             )
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
-        self.runner = ModelRunner(self.loaded.model, max_num_seqs, max_model_len, self.device)
+        k = 0 if speculative_config is None else speculative_config.num_speculative_tokens
+        self.runner = ModelRunner(self.loaded.model, max_num_seqs, max_model_len, self.device,
+                                  max_step_tokens=k + 1, enforce_eager=enforce_eager)
         self.scheduler = Scheduler(max_num_seqs)
         self.sampler = Sampler()
         self.spec = None if speculative_config is None else SpeculativeDecoder(
             speculative_config, self.runner, config.vocab_size, max_num_seqs, max_model_len,
             tokenizer=self.tokenizer,
         )
+        # CUDA graphs (no-op on CPU and with enforce_eager): decode, verify, the proposer's draft
+        self.runner.capture([1] if self.spec is None else [1, k + 1])
+        if self.spec is not None:
+            self.spec.capture()
+        if self.runner.graphs is not None:
+            self.runner.graphs.log_summary("target")
         self._next_request_id = 0
         self.num_steps = 0  # engine steps run (prefill and decode)
         self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None

@@ -146,15 +146,26 @@ class ModelRunner:
             max_queries=num_queries, cos=self.cos, sin=self.sin, ops=self.ops,
         )
 
+    def fixed_step_hidden(self, input_ids: torch.Tensor, slot_ids: torch.Tensor,
+                          starts: torch.Tensor, num_queries: int,
+                          num_layers: int | None = None) -> torch.Tensor:
+        """[B * num_queries, hidden] final-norm hidden states of every fed token (capturable;
+        the cache's lengths are the caller's to advance)."""
+        batch = self.fixed_batch(slot_ids, starts, num_queries)
+        return self.model.forward_flat(input_ids, batch, self.kv_cache.k_layers,
+                                       self.kv_cache.v_layers, num_layers)
+
     def fixed_step_logits(self, input_ids: torch.Tensor, slot_ids: torch.Tensor,
                           starts: torch.Tensor, num_queries: int,
                           num_layers: int | None = None) -> torch.Tensor:
-        """[B * num_queries, V] float32 logits of every fed token (the body of a captured step;
-        the cache's lengths are the caller's to advance)."""
-        batch = self.fixed_batch(slot_ids, starts, num_queries)
-        hidden = self.model.forward_flat(input_ids, batch, self.kv_cache.k_layers,
-                                         self.kv_cache.v_layers, num_layers)
-        return self.model.compute_logits(hidden, self.ops)
+        """[B * num_queries, V] float32 logits of every fed token (the body of a captured
+        forward)."""
+        return self.compute_logits(self.fixed_step_hidden(input_ids, slot_ids, starts,
+                                                          num_queries, num_layers))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, hidden] -> [R, V] float32 through the LM head."""
+        return self.model.compute_logits(hidden, self.ops if self.flat else None)
 
     def _graph_for(self, batch_size: int, width: int, num_layers: int | None) -> int | None:
         """The smallest captured number of tokens per request >= width that fits the batch."""

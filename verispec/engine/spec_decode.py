@@ -12,11 +12,14 @@ One step for a batch of running requests:
 
 Switching speculation off where it does not pay: verifying n drafts (a forward over n + 1
 tokens) costs more than a plain decode step. ``verify_costs`` gives that cost in decode steps,
-a fixed table per device and dtype measured on our CPU (docs/benchmarks.md) and near 1 on a GPU
-at decode batch sizes. On CPU it is not linear in n: in float32 the first extra token costs most
-(a different matmul shape), then the cost is nearly flat; in bfloat16 every token adds ~0.5
-with torch's matmul; with the compiled kernels (``models.cpu_kernels``, where they run) ~0.1 in
-both dtypes. It
+a fixed table per device and dtype measured on our CPU (docs/benchmarks.md). On CPU it is not
+linear in n: in float32 the first extra token costs most (a different matmul shape), then the
+cost is nearly flat; in bfloat16 every token adds ~0.5 with torch's matmul; with the compiled
+kernels (``models.cpu_kernels``, where they run) ~0.1 in both dtypes. On a GPU with captured
+graphs every step drafts and verifies at a fixed shape (k drafts, k + 1 rows per request), so a
+step with drafts costs the same whatever n: ``measured_costs`` times the captured decode, verify
+and draft graphs once at start-up, on the scratch slot, and rounds the ratio to 0.05 steps
+(``SpeculativeDecoder.capture``; without graphs, 1 + 0.01 n). Beyond that it
 is deliberately not timed at run time: the number of drafts must not depend on the machine's
 momentary load or on the batch, or a seeded request would stop being reproducible. Each request
 keeps an estimate of its per-token acceptance rate alpha (an exponential average of accepted /
@@ -36,6 +39,7 @@ this changes cost, never output.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -50,6 +54,8 @@ from verispec.models import cpu_kernels
 from verispec.proposers import ProposerContext, build_proposer
 from verispec.sample.rejection_sampler import RejectionSampler
 from verispec.sample.sampler import Sampler, SamplingTensors
+
+logger = logging.getLogger("verispec")
 
 ALPHA_PRIOR = 0.8  # a new request starts optimistic: full k, backing off as drafts fail
 ALPHA_DECAY = 0.7  # weight of the old estimate in the exponential average
@@ -83,6 +89,26 @@ def verify_costs(device: torch.device, dtype: torch.dtype, max_n: int) -> tuple[
     while len(table) < max_n + 1:
         table.append(table[-1] + (table[-1] - table[-2]))
     return tuple(table[: max_n + 1])
+
+
+COST_ROUNDING = 0.05  # measured step costs are rounded to this many decode steps
+
+
+def measured_costs(runner: ModelRunner, proposer, k: int) -> tuple[float, ...] | None:
+    """``costs[n]`` from the captured graphs (None without them): a step with drafts costs the
+    verify graph plus the proposer's captured draft (if any) over the decode graph, whatever
+    n >= 1; timed at batch 1 before any request ran (inputs on the scratch slot)."""
+    graphs = runner.graphs
+    if graphs is None or not graphs.capture_graphs:
+        return None
+    decode = graphs.time_step(runner.graph_name(1))
+    step = graphs.time_step(runner.graph_name(k + 1))
+    draft_graphs = getattr(getattr(proposer, "runner", None), "graphs", None)
+    name = getattr(proposer, "graph_name", None)
+    if draft_graphs is not None and name is not None and draft_graphs.has(name):
+        step += draft_graphs.time_step(name)
+    ratio = max(1.0, round(step / decode / COST_ROUNDING) * COST_ROUNDING)
+    return (1.0,) + (ratio,) * k
 
 
 def best_num_drafts(alpha: float, max_n: int, costs: Sequence[float]) -> int:
@@ -138,6 +164,18 @@ class SpeculativeDecoder:
         self._probe_interval = np.full(max_num_seqs, REPROBE_STEPS)  # per slot
         self._probing = np.zeros(max_num_seqs, dtype=bool)
 
+    def capture(self) -> None:
+        """Capture the proposer's draft graphs (the target's verify graph is the engine's) and
+        measure the step costs from the graphs (no-op without CUDA graphs)."""
+        capture = getattr(self.proposer, "capture", None)
+        if capture is not None:
+            capture()
+        costs = measured_costs(self.runner, self.proposer, self.k)
+        if costs is not None:
+            self.costs = costs
+            logger.info("speculative step cost measured on the device: %.2f decode steps",
+                        costs[-1])
+
     @property
     def stats(self) -> SpecDecodingStats:
         """Totals over every step so far."""
@@ -190,13 +228,11 @@ class SpeculativeDecoder:
         num_drafts = proposal.num_draft_tokens_cpu  # [B] host
         if not num_drafts.any():
             return self._plain_step(batch, sampling, start)
-        cu = proposal.cu_num_draft_tokens.numpy()
-        drafts = proposal.draft_token_ids.tolist()  # the verify forward takes host token lists
         proposed = time.perf_counter()
-        new_tokens = [
-            [r.last_token_id] + drafts[cu[i]:cu[i + 1]] for i, r in enumerate(batch)
-        ]
-        target_logits = self.runner.forward([r.slot for r in batch], new_tokens, logits="all")
+        # The drafts stay on the device: the verify forward scatters them into its inputs.
+        target_logits = self.runner.verify([r.slot for r in batch],
+                                           [r.last_token_id for r in batch],
+                                           proposal.draft_token_ids, num_drafts)
         # Draft i of request r occupies position num_tokens + i (num_tokens counts the prompt).
         positions = torch.tensor([r.num_tokens for r in batch], device=self.runner.device)
         token_ids = self.rejection_sampler(

@@ -24,8 +24,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

@@ -138,12 +138,12 @@ def rope_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, n
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, inter, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < I
+    mask = cols < inter
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
-    u = tl.load(gu_ptr + row * stride_gu + I + cols, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0)
     gf = g.to(tl.float32)
     silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # rounded as torch's F.silu
     y = silu.to(tl.float32) * u.to(tl.float32)

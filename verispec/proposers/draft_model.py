@@ -20,6 +20,20 @@ fed. When every draft was accepted, the next catch-up feeds ``d_k`` and the bonu
 
 The number of tokens a slot's cache holds is the runner's ``kv_cache.lengths_np[slot]``; nothing
 else keeps count, so the two cannot drift apart.
+
+On CUDA the whole draft of a step is one captured CUDA graph per batch bucket (``capture``):
+
+    forward 0:  feed the last two committed tokens, at positions num_tokens - 2, num_tokens - 1
+                (a request whose cache lacks only the last one rewrites the one before with the
+                same token, the same K/V) -> d_1 from the last row
+    forward i:  feed d_i                                  -> d_{i+1}, for i = 1 .. k - 1
+
+drafting k tokens for every request of the batch (requests planned for fewer ignore the rest;
+their cache rows are past the committed tokens and rolled back like any rejected draft). The
+graph writes the drafts, and q for probabilistic drafting, straight into the per-slot buffers,
+which therefore must stay the tensors that existed at capture (checked at every replay). A step
+in which a request's cache lacks more than two tokens (its first step after the prompt) drafts
+eagerly as above.
 """
 
 from __future__ import annotations
@@ -77,12 +91,87 @@ class ModelProposer(Proposer):
     def _init_buffers(self, num_slots: int, vocab_size: int) -> None:
         k = self.num_speculative_tokens
         self.vocab_size = vocab_size
-        self.draft_token_buffer = torch.zeros(  # [max_num_seqs, k] int64
-            num_slots, k, dtype=torch.int64, device=self.device
+        # One more row where the runner has a scratch slot: a captured draft writes the rows of
+        # its batch padding there.
+        rows = num_slots + (self.runner.kv_cache.scratch_slot is not None)
+        self.draft_token_buffer = torch.zeros(  # [max_num_seqs (+ 1), k] int64
+            rows, k, dtype=torch.int64, device=self.device
         )
         self.draft_probs_buffer = None if self.greedy else torch.zeros(  # [max_num_seqs, k, V]
-            num_slots, k, vocab_size, dtype=torch.float32, device=self.device
+            rows, k, vocab_size, dtype=torch.float32, device=self.device
         )
+        self._captured_buffers = None
+
+    # ----------------------------------------------------------------- captured drafting
+
+    def capture(self) -> None:
+        """Capture the k-step draft for every batch bucket (no-op without the runner's CUDA
+        graphs)."""
+        from verispec.engine.cuda_graphs import StepInput  # the engine imports proposers
+
+        graphs = self.runner.graphs
+        if graphs is None or graphs.has(self.graph_name):
+            return
+        inputs = {"ids": StepInput(2, torch.int64),
+                  "slots": StepInput(1, torch.int64, self.runner.kv_cache.scratch_slot),
+                  "starts": StepInput(1, torch.int64, 0)}
+        if not self.greedy:
+            inputs.update(temperature=StepInput(1, torch.float32, 1.0),
+                          seeds=StepInput(1, torch.int64, 0))
+        with torch.inference_mode():
+            graphs.add(self.graph_name, inputs, self._draft_step)
+        self._captured_buffers = (self.draft_token_buffer, self.draft_probs_buffer)
+
+    @property
+    def graph_name(self) -> str:
+        return "draft" + ("" if self.num_layers is None else f"_l{self.num_layers}")
+
+    def _draft_step(self, x: dict[str, torch.Tensor]) -> None:
+        """The captured draft: ``x["ids"]`` [B, 2] the last two committed tokens at positions
+        ``x["starts"]``, ``x["starts"] + 1``; writes d_1..d_k (and q) into the slot rows."""
+        runner, k = self.runner, self.num_speculative_tokens
+        slots, starts = x["slots"].view(-1), x["starts"].view(-1)
+        hidden = runner.fixed_step_hidden(x["ids"].view(-1), slots, starts, 2, self.num_layers)
+        logits = runner.compute_logits(hidden[1::2])  # [B, V] at position num_tokens - 1
+        for i in range(k):
+            positions = starts + 2 + i  # d_{i+1} occupies position num_tokens + i
+            if self.greedy:
+                draft_ids = torch.argmax(logits, dim=-1)
+            else:
+                draft_ids, q = ops.sample_draft(logits, x["temperature"].view(-1),
+                                                x["seeds"].view(-1), positions)
+                self.draft_probs_buffer[slots, i] = q
+            self.draft_token_buffer[slots, i] = draft_ids
+            if i + 1 < k:
+                logits = runner.compute_logits(runner.fixed_step_hidden(
+                    draft_ids, slots, positions, 1, self.num_layers))
+
+    def _can_replay(self, requests, active: np.ndarray, slots: np.ndarray) -> bool:
+        graphs, cache = self.runner.graphs, self.runner.kv_cache
+        if graphs is None or not graphs.fits(self.graph_name, active.size):
+            return False
+        num_tokens = np.array([len(requests[r].token_ids) for r in active])
+        return bool((num_tokens >= 2).all() and (cache.lengths_np[slots] >= num_tokens - 2).all())
+
+    def _draft_replay(self, requests, active: np.ndarray, slots: np.ndarray) -> None:
+        """Draft k tokens for every active request with the captured graph."""
+        captured = self._captured_buffers
+        if captured[0] is not self.draft_token_buffer or captured[1] is not self.draft_probs_buffer:
+            raise RuntimeError(
+                "the draft buffers were replaced after the CUDA graph was captured: a replay "
+                "writes only the tensors that existed at capture")
+        cache, k = self.runner.kv_cache, self.num_speculative_tokens
+        num_tokens = np.array([len(requests[r].token_ids) for r in active], dtype=np.int64)
+        ids = np.stack([np.asarray(_tail(requests[r].token_ids, n - 2), dtype=np.int64)
+                        for r, n in zip(active, num_tokens)])
+        rows = {"ids": ids, "slots": slots[:, None], "starts": (num_tokens - 2)[:, None]}
+        if not self.greedy:
+            rows["temperature"] = np.array([[float(requests[r].temperature)] for r in active],
+                                           dtype=np.float32)
+            rows["seeds"] = np.array([[int(requests[r].seed)] for r in active], dtype=np.int64)
+        self.runner.graphs.run(self.graph_name, rows)
+        # the cache now holds everything fed: num_tokens - 2 + 2 + (k - 1) tokens
+        cache.lengths_np[slots] = num_tokens + k - 1
 
     @property
     def num_cached_tokens(self) -> np.ndarray:
@@ -126,7 +215,10 @@ class ModelProposer(Proposer):
         slots: np.ndarray,  # [B_a] their slots
         num_drafts: np.ndarray,  # [B_a] their n_r
     ) -> None:
-        """Run the catch-up forward and n_r autoregressive steps; fill the per-slot buffers."""
+        """Run the catch-up forward and n_r autoregressive steps; fill the per-slot buffers
+        (replaying the captured draft where it applies)."""
+        if self._can_replay(requests, active, slots):
+            return self._draft_replay(requests, active, slots)
         cache = self.runner.kv_cache
         contexts = [requests[r].token_ids for r in active]
         num_tokens = np.array([len(c) for c in contexts], dtype=np.int64)  # [B_a]
@@ -244,6 +336,11 @@ class DraftModelProposer(ModelProposer):
             self.loaded.config.vocab_size, target_vocab_size, str(config.model),
             self.loaded.tokenizer, target_tokenizer,
         )
-        self.runner = ModelRunner(self.loaded.model, ctx.max_num_seqs, ctx.max_model_len,
-                                  ctx.device)
+        target_graphs = getattr(ctx.target_model, "graphs", None)
+        self.runner = ModelRunner(
+            self.loaded.model, ctx.max_num_seqs, ctx.max_model_len, ctx.device,
+            max_step_tokens=config.num_speculative_tokens + 1,
+            enforce_eager=ctx.device.type == "cuda" and target_graphs is None)
+        if target_graphs is not None and self.runner.graphs is not None:
+            self.runner.graphs.pool = target_graphs.pool  # one memory pool for every capture
         self._init_buffers(ctx.max_num_seqs, self.loaded.config.vocab_size)

@@ -86,7 +86,7 @@ class EarlyExitProposer(ModelProposer):
             self.runner = ModelRunner(model, 0, ctx.max_model_len, ctx.device)
             self.runner.kv_cache = KVCache(
                 model.config, ctx.max_num_seqs, ctx.max_model_len, self.runner.kv_cache.k.dtype,
-                ctx.device, num_layers=num_layers,
+                ctx.device, num_layers=num_layers, extra_rows=self.runner.kv_cache.extra_rows,
             )
         self._init_buffers(self.runner.kv_cache.num_slots, model.config.vocab_size)
 

@@ -1,0 +1,190 @@
+"""Where the time of one GPU step goes: captured decode and verify steps of a random-weight
+Llama-3.1-8B-shaped model, the batch-invariant Triton matmul against torch's (cuBLAS), and the
+kernels of one step by share of its GPU time.
+
+For each matmul (``--matmul triton`` is the default, batch invariant; ``cublas`` is torch's) and
+batch size B: the median time of a captured decode step (B tokens) and verify step (B x (k + 1)
+tokens, k = 3), against the weight-bandwidth floor (weight bytes / measured copy bandwidth).
+Then the linear layers alone on the model's shapes at 1, 8, 64 and 256 rows, both matmuls, with
+the achieved bandwidth; whether row 0 of a product is bit-identical at 1, 8, 64 and 256 rows
+(batch invariance); and the kernels of one decode step at B = 1 with their share of the step
+(torch profiler over an eager step). Prints tables, then one JSON line.
+
+    python benchmarks/profile_gpu_step.py                # on the GPU machine
+    python benchmarks/profile_gpu_step.py --layers 4     # a shallower model, quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+
+import torch
+
+from verispec.engine.model_runner import ModelRunner
+from verispec.models.config import ModelConfig
+from verispec.models.llama import LlamaForCausalLM
+from verispec.ops import model_ops
+
+K = 3
+
+
+def llama8b(layers: int) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        max_position_embeddings=131072,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=8192),
+    )
+
+
+def random_model(config: ModelConfig, device) -> LlamaForCausalLM:
+    with torch.device(device):
+        model = LlamaForCausalLM(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes read + written per second of a large device-to-device copy (median of 10)."""
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return 2 * src.numel() / statistics.median(times[2:])
+
+
+def time_fn(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def step_times(model, batch_sizes, batch_invariant: bool, floor_s: float) -> list[dict]:
+    runner = ModelRunner(model, max(batch_sizes), 512, "cuda", max_step_tokens=K + 1,
+                         batch_invariant=batch_invariant)
+    runner.capture([1, K + 1])
+    rows = []
+    for B in batch_sizes:
+        for name, tokens in (("decode", 1), ("verify", K + 1)):
+            graph = runner.graph_name(tokens)
+            seconds = runner.graphs.time_step(graph, B)
+            rows.append(dict(matmul="triton" if batch_invariant else "cublas", step=name, B=B,
+                             ms=seconds * 1e3, x_floor=seconds / floor_s))
+    rows.append(dict(matmul=rows[-1]["matmul"], step="capture", B=max(batch_sizes),
+                     ms=runner.graphs.capture_time_s * 1e3, x_floor=None))
+    del runner
+    torch.cuda.empty_cache()
+    return rows
+
+
+def linear_rows(config: ModelConfig, bandwidth: float, device) -> tuple[list[dict], dict]:
+    from verispec.ops import triton_model
+
+    H, inter, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    q = config.q_size + 2 * config.kv_size
+    shapes = {"qkv": (q, H), "o": (H, config.q_size), "gate_up": (2 * inter, H), "down": (H, inter),
+              "lm_head": (V, H)}
+    rows, invariant = [], {}
+    for name, (N, Kd) in shapes.items():
+        w = torch.randn(N, Kd, device=device, dtype=torch.bfloat16) * 0.02
+        x = torch.randn(256, Kd, device=device, dtype=torch.bfloat16)
+        for M in (1, 8, 64, 256):
+            for label, fn in (("triton", triton_model.linear), ("cublas", model_ops.linear)):
+                seconds = time_fn(lambda fn=fn, x=x[:M], w=w: fn(x, w))
+                rows.append(dict(weight=name, N=N, K=Kd, splits=triton_model.num_splits(N, Kd),
+                                 M=M, matmul=label, us=seconds * 1e6,
+                                 tb_s=w.numel() * 2 / seconds / 1e12,
+                                 x_floor=seconds / (w.numel() * 2 / bandwidth)))
+        for label, fn in (("triton", triton_model.linear), ("cublas", model_ops.linear)):
+            first = [fn(x[:M], w)[0] for M in (1, 8, 64, 256)]
+            invariant[f"{name}/{label}"] = all(torch.equal(first[0], f) for f in first[1:])
+    return rows, invariant
+
+
+def kernel_shares(model, device) -> list[dict]:
+    """Kernels of one eager decode step at B = 1 (flat layout), by total GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = ModelRunner(model, 1, 512, device, enforce_eager=True)
+    runner.forward([0], [list(range(32))], logits="none")
+    for _ in range(3):
+        runner.forward([0], [[5]])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.forward([0], [[7]])
+        torch.cuda.synchronize()
+    totals, counts = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            key = e.name[:60]
+            totals[key] += e.device_time
+            counts[key] += 1
+    step = sum(totals.values())
+    rows = [dict(kernel=k, launches=counts[k], us=t, share=t / step)
+            for k, t in sorted(totals.items(), key=lambda kv: -kv[1])]
+    rows.append(dict(kernel="TOTAL", launches=sum(counts.values()), us=step, share=1.0))
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    from verispec.engine.bench_utils import print_table
+
+    print_table(rows)
+    print()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    config = llama8b(args.layers)
+    model = random_model(config, device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = copy_bandwidth(device)
+    floor_s = weight_bytes / bandwidth
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+          f"weights {weight_bytes / 1e9:.2f} GB, floor {floor_s * 1e3:.2f} ms per step")
+    steps = []
+    for batch_invariant in (True, False):
+        steps += step_times(model, args.batch_sizes, batch_invariant, floor_s)
+    print_rows(steps)
+    linears, invariant = linear_rows(config, bandwidth, device)
+    print_rows(linears)
+    print("row 0 bit-identical at 1, 8, 64, 256 rows:", invariant)
+    kernels = kernel_shares(model, device)
+    print_rows(kernels[:25] + kernels[-1:])
+    print(json.dumps(dict(benchmark="profile_gpu_step", device=torch.cuda.get_device_name(),
+                          copy_bandwidth_tb_s=bandwidth / 1e12, weight_gb=weight_bytes / 1e9,
+                          floor_ms=floor_s * 1e3, steps=steps, linears=linears,
+                          invariant=invariant, kernels=kernels[:40])))
+
+
+if __name__ == "__main__":
+    main()

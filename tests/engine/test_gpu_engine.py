@@ -1,0 +1,128 @@
+"""The GPU engine (CUDA graphs, flat layout, Triton model ops) end to end, on a CUDA device.
+
+Strategy: tiny random Llama targets and drafts (logits spread enough that greedy argmax ties are
+rare). Every check compares two runs that must agree token for token: graphs against
+``enforce_eager``; greedy speculation (draft model, early exit, n-gram; greedy and
+probabilistic drafting) against greedy plain decoding, in bfloat16 and float32 (REFERENCE §12);
+a request alone against the same request in a batch of 8 (another graph bucket), greedy and
+seeded sampling; the captured draft against the eager draft for tokens and q. Skipped without
+CUDA (CPU CI runs the same logic through the torch twins in test_flat_runner.py and
+tests/proposers/test_draft_model.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from verispec import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+VOCAB = 512
+
+
+def _save(path, layers: int, hidden: int, seed: int) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return (_save(tmp_path_factory.mktemp("target"), 4, 128, 0),
+            _save(tmp_path_factory.mktemp("draft"), 2, 64, 1))
+
+
+PROMPTS = [[5 + i, 17, 33 + 2 * i, 90, 11 + i] for i in range(8)]
+
+
+def _generate(llm: LLM, prompts, **params) -> list[list[int]]:
+    params = SamplingParams(max_tokens=40, ignore_eos=True, **params)
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def _spec(dirs, method: str, draft: str = "greedy") -> dict:
+    config = {"method": method, "num_speculative_tokens": 3, "draft_sample_method": draft}
+    if method == "draft_model":
+        config["model"] = dirs[1]
+    elif method == "early_exit":
+        config["num_draft_layers"] = 2
+    elif method == "ngram":
+        config.pop("draft_sample_method")
+    return config
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_graphs_match_eager_and_greedy_spec_matches_plain(dirs, dtype):
+    plain = LLM(dirs[0], dtype=dtype, device="cuda", max_num_seqs=8)
+    assert plain.runner.graphs is not None and plain.runner.graphs.capture_time_s > 0
+    reference = _generate(plain, PROMPTS, temperature=0.0)
+    eager = LLM(dirs[0], dtype=dtype, device="cuda", max_num_seqs=8, enforce_eager=True)
+    assert eager.runner.graphs is None
+    assert _generate(eager, PROMPTS, temperature=0.0) == reference
+    for method, draft in [("draft_model", "greedy"), ("draft_model", "probabilistic"),
+                          ("early_exit", "greedy"), ("ngram", None)]:
+        spec = LLM(dirs[0], dtype=dtype, device="cuda", max_num_seqs=8,
+                   speculative_config=_spec(dirs, method, draft or "greedy"))
+        assert _generate(spec, PROMPTS, temperature=0.0) == reference, (method, draft)
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.9, seed=7),
+                                    dict(temperature=0.9, top_p=0.9, seed=3)])
+def test_request_alone_equals_request_in_a_batch(dirs, params):
+    """Batch 1 (bucket 1) and batch 8 (bucket 8), with speculation: same tokens; and the same
+    request twice: same tokens."""
+    llm = LLM(dirs[0], device="cuda", max_num_seqs=8,
+              speculative_config=_spec(dirs, "draft_model", "probabilistic"))
+    alone = _generate(llm, PROMPTS[:1], **params)[0]
+    assert _generate(llm, PROMPTS[:1], **params)[0] == alone
+    assert _generate(llm, PROMPTS, **params)[0] == alone
+
+
+def test_captured_draft_writes_tokens_and_probs(dirs):
+    """The captured k-step draft equals the eager draft (tokens and q), and a draft-probs buffer
+    swapped after capture is refused, not silently left unwritten."""
+    from tests.proposers.test_draft_model import Request
+
+    llm = LLM(dirs[0], device="cuda", max_num_seqs=4, dtype="float32",
+              speculative_config=_spec(dirs, "draft_model", "probabilistic"))
+    proposer = llm.spec.proposer
+    eager = LLM(dirs[0], device="cuda", max_num_seqs=4, dtype="float32", enforce_eager=True,
+                speculative_config=_spec(dirs, "draft_model", "probabilistic")).spec.proposer
+    requests = [Request([5, 9, 11, 3], 3, 0, 0.8, 1), Request([7, 1, 22, 40, 41], 3, 2, 0.8, 2)]
+    for p in (proposer, eager):
+        p.propose(requests)  # first step: the prompt, eagerly
+        p.on_commit([0, 2], [5, 6])
+    for r, t in zip(requests, (4, 8)):
+        r.token_ids.append(t)
+    assert proposer._can_replay(requests, np.arange(2), np.array([0, 2]))
+    a, b = eager.propose(requests), proposer.propose(requests)
+    assert a.draft_token_ids.tolist() == b.draft_token_ids.tolist()
+    torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-4, atol=1e-6)
+    proposer.draft_probs_buffer = torch.zeros_like(proposer.draft_probs_buffer)
+    with pytest.raises(RuntimeError, match="replaced after the CUDA graph was captured"):
+        proposer.propose(requests)
+
+
+def test_measured_costs_and_synthetic_mode(dirs):
+    llm = LLM(dirs[0], device="cuda", max_num_seqs=4, speculative_config={
+        "method": "draft_model", "model": dirs[1], "num_speculative_tokens": 3,
+        "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.5})
+    costs = llm.spec.costs
+    assert costs[0] == 1.0 and len(set(costs[1:])) == 1 and costs[1] >= 1.0
+    outs = llm.generate(PROMPTS[:4], SamplingParams(max_tokens=64, ignore_eos=True))
+    assert all(len(o.token_ids) == 64 for o in outs)
+    assert 2.2 < llm.spec.stats.mean_acceptance_length < 2.8
