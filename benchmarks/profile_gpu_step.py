@@ -102,27 +102,92 @@ def step_times(model, batch_sizes, batch_invariant: bool, floor_s: float) -> lis
     return rows
 
 
+def graph_time(fn, calls: int) -> float:
+    """Median seconds of one ``fn()`` among ``calls`` captured in one CUDA graph (no launch
+    overhead)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_fn(graph.replay) / calls
+
+
+SWEEP = [(64, 32, 4, 6), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 8, 3),
+         (128, 256, 8, 2), (128, 128, 4, 3)]
+
+
+def sweep_rows(config: ModelConfig, bandwidth: float, device) -> list[dict]:
+    """Tiles (block_k 128, so every row's sum is the same) at 1, 64, 128 and 256 rows:
+    the fastest per weight shape and row count decides ``triton_model.LINEAR_TILES``."""
+    from verispec.ops import triton_model
+    from verispec.ops.triton_model import LinearConfig
+
+    H, inter, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    q = config.q_size + 2 * config.kv_size
+    shapes = {"qkv": (q, H), "o": (H, config.q_size), "gate_up": (2 * inter, H),
+              "down": (H, inter), "lm_head": (V, H)}
+    rows = []
+    for name, (N, Kd) in shapes.items():
+        copies = max(1, -(-400 * 2**20 // (N * Kd * 2)))
+        ws = [torch.randn(N, Kd, device=device, dtype=torch.bfloat16) * 0.02
+              for _ in range(copies)]
+        x = torch.randn(256, Kd, device=device, dtype=torch.bfloat16)
+        for M in (1, 64, 128, 256):
+            best = None
+            for tile in SWEEP:
+                cfg = LinearConfig(*tile)
+                try:
+                    seconds = graph_time(lambda x=x[:M], ws=ws, cfg=cfg: [
+                        triton_model.linear(x, w, config=cfg) for w in ws], 2) / copies
+                except Exception as e:  # out of shared memory and the like
+                    print(f"{name} M={M} {tile}: {type(e).__name__}")
+                    continue
+                row = dict(weight=name, M=M, tile=str(tile), us=seconds * 1e6,
+                           x_floor=seconds / (N * Kd * 2 / bandwidth))
+                rows.append(row)
+                if best is None or row["us"] < best["us"]:
+                    best = row
+            best["best"] = "*"
+        del ws
+    return rows
+
+
+def linear_variants():
+    from verispec.ops import triton_model
+
+    return {"triton": triton_model.linear, "cublas": model_ops.linear}
+
+
 def linear_rows(config: ModelConfig, bandwidth: float, device) -> tuple[list[dict], dict]:
+    """Each weight shape at 1, 8, 64 and 256 rows, timed in CUDA graphs over enough copies of
+    the weight that L2 cannot hold them."""
     from verispec.ops import triton_model
 
     H, inter, V = config.hidden_size, config.intermediate_size, config.vocab_size
     q = config.q_size + 2 * config.kv_size
-    shapes = {"qkv": (q, H), "o": (H, config.q_size), "gate_up": (2 * inter, H), "down": (H, inter),
-              "lm_head": (V, H)}
+    shapes = {"qkv": (q, H), "o": (H, config.q_size), "gate_up": (2 * inter, H),
+              "down": (H, inter), "lm_head": (V, H)}
     rows, invariant = [], {}
     for name, (N, Kd) in shapes.items():
-        w = torch.randn(N, Kd, device=device, dtype=torch.bfloat16) * 0.02
+        copies = max(1, -(-400 * 2**20 // (N * Kd * 2)))
+        ws = [torch.randn(N, Kd, device=device, dtype=torch.bfloat16) * 0.02
+              for _ in range(copies)]
         x = torch.randn(256, Kd, device=device, dtype=torch.bfloat16)
-        for M in (1, 8, 64, 256):
-            for label, fn in (("triton", triton_model.linear), ("cublas", model_ops.linear)):
-                seconds = time_fn(lambda fn=fn, x=x[:M], w=w: fn(x, w))
-                rows.append(dict(weight=name, N=N, K=Kd, splits=triton_model.num_splits(N, Kd),
-                                 M=M, matmul=label, us=seconds * 1e6,
-                                 tb_s=w.numel() * 2 / seconds / 1e12,
-                                 x_floor=seconds / (w.numel() * 2 / bandwidth)))
-        for label, fn in (("triton", triton_model.linear), ("cublas", model_ops.linear)):
-            first = [fn(x[:M], w)[0] for M in (1, 8, 64, 256)]
+        for label, fn in linear_variants().items():
+            for M in (1, 8, 64, 256):
+                seconds = graph_time(
+                    lambda fn=fn, x=x[:M], ws=ws: [fn(x, w) for w in ws], 4) / copies
+                tile = triton_model.linear_config(M, N, torch.bfloat16)
+                rows.append(dict(weight=name, N=N, K=Kd, M=M, matmul=label,
+                                 tile=f"{tile.block_m}x{tile.block_n}" if label == "triton"
+                                 else "", us=seconds * 1e6,
+                                 tb_s=N * Kd * 2 / seconds / 1e12,
+                                 x_floor=seconds / (N * Kd * 2 / bandwidth)))
+            first = [fn(x[:M], ws[0])[0] for M in (1, 8, 64, 65, 256)]
             invariant[f"{name}/{label}"] = all(torch.equal(first[0], f) for f in first[1:])
+        del ws
     return rows, invariant
 
 
@@ -177,13 +242,15 @@ def main(argv: list[str] | None = None) -> None:
     print_rows(steps)
     linears, invariant = linear_rows(config, bandwidth, device)
     print_rows(linears)
-    print("row 0 bit-identical at 1, 8, 64, 256 rows:", invariant)
+    sweep = sweep_rows(config, bandwidth, device)
+    print_rows(sweep)
+    print("row 0 bit-identical at 1, 8, 64, 65, 256 rows:", invariant)
     kernels = kernel_shares(model, device)
     print_rows(kernels[:25] + kernels[-1:])
     print(json.dumps(dict(benchmark="profile_gpu_step", device=torch.cuda.get_device_name(),
                           copy_bandwidth_tb_s=bandwidth / 1e12, weight_gb=weight_bytes / 1e9,
                           floor_ms=floor_s * 1e3, steps=steps, linears=linears,
-                          invariant=invariant, kernels=kernels[:40])))
+                          invariant=invariant, sweep=sweep, kernels=kernels[:40])))
 
 
 if __name__ == "__main__":

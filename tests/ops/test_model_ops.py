@@ -119,7 +119,7 @@ def test_cache_attention_query_alone_equals_query_in_verify(device):
         assert torch.equal(alone[0], many[i])
 
 
-@pytest.mark.parametrize("shape", [(40, 64), (48, 1024)])  # unsplit; split in two
+@pytest.mark.parametrize("shape", [(40, 64), (48, 1024)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_matches_twin(device, shape, bias, dtype):
@@ -129,27 +129,36 @@ def test_linear_matches_twin(device, shape, bias, dtype):
     x = torch.randn(3, K, generator=g).to(device, dtype)
     w = (torch.randn(N, K, generator=g) / K**0.5).to(device, dtype)
     b = torch.randn(N, generator=g).to(device, dtype) if bias else None
-    assert triton_model.num_splits(N, K) == (1 if K == 64 else 2)
     _close(triton_model.linear(x, w, b), model_ops.linear(x, w, b),
            1e-3 if dtype == torch.float32 else 1e-2)
 
 
 def test_linear_rows_do_not_depend_on_the_batch(device):
-    """Row 0 of a one-row product equals row 0 of a 70-row product (two row tiles), bit for bit."""
+    """Row 0 of a one-row product equals row 0 of a 70-row product (another tile), bit for bit."""
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     g = torch.Generator().manual_seed(5)
     x = torch.randn(70, 1024, generator=g).to(device, dtype)
     w = (torch.randn(48, 1024, generator=g) / 32).to(device, dtype)
-    full = triton_model.linear(x, w)
+    tiles = triton_model.LINEAR_TILES[x.element_size()]
+    full = triton_model.linear(x, w, config=tiles[0])  # the largest tile
     for row in (0, 65):
-        assert torch.equal(triton_model.linear(x[row:row + 1], w)[0], full[row])
+        for tile in tiles[1:]:
+            alone = triton_model.linear(x[row:row + 1], w, config=tile)
+            assert torch.equal(alone[0], full[row]), tile
+    assert torch.equal(triton_model.linear(x, w)[65], full[65])  # the tile linear_config picks
 
 
-def test_num_splits_depends_on_the_shape_only():
-    assert triton_model.num_splits(4096, 14336) == 4  # 64 tiles -> 256 programs
-    assert triton_model.num_splits(28672, 4096) == 1  # 448 tiles already
-    assert triton_model.num_splits(4096, 4096) == 4
-    assert triton_model.num_splits(4096, 300) == 1  # not in whole steps
+def test_linear_tiles_follow_the_shape_with_one_block_k():
+    """Llama-3.1-8B shapes: the tiles the H100 measurements picked; one block_k per dtype (the
+    only part of a tile that orders a row's sum)."""
+    cfg = triton_model.linear_config
+    bf16 = torch.bfloat16
+    assert (cfg(1, 6144, bf16).block_m, cfg(1, 6144, bf16).block_n) == (64, 64)  # qkv
+    assert cfg(1, 4096, bf16).block_n == 32 and cfg(64, 4096, bf16).block_n == 32  # o, down
+    assert cfg(1, 28672, bf16).block_n == 128 and cfg(1, 28672, bf16).block_m == 64
+    assert cfg(256, 28672, bf16).block_m == 128 and cfg(256, 4096, bf16).block_m == 64
+    for itemsize, tiles in triton_model.LINEAR_TILES.items():
+        assert len({t.block_k for t in tiles}) == 1, itemsize
 
 
 def test_model_ops_choice():

@@ -114,11 +114,8 @@ class CUDAGraphRunner:
             if not self.capture_graphs:
                 captured[bucket] = _Captured(None, static, None)
                 continue
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                step(static)  # warm-up: compiles kernels, allocates library workspaces
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            step(static)  # warm-up: compiles kernels, allocates library workspaces
+            torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 outputs = step(static)

@@ -13,16 +13,16 @@ result does not depend on its batch (REFERENCE §12):
   blocks of 64 from key 0, so a query's result is the same whether it is decoded alone or is one
   of the k + 1 queries of a verify step (blocks past its position are fully masked and leave its
   running sums unchanged: rescale by exp(0) = 1, add 0);
-- ``_linear_kernel``: ``x @ W.T`` in tiles of 64 x 64 (rows x outputs), 128 input features per
-  step, the input features cut into ``num_splits(N, K)`` fixed ranges when the outputs alone
-  give too few programs to stream the weight at full bandwidth (a decode step has one row); the
-  float32 partial sums are added in split order by ``_split_sum_kernel``. Tile and split depend on
-  the weight's shape only, never on the number of rows.
+- ``_linear_kernel``: ``x @ W.T``, each output summed over the input features 128 at a time in
+  order (no split of the features, whose partial sums would have to be added in some order);
+  the tile of rows x outputs follows the product's shape (``linear_config``: enough programs to
+  stream the weight at one row, weight tiles reused across rows at many), which leaves each
+  output's sum unchanged.
 """
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -30,10 +30,6 @@ import triton.language as tl
 
 ATTENTION_BLOCK_Q = 16  # query rows per program (tl.dot needs >= 16)
 ATTENTION_BLOCK_KV = 64  # keys per step of the online softmax (part of the reduction order)
-LINEAR_BLOCK_M, LINEAR_BLOCK_N, LINEAR_BLOCK_K = 64, 64, 128
-# Split the input features until the weight is streamed by at least this many programs.
-LINEAR_MIN_PROGRAMS = 256
-LINEAR_MIN_SPLIT_K = 512  # a split keeps at least this many input features
 
 
 @triton.jit
@@ -168,7 +164,7 @@ def _cache_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, slot_ptr, 
                             stride_vc_slot, stride_vc_pos, stride_vc_head, stride_ot, stride_oh,
                             scale, window, G: tl.constexpr, D: tl.constexpr,
                             BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
-                            WINDOWED: tl.constexpr):
+                            WINDOWED: tl.constexpr, PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -204,7 +200,7 @@ def _cache_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, slot_ptr, 
                     mask=key_ok[:, None], other=0.0)
         v = tl.load(v_base + key_pos[:, None].to(tl.int64) * stride_vc_pos + d[None, :],
                     mask=key_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_Q, BLOCK_KV] float32
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BQ, BKV] f32
         visible = key_pos[None, :] <= pos[:, None]
         if WINDOWED:
             visible &= pos[:, None] - key_pos[None, :] < window
@@ -213,11 +209,17 @@ def _cache_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, slot_ptr, 
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         s_sum = s_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     out = acc / s_sum[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """float32 products in full precision (a float32 model promises float32 arithmetic; Triton's
+    default for them is tf32)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def cache_attention(q, k_cache, v_cache, slot_ids, context_lens, query_start, max_queries,
@@ -236,71 +238,81 @@ def cache_attention(q, k_cache, v_cache, slot_ids, context_lens, query_start, ma
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         scale, 0 if window is None else window, G=G, D=D, BLOCK_Q=ATTENTION_BLOCK_Q,
-        BLOCK_KV=ATTENTION_BLOCK_KV, WINDOWED=window is not None, num_warps=4)
+        BLOCK_KV=ATTENTION_BLOCK_KV, WINDOWED=window is not None,
+        PRECISION=_precision(q.dtype), num_warps=4)
     return out
 
 
-@functools.cache
-def num_splits(N: int, K: int) -> int:
-    """Input-feature ranges of a [N, K] weight: doubled while the output tiles alone give fewer
-    than ``LINEAR_MIN_PROGRAMS`` programs and each range keeps ``LINEAR_MIN_SPLIT_K`` features
-    in whole steps. A function of the shape only (the reduction order must not follow the batch)."""
-    splits = 1
-    num_tiles = triton.cdiv(N, LINEAR_BLOCK_N)
-    while (num_tiles * splits < LINEAR_MIN_PROGRAMS and K % (2 * splits * LINEAR_BLOCK_K) == 0
-           and K // (2 * splits) >= LINEAR_MIN_SPLIT_K):
-        splits *= 2
-    return splits
+@dataclass(frozen=True)
+class LinearConfig:
+    """Tiles of ``_linear_kernel``. Only ``block_k`` fixes a row's reduction order (each output is
+    summed over ``block_k`` features per step, in order, by the tensor cores in 16-feature
+    slices); the tile of rows and outputs changes which products run together, never the sum of
+    one output. So the tile may follow the shape of the product, and a row's result is the same
+    whatever the number of rows."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    block_k: int = 128
+
+
+# Candidate tiles, largest first, per element size (float32 takes half the features per step
+# to fit shared memory). ``linear_config`` takes the first that gives the product at least
+# LINEAR_MIN_PROGRAMS programs, so that enough of them stream the weight; row tiles of 128 only
+# from 65 rows. Measured on an H100 over the Llama-3.1-8B shapes at 1, 64, 128 and 256 rows
+# (benchmarks/profile_gpu_step.py), this rule picks the fastest unsplit tile in every case.
+LINEAR_TILES = {
+    2: (LinearConfig(128, 128, 8, 3), LinearConfig(64, 128, 4, 4), LinearConfig(64, 64, 4, 4),
+        LinearConfig(64, 32, 4, 6)),
+    4: (LinearConfig(128, 128, 8, 2, 64), LinearConfig(64, 128, 4, 3, 64),
+        LinearConfig(64, 64, 4, 3, 64), LinearConfig(64, 32, 4, 4, 64)),
+}
+LINEAR_MIN_PROGRAMS = 96
+
+
+def linear_config(num_rows: int, num_outputs: int, dtype: torch.dtype) -> LinearConfig:
+    """The tile of a [num_rows, K] x [num_outputs, K].T product (see ``LINEAR_TILES``)."""
+    tiles = LINEAR_TILES[dtype.itemsize]
+    for config in tiles:
+        if config.block_m > 64 and num_rows <= 64:
+            continue
+        programs = triton.cdiv(num_rows, config.block_m) * triton.cdiv(num_outputs,
+                                                                        config.block_n)
+        if programs >= LINEAR_MIN_PROGRAMS:
+            return config
+    return tiles[-1]
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
-                   stride_os, stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    split = tl.program_id(2)
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)  # row tiles vary fastest: programs that run together share a
+    pid_n = tl.program_id(1)  # weight tile, so the weight is read from memory about once
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    k_lo = split * k_per_split
-    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):  # a fixed order of BLOCK_K steps: the row's sum
         kk = k0 + rk
         x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:  # float32 partial sums of this split: [SPLIT, M, N]
-        tl.store(out_ptr + split * stride_os + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
-                 acc, mask=mask)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _split_sum_kernel(part_ptr, b_ptr, out_ptr, M, N, stride_ps, stride_pm, stride_om,
-                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    acc = tl.load(part_ptr + row * stride_pm + cols, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):  # in split order: a fixed reduction order
-        acc += tl.load(part_ptr + s * stride_ps + row * stride_pm + cols, mask=mask, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """See ``model_ops.linear``: a fixed tile and a split of the input features that depend on
-    the weight's shape only, so each row's result is independent of the number of rows."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           config: LinearConfig | None = None) -> torch.Tensor:
+    """See ``model_ops.linear``: every output is one sum over the input features in steps of
+    ``block_k``, whatever the tile (``linear_config``, or ``config`` in benchmarks), so each row's
+    result is independent of the number of rows."""
     K = x.shape[-1]
     N = weight.shape[0]
     x2 = x.reshape(-1, K)
@@ -312,25 +324,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out.view(*x.shape[:-1], N)
-    splits = num_splits(N, K)
-    k_per_split = triton.cdiv(triton.cdiv(K, splits), LINEAR_BLOCK_K) * LINEAR_BLOCK_K
-    grid = (triton.cdiv(N, LINEAR_BLOCK_N), triton.cdiv(M, LINEAR_BLOCK_M), splits)
-    has_bias = bias is not None
-    if splits == 1:
-        _linear_kernel[grid](
-            x2, weight, bias if has_bias else weight, out, M, N, K, k_per_split, x2.stride(0),
-            weight.stride(0), 0, out.stride(0), HAS_BIAS=has_bias, SPLIT=1,
-            BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=LINEAR_BLOCK_N, BLOCK_K=LINEAR_BLOCK_K,
-            num_warps=4, num_stages=4)
-    else:
-        part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
-        _linear_kernel[grid](
-            x2, weight, weight, part, M, N, K, k_per_split, x2.stride(0), weight.stride(0),
-            part.stride(0), part.stride(1), HAS_BIAS=False, SPLIT=splits,
-            BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=LINEAR_BLOCK_N, BLOCK_K=LINEAR_BLOCK_K,
-            num_warps=4, num_stages=4)
-        block = 1024
-        _split_sum_kernel[(M, triton.cdiv(N, block))](
-            part, bias if has_bias else part, out, M, N, part.stride(0), part.stride(1),
-            out.stride(0), HAS_BIAS=has_bias, SPLIT=splits, BLOCK=block, num_warps=4)
+    cfg = config or linear_config(M, N, x.dtype)
+    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n))
+    _linear_kernel[grid](
+        x2, weight, weight if bias is None else bias, out, M, N, K, x2.stride(0),
+        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=_precision(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.view(*x.shape[:-1], N)
