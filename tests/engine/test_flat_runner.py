@@ -109,3 +109,16 @@ def test_graph_runner_pads_rows_and_reuses_static_buffers():
     assert runner.fits("double", 8) and not runner.fits("double", 9)
     with pytest.raises(ValueError, match="already captured"):
         runner.add("double", {"x": StepInput(2, torch.int64)}, step)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_fixed_batch_index_tensors_are_contiguous(loaded, batch_size):
+    """Regression: for one request, slot_ids expanded to S tokens was a stride-0 view that the
+    kernels read as contiguous, past its end (an illegal address on the GPU)."""
+    _, flat = _runners(loaded.model)
+    batch = flat.fixed_batch(torch.arange(batch_size), torch.zeros(batch_size, dtype=torch.long),
+                             2)
+    for name in ("positions", "slot_mapping", "slot_ids", "context_lens", "query_start"):
+        t = getattr(batch, name)
+        assert t.dim() == 1 and t.stride(0) == 1, name
+    assert batch.slot_mapping.tolist() == [i for i in range(batch_size) for _ in range(2)]

@@ -163,3 +163,12 @@ def test_linear_tiles_follow_the_shape_with_one_block_k():
 
 def test_model_ops_choice():
     assert model_ops.get_model_ops("cpu") is model_ops.TORCH_MODEL_OPS
+
+
+def test_strided_index_tensors_are_refused(device):
+    """An expanded (stride-0) slot mapping would be read past its end: refused up front."""
+    qkv, positions, cos, sin, cache, slot_mapping, hq, hkv = _rope_inputs(device, torch.float32)
+    strided = torch.zeros(1, dtype=torch.long, device=device).expand(6)
+    with pytest.raises(ValueError, match="slot_mapping must be a contiguous 1-D tensor"):
+        triton_model.rope_cache_write(qkv, positions, cos, sin, cache[0], cache[1], strided,
+                                      hq, hkv)

@@ -139,7 +139,8 @@ class ModelRunner:
         offsets = torch.arange(num_queries, device=self.device)
         return FlatBatch(
             positions=(starts[:, None] + offsets).view(-1),
-            slot_mapping=slot_ids[:, None].expand(B, num_queries).reshape(-1),
+            # contiguous() copies: for B = 1 the expanded view would keep stride 0
+            slot_mapping=slot_ids[:, None].expand(B, num_queries).contiguous().view(-1),
             slot_ids=slot_ids,
             context_lens=starts + num_queries,
             query_start=torch.arange(0, (B + 1) * num_queries, num_queries, device=self.device),

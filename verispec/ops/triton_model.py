@@ -112,9 +112,19 @@ def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_
             tl.store(dst + D // 2 + half, y2.to(k_cache_ptr.dtype.element_ty))
 
 
+def _check_index(**tensors: torch.Tensor) -> None:
+    """The kernels read index tensors as contiguous 1-D arrays: a strided view (an expanded
+    tensor has stride 0) would be read past its end."""
+    for name, t in tensors.items():
+        if t.dim() != 1 or (t.numel() > 1 and t.stride(0) != 1):
+            raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape "
+                             f"{tuple(t.shape)} and stride {t.stride()}")
+
+
 def rope_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
                      num_kv_heads, q_norm=None, k_norm=None, eps=1e-6) -> torch.Tensor:
     """See ``model_ops.rope_cache_write``."""
+    _check_index(positions=positions, slot_mapping=slot_mapping)
     T = qkv.shape[0]
     D = cos.shape[-1]
     q = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
@@ -225,6 +235,7 @@ def _precision(dtype: torch.dtype) -> str:
 def cache_attention(q, k_cache, v_cache, slot_ids, context_lens, query_start, max_queries,
                     scale, window=None) -> torch.Tensor:
     """See ``model_ops.cache_attention``."""
+    _check_index(slot_ids=slot_ids, context_lens=context_lens, query_start=query_start)
     T, num_heads, D = q.shape
     num_kv_heads = k_cache.shape[2]
     G = num_heads // num_kv_heads
