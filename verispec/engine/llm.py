@@ -73,6 +73,9 @@ class LLM:
     device : torch device, default ``"cpu"``
     enforce_eager : on CUDA, run every step eagerly instead of replaying captured CUDA graphs
         (vLLM's name); no effect on CPU
+    batch_invariant : on CUDA, matmuls whose rows do not depend on the batch (the default: a
+        request's tokens are the same alone or in any batch, and greedy speculation emits the
+        plain greedy tokens); False uses torch's (cuBLAS) matmul, faster for large verify steps
     """
 
     def __init__(
@@ -84,10 +87,12 @@ class LLM:
         speculative_config: SpeculativeConfig | dict | None = None,
         device: str | torch.device = "cpu",
         enforce_eager: bool = False,
+        batch_invariant: bool = True,
     ) -> None:
         parse_dtype(dtype)
-        if not isinstance(enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
+        for name, flag in (("enforce_eager", enforce_eager), ("batch_invariant", batch_invariant)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.enforce_eager = enforce_eager
         _check_positive_int("max_num_seqs", max_num_seqs)
         if max_model_len is not None:
@@ -123,7 +128,8 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         k = 0 if speculative_config is None else speculative_config.num_speculative_tokens
         self.runner = ModelRunner(self.loaded.model, max_num_seqs, max_model_len, self.device,
-                                  max_step_tokens=k + 1, enforce_eager=enforce_eager)
+                                  max_step_tokens=k + 1, enforce_eager=enforce_eager,
+                                  batch_invariant=batch_invariant)
         self.scheduler = Scheduler(max_num_seqs)
         self.sampler = Sampler()
         self.spec = None if speculative_config is None else SpeculativeDecoder(

@@ -67,6 +67,7 @@ class ModelRunner:
         self.dtype = model.embed_weight.dtype
         self.max_model_len = max_model_len
         self.flat = self.device.type == "cuda" if flat_layout is None else flat_layout
+        self.batch_invariant = batch_invariant
         self.graphs: CUDAGraphRunner | None = None
         if self.flat:
             self._init_flat(num_slots, max_step_tokens, kv_cache_dtype, enforce_eager,

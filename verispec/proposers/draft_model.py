@@ -340,7 +340,9 @@ class DraftModelProposer(ModelProposer):
         self.runner = ModelRunner(
             self.loaded.model, ctx.max_num_seqs, ctx.max_model_len, ctx.device,
             max_step_tokens=config.num_speculative_tokens + 1,
-            enforce_eager=ctx.device.type == "cuda" and target_graphs is None)
+            enforce_eager=ctx.device.type == "cuda" and target_graphs is None,
+            # drafts decide which tokens a sampled request emits: batch invariant like the target
+            batch_invariant=getattr(ctx.target_model, "batch_invariant", True))
         if target_graphs is not None and self.runner.graphs is not None:
             self.runner.graphs.pool = target_graphs.pool  # one memory pool for every capture
         self._init_buffers(ctx.max_num_seqs, self.loaded.config.vocab_size)
