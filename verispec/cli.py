@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -19,21 +20,29 @@ from verispec.sampling_params import SamplingParams
 ENGINE_FLAGS: dict[str, dict] = {
     "model": dict(default=None, help="local HF model directory or .gguf file "
                   "(default: the bundled SmolLM2-135M-Instruct)"),
-    "dtype": dict(default="bfloat16", choices=["bfloat16", "float32"]),
-    "max_model_len": dict(type=int, default=None, help="most tokens per request"),
-    "max_num_seqs": dict(type=int, default=8, help="requests running at once"),
-    "device": dict(default="cpu"),
+    "dtype": dict(default="bfloat16", choices=["bfloat16", "float32"],
+                  help="weights and activations (default: %(default)s)"),
+    "max_model_len": dict(type=int, default=None, help="most tokens per request "
+                          "(default: min(max_position_embeddings, 2048))"),
+    "max_num_seqs": dict(type=int, default=8,
+                         help="requests running at once (default: %(default)s)"),
+    "device": dict(default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)"),
+    "enforce_eager": dict(action="store_true",
+                          help="on CUDA, run every step eagerly instead of replaying the CUDA "
+                          "graphs captured at start-up (default: off)"),
 }
 # SamplingParams field -> CLI default when it differs from the dataclass default.
 SAMPLING_DEFAULTS = {"temperature": 0.0, "max_tokens": 256}
 SAMPLING_HELP = {
-    "temperature": "0 = greedy (the CLI default)",
+    "temperature": "0 = greedy",
     "top_k": "0 = off",
     "top_p": "1.0 = off",
     "min_p": "0.0 = off",
     "seed": "per-request seed (default: drawn at random)",
+    "max_tokens": "most tokens generated per request",
     "stop": "stop string (repeatable)",
     "stop_token_ids": "stop token id (repeatable)",
+    "ignore_eos": "keep generating past the EOS token (default: off)",
 }
 
 
@@ -56,9 +65,11 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
                                help=help_text)
         elif isinstance(default, bool):
             group.add_argument(flag, dest=f.name, action="store_true", help=help_text)
+        elif f.name == "seed":
+            group.add_argument(flag, dest=f.name, type=int, default=default, help=help_text)
         else:
-            kind = int if f.name == "seed" else type(default)
-            group.add_argument(flag, dest=f.name, type=kind, default=default, help=help_text)
+            group.add_argument(flag, dest=f.name, type=type(default), default=default,
+                               help=" ".join(filter(None, [help_text, "(default: %(default)s)"])))
 
 
 # SpeculativeConfig field -> (flag, options). Defaults are None so that a flag the user gave can
@@ -66,7 +77,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 SPEC_FLAGS: dict[str, tuple[str, dict]] = {
     "method": ("--speculative-method", dict(
         help="proposer, or none (default: ngram)")),
-    "num_speculative_tokens": ("--num-speculative-tokens", dict(type=int, help="k (default 3)")),
+    "num_speculative_tokens": ("--num-speculative-tokens", dict(type=int, help="k (default: 3)")),
     "model": ("--draft-model", dict(help="draft model directory or .gguf (draft_model)")),
     "num_draft_layers": ("--draft-layers", dict(type=int, help="N target layers (early_exit)")),
     "draft_sample_method": ("--draft-sample-method", dict(choices=["greedy", "probabilistic"])),
@@ -86,6 +97,8 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     for name, (flag, options) in SPEC_FLAGS.items():
         if name == "method":
             options = dict(options, choices=available_proposers() + ["none"])
+        if "choices" not in options:
+            options = dict(options, metavar=name.upper())
         group.add_argument(flag, dest="spec_" + name, default=None, **options)
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help="a vLLM speculative_config dict as JSON (instead of the flags above)")
@@ -179,22 +192,74 @@ def run_generate(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- bench
 
 
+# ``--prompts random`` without ``--num-prompts``: as many prompts as a built-in set holds.
+RANDOM_NUM_PROMPTS = 10
+
+
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default="grounded",
-                        help="built-in set (grounded, free, all) or a JSONL file of "
-                        '{"prompt": ...} lines')
-    parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
-    parser.add_argument("--batch-size", type=int, default=1)
+                        help="built-in text set (grounded, free), random (token ids drawn "
+                        "from the model's vocabulary; no tokenizer needed) or a JSONL file of "
+                        '{"prompt": "..."} or {"prompt_token_ids": [...]} lines '
+                        "(default: %(default)s)")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="use the first N prompts (default: all; "
+                        f"{RANDOM_NUM_PROMPTS} for random)")
+    parser.add_argument("--prompt-len", type=int, default=32,
+                        help="tokens per prompt of --prompts random (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="prompts per generate call (default: %(default)s)")
     parser.add_argument("--k-values", default=None,
                         help="comma-separated k to sweep (default: --num-speculative-tokens)")
-    parser.add_argument("--no-chat", action="store_true", help="prompts without chat template")
+    parser.add_argument("--no-chat", action="store_true",
+                        help="text prompts without the chat template")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
-                        help="draw per-position acceptance and speedup against k")
+                        help="draw per-position acceptance and speedup against k (matplotlib)")
     add_engine_args(parser)
     add_speculative_args(parser)
     add_sampling_args(parser)
     parser.set_defaults(max_tokens=64)
+
+
+def _check_output_file(flag: str, path: str) -> None:
+    """ValueError unless ``path`` can be written: checked before the run, not after it."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory; give a file name")
+    if not os.path.isdir(directory):
+        raise ValueError(f"{flag} {path!r}: the directory {directory!r} does not exist")
+    if not os.access(directory, os.W_OK) or (os.path.exists(path)
+                                              and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path!r} is not writable")
+
+
+def check_bench_args(args: argparse.Namespace) -> list[int] | None:
+    """Check the bench flags that need no model, each with one clear error (before any run);
+    returns the ``--k-values`` list, or None when not given."""
+    for flag, value in (("--num-prompts", args.num_prompts), ("--batch-size", args.batch_size),
+                        ("--prompt-len", args.prompt_len)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be an integer >= 1, got {value}")
+    ks = None
+    if args.k_values is not None:
+        parts = [k.strip() for k in args.k_values.split(",")]
+        if not all(k.isdigit() and int(k) >= 1 for k in parts):
+            raise ValueError(
+                f"--k-values must be comma-separated integers >= 1, got {args.k_values!r}"
+            )
+        ks = [int(k) for k in parts]
+    if args.json:
+        _check_output_file("--json", args.json)
+    if args.plot:
+        _check_output_file("--plot", args.plot)
+        try:
+            import matplotlib.figure  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "--plot needs matplotlib, which is not installed: pip install 'verispec[plot]'"
+            ) from None
+    return ks
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -202,25 +267,26 @@ def run_bench(args: argparse.Namespace) -> int:
     import json
 
     from verispec.engine.bench import run_bench as bench
-    from verispec.engine.bench_prompts import get_prompts
+    from verispec.engine.bench_prompts import RandomPrompts, get_prompts
     from verispec.engine.bench_utils import plot_acceptance_and_speedup, print_table
 
+    ks = check_bench_args(args)
     config = speculative_config(args)
     if config is None:
         raise ValueError("verispec bench compares against speculation: pick a method")
-    ks = ([int(k) for k in args.k_values.split(",")] if args.k_values
-          else [config.num_speculative_tokens])
     configs = []
-    for k in ks:
+    for k in ks or [config.num_speculative_tokens]:
         fields = {f.name: getattr(config, f.name) for f in dc.fields(config) if f.init}
         if config.is_synthetic and config.synthetic_acceptance_rates is not None and k != len(
                 config.synthetic_acceptance_rates):
             raise ValueError("--k-values cannot change k with --synthetic-acceptance-rates")
         configs.append(type(config)(**dict(fields, num_speculative_tokens=k)))
-    prompts = get_prompts(args.prompts)[: args.num_prompts]
-    if not args.no_chat:
-        prompts = [[{"role": "user", "content": p}] for p in prompts]
-    rows = bench(engine_kwargs(args), configs, prompts, sampling_params(args), args.batch_size)
+    if args.prompts == "random":
+        prompts = RandomPrompts(args.num_prompts or RANDOM_NUM_PROMPTS, args.prompt_len)
+    else:
+        prompts = get_prompts(args.prompts)[: args.num_prompts]
+    rows = bench(engine_kwargs(args), configs, prompts, sampling_params(args), args.batch_size,
+                 chat=not args.no_chat)
     columns = ["method", "k", "tokens_per_s", "speedup", "mean_acceptance_length",
                "acceptance_rate_per_pos", "predicted_speedup", "c", "verify_cost"]
     print_table([{c: r.get(c) for c in columns} for r in rows])

@@ -1,10 +1,12 @@
-"""Benchmark helpers: prompt sets, JSONL loading, the Leviathan prediction, the acceptance
-estimate, the table, the plot and the progress bar.
+"""Benchmark helpers: prompt sets, JSONL loading, random token-id prompts, the preparation of
+prompts for a model, the Leviathan prediction, the acceptance estimate, the table, the plot and
+the progress bar.
 
 Strategy: closed forms checked against the formulas of REFERENCE §10 on a grid (and exactly at
 alpha = 0 and 1), the estimate checked to recover alpha from geometric rates and from the
 counters of simulated geometric acceptance through ``SpecDecodingStats``; loaders fed good and
-bad files; the table compared as text; the plot written to a PNG and read back.
+bad files; prompt preparation run against stand-in models (with and without a tokenizer or a
+chat template); the table compared as text; the plot written to a PNG and read back.
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ import io
 import json
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from verispec.engine import bench_utils
+from verispec.engine.bench import prepare_prompts
 from verispec.engine.bench_utils import (
     FREE_PROMPTS,
     GROUNDED_PROMPTS,
+    RandomPrompts,
     estimate_acceptance_rate,
     expected_speedup,
     expected_tokens_per_step,
@@ -77,6 +82,11 @@ def test_jsonl_loading(tmp_path):
         ('{"text": "no prompt key"}', '"prompt"'),
         ('{"prompt": 3}', '"prompt"'),
         ('{"prompt": ""}', '"prompt"'),
+        ('{"prompt_token_ids": []}', '"prompt_token_ids" list of integers >= 0'),
+        ('{"prompt_token_ids": [1, -2]}', '"prompt_token_ids"'),
+        ('{"prompt_token_ids": [1, true]}', '"prompt_token_ids"'),
+        ('{"prompt_token_ids": "1 2"}', '"prompt_token_ids"'),
+        ('{"prompt": "a", "prompt_token_ids": [1]}', r"\(not both\)"),
     ],
 )
 def test_jsonl_bad_line_is_named(tmp_path, line, message):
@@ -93,6 +103,85 @@ def test_jsonl_empty_file_and_unknown_source(tmp_path):
         load_jsonl_prompts(path)
     with pytest.raises(ValueError, match=r"built-in set \['free', 'grounded'\].*'nothing\.jsonl'"):
         get_prompts("nothing.jsonl")
+
+
+def test_jsonl_token_id_prompts(tmp_path):
+    path = tmp_path / "ids.jsonl"
+    path.write_text('{"prompt_token_ids": [3, 1, 4], "id": 7}\n{"prompt": "text"}\n',
+                    encoding="utf-8")
+    assert load_jsonl_prompts(path) == [[3, 1, 4], "text"]
+
+
+# --- random token-id prompts ---
+
+
+def test_random_prompts_are_seeded_and_in_the_vocabulary():
+    prompts = RandomPrompts(num_prompts=4, prompt_len=6).token_ids(50)
+    assert len(prompts) == 4 and all(len(p) == 6 for p in prompts)
+    assert all(isinstance(t, int) and 0 <= t < 50 for p in prompts for t in p)
+    assert prompts == RandomPrompts(num_prompts=4, prompt_len=6).token_ids(50)
+    assert prompts != RandomPrompts(num_prompts=4, prompt_len=6, seed=1).token_ids(50)
+    assert len({t for p in RandomPrompts(8, 64).token_ids(50) for t in p}) == 50  # all ids reached
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"num_prompts": 0}, "num_prompts must be an integer >= 1, got 0"),
+     ({"prompt_len": 2.5}, "prompt_len must be an integer >= 1, got 2.5"),
+     ({"seed": "x"}, "seed must be an integer")],
+)
+def test_random_prompts_check_their_fields(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RandomPrompts(**kwargs)
+
+
+# --- prompts prepared for a model ---
+
+
+class _ChatTokenizer:
+    """Stands in for an HF tokenizer: one id per character, a chat template of tags."""
+
+    def __init__(self, chat_template):
+        self.chat_template = chat_template
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % 100 for c in text]
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+def _model(tokenizer=None, vocab_size=100, max_model_len=64):
+    """The attributes of an ``LLM`` that ``prepare_prompts`` reads."""
+    return SimpleNamespace(tokenizer=tokenizer, max_model_len=max_model_len,
+                           model_config=SimpleNamespace(vocab_size=vocab_size))
+
+
+def test_prepare_prompts_draws_random_ids_from_the_model_vocabulary():
+    prompts = prepare_prompts(_model(vocab_size=7), RandomPrompts(3, 5), chat=True)
+    assert prompts == RandomPrompts(3, 5).token_ids(7)
+
+
+def test_prepare_prompts_wraps_text_as_chat_only_with_a_template():
+    with_template = _model(_ChatTokenizer("{{ messages }}"))
+    assert prepare_prompts(with_template, ["hi", [1, 2]], chat=True) == [
+        [{"role": "user", "content": "hi"}], [1, 2]]
+    assert prepare_prompts(with_template, ["hi"], chat=False) == ["hi"]
+    assert prepare_prompts(_model(_ChatTokenizer(None)), ["hi"], chat=True) == ["hi"]
+
+
+@pytest.mark.parametrize(
+    ("model", "prompts", "message"),
+    [
+        (_model(), ["text", [1, 2]], "no tokenizer.*--prompts random.*prompt_token_ids"),
+        (_model(), [[1, 2], [3, 100]], r"prompt 1: .*token ids must be integers in \[0, 100\)"),
+        (_model(max_model_len=4), [[1, 2, 3, 4]], "prompt 0 has 4 tokens, but max_model_len=4"),
+        (_model(), [], "no prompts"),
+    ],
+)
+def test_prepare_prompts_refuses_what_the_model_cannot_take(model, prompts, message):
+    with pytest.raises(ValueError, match=message):
+        prepare_prompts(model, prompts, chat=True)
 
 
 # --- Leviathan prediction ---

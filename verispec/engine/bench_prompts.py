@@ -1,20 +1,26 @@
-"""Prompt sets for ``verispec bench``: built-in sets and JSONL files.
+"""Prompt sets for ``verispec bench``: built-in sets, JSONL files and random token ids.
 
-Two built-in sets, because prompt lookup pays only where the output copies the input:
+Two built-in text sets, because prompt lookup pays only where the output copies the input:
 
 - ``grounded``: the answer reuses the prompt's text (edit this code and return it, summarise or
   rewrite this passage). n-gram drafts are accepted often.
 - ``free``: open-ended stories and questions. Little to copy; speculation must not cost here.
 
-A JSONL file holds one object per line with a ``"prompt"`` string (other keys are ignored);
-blank lines are skipped.
+A JSONL file holds one object per line with either a ``"prompt"`` string or a
+``"prompt_token_ids"`` list (other keys are ignored); blank lines are skipped. Token-id prompts
+and ``RandomPrompts`` (ids drawn uniformly from the model's vocabulary) need no tokenizer.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
+from dataclasses import dataclass
 from pathlib import Path
+
+# A bench prompt: text, or token ids.
+Prompt = str | list[int]
 
 _MOVING_AVERAGE = '''def moving_average(values, window):
     if window <= 0:
@@ -170,15 +176,23 @@ def prompt_set_names() -> list[str]:
     return sorted(PROMPT_SETS)
 
 
-def load_jsonl_prompts(path: str | os.PathLike[str]) -> list[str]:
-    """Prompts from a JSONL file: one ``{"prompt": "..."}`` object per line.
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and len(value) > 0 and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    )
 
-    Blank lines are skipped and keys other than ``"prompt"`` ignored. A line that is not a JSON
-    object with a non-empty ``"prompt"`` string raises ValueError naming the file and the line;
-    a file with no prompt raises ValueError too.
+
+def load_jsonl_prompts(path: str | os.PathLike[str]) -> list[Prompt]:
+    """Prompts from a JSONL file: one ``{"prompt": "..."}`` or ``{"prompt_token_ids": [...]}``
+    object per line (text, or token ids; a file may mix them).
+
+    Blank lines are skipped and other keys ignored. A line that is not a JSON object with exactly
+    one of a non-empty ``"prompt"`` string and a non-empty ``"prompt_token_ids"`` list of
+    integers >= 0 raises ValueError naming the file and the line; a file with no prompt raises
+    ValueError too. Token ids are checked against the vocabulary once the model is loaded.
     """
     path = Path(path)
-    prompts = []
+    prompts: list[Prompt] = []
     with path.open(encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
@@ -187,19 +201,27 @@ def load_jsonl_prompts(path: str | os.PathLike[str]) -> list[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{line_number}: not valid JSON ({e.msg})") from None
-            prompt = record.get("prompt") if isinstance(record, dict) else None
-            if not isinstance(prompt, str) or not prompt:
+            record = record if isinstance(record, dict) else {}
+            text, ids = record.get("prompt"), record.get("prompt_token_ids")
+            if isinstance(text, str) and text and ids is None:
+                prompts.append(text)
+            elif _is_token_ids(ids) and text is None:
+                prompts.append(list(ids))
+            else:
                 raise ValueError(
-                    f'{path}:{line_number}: expected an object with a non-empty "prompt" '
-                    f"string, got {line.strip()[:80]!r}"
+                    f'{path}:{line_number}: expected an object with a non-empty "prompt" string '
+                    'or a non-empty "prompt_token_ids" list of integers >= 0 (not both), got '
+                    f"{line.strip()[:80]!r}"
                 )
-            prompts.append(prompt)
     if not prompts:
-        raise ValueError(f"{path}: no prompts (expected one {{\"prompt\": ...}} object per line)")
+        raise ValueError(
+            f'{path}: no prompts (expected one {{"prompt": ...}} or {{"prompt_token_ids": ...}} '
+            "object per line)"
+        )
     return prompts
 
 
-def get_prompts(source: str | os.PathLike[str]) -> list[str]:
+def get_prompts(source: str | os.PathLike[str]) -> list[Prompt]:
     """A built-in set by name (``grounded``, ``free``) or the prompts of a JSONL file."""
     if isinstance(source, str) and source in PROMPT_SETS:
         return list(PROMPT_SETS[source])
@@ -209,3 +231,32 @@ def get_prompts(source: str | os.PathLike[str]) -> list[str]:
             f"got {str(source)!r} (no such file)"
         )
     return load_jsonl_prompts(source)
+
+
+@dataclass(frozen=True)
+class RandomPrompts:
+    """``num_prompts`` prompts of ``prompt_len`` token ids drawn uniformly from [0, vocab_size).
+
+    The vocabulary size is the model's, so the ids are drawn (``token_ids``) once it is loaded.
+    Seeded: the same fields and vocabulary give the same prompts. No tokenizer is needed.
+    """
+
+    num_prompts: int = 10
+    prompt_len: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "prompt_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    def token_ids(self, vocab_size: int) -> list[list[int]]:
+        """The prompts: ``num_prompts`` lists of ``prompt_len`` ids in [0, vocab_size)."""
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
+        rng = random.Random(self.seed)
+        return [[rng.randrange(vocab_size) for _ in range(self.prompt_len)]
+                for _ in range(self.num_prompts)]
