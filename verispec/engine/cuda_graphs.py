@@ -153,7 +153,10 @@ class CUDAGraphRunner:
                                      dtype=value.dtype)
                     padded[:batch_size] = value.reshape(batch_size, -1)
                     value = padded
-                static.copy_(torch.from_numpy(value).view(static.shape), non_blocking=True)
+                host = torch.from_numpy(value).view(static.shape)
+                if static.is_cuda:  # pinned: the copy does not wait for the stream to drain
+                    host = host.pin_memory()
+                static.copy_(host, non_blocking=True)
             else:
                 static[:batch_size].copy_(value.view(batch_size, -1))
                 if batch_size < bucket:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from verispec import ops
 from verispec.config import SpeculativeConfig
 from verispec.engine import inputs
 from verispec.engine.model_runner import ModelRunner
@@ -221,7 +222,7 @@ class LLM:
 
     def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[int]:
         # The sampled token of request r occupies position num_tokens (prompt included).
-        positions = torch.tensor([r.num_tokens for r in batch], device=self.device)
+        positions = ops.to_device([r.num_tokens for r in batch], self.device)
         token_ids = self.sampler(logits, self._sampling_tensors(batch), positions)
         return token_ids.tolist()  # the step's one host sync
 

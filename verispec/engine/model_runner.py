@@ -32,6 +32,7 @@ from verispec.engine.kv_cache import KVCache
 from verispec.models import cpu_kernels
 from verispec.models.llama import AttentionMetadata, FlatBatch
 from verispec.models.rope import rope_tables
+from verispec.ops import to_device
 from verispec.ops.model_ops import get_model_ops
 
 LOGITS_MODES = ("last", "all", "none")
@@ -194,8 +195,8 @@ class ModelRunner:
             ids_in = ids
             if scatter is not None:
                 index = scatter[0] // width * num_queries + scatter[0] % width
-                ids_in = torch.from_numpy(ids).to(self.device)
-                ids_in.view(-1)[torch.from_numpy(index).to(self.device)] = scatter[1]
+                ids_in = to_device(ids, self.device)
+                ids_in.view(-1)[to_device(index, self.device)] = scatter[1]
             slots_np = np.asarray(slots, dtype=np.int64)[:, None]
             all_logits, _ = self.graphs.run(self.graph_name(num_queries, num_layers), {
                 "ids": ids_in, "slots": slots_np, "starts": starts[:, None]})
@@ -204,15 +205,15 @@ class ModelRunner:
             valid = np.arange(width)[None, :] < counts[:, None]
             query_start = np.zeros(B + 1, dtype=np.int64)
             np.cumsum(counts, out=query_start[1:])
-            flat_ids = torch.from_numpy(ids[valid]).to(self.device)
+            flat_ids = to_device(ids[valid], self.device)
             if scatter is not None:
                 index = np.cumsum(valid.reshape(-1)) - 1  # padded flat index -> flat index
-                flat_ids[torch.from_numpy(index[scatter[0]]).to(self.device)] = scatter[1]
+                flat_ids[to_device(index[scatter[0]], self.device)] = scatter[1]
             positions = (starts[:, None] + np.arange(width)[None, :])[valid]
             slot_mapping = np.repeat(np.asarray(slots, dtype=np.int64), counts)
 
             def dev(a: np.ndarray) -> torch.Tensor:
-                return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
+                return to_device(np.ascontiguousarray(a, dtype=np.int64), self.device)
 
             batch = FlatBatch(dev(positions), dev(slot_mapping), dev(np.asarray(slots)),
                               dev(starts + counts), dev(query_start), int(counts.max()),
@@ -231,11 +232,11 @@ class ModelRunner:
             rows) == 1).all()
         if all_logits is None:
             hidden = hidden[rows[0]:rows[-1] + 1] if contiguous else hidden[
-                torch.from_numpy(rows).to(self.device)]
+                to_device(rows, self.device)]
             return self.model.compute_logits(hidden, self.ops)
         if contiguous:
             return all_logits[rows[0]:rows[-1] + 1]
-        return all_logits[torch.from_numpy(rows).to(self.device)]
+        return all_logits[to_device(rows, self.device)]
 
     @torch.inference_mode()
     def verify(self, slots: list[int], last_token_ids: list[int], draft_token_ids: torch.Tensor,

@@ -46,6 +46,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from verispec import ops
 from verispec.config import SpeculativeConfig
 from verispec.engine.metrics import SpecDecodingLogger, SpecDecodingStats
 from verispec.engine.model_runner import ModelRunner
@@ -234,11 +235,11 @@ class SpeculativeDecoder:
                                            [r.last_token_id for r in batch],
                                            proposal.draft_token_ids, num_drafts)
         # Draft i of request r occupies position num_tokens + i (num_tokens counts the prompt).
-        positions = torch.tensor([r.num_tokens for r in batch], device=self.runner.device)
+        positions = ops.to_device([r.num_tokens for r in batch], self.runner.device)
         token_ids = self.rejection_sampler(
             target_logits,
             proposal.draft_token_ids.to(self.runner.device),
-            proposal.cu_num_draft_tokens.to(self.runner.device),
+            ops.to_device(proposal.cu_num_draft_tokens, self.runner.device),
             proposal.draft_probs,
             sampling,
             positions,
@@ -263,7 +264,7 @@ class SpeculativeDecoder:
         """Nobody drafted: one decode row per request, sampled as its bonus token would be."""
         proposed = time.perf_counter()
         logits = self.runner.forward([r.slot for r in batch], [[r.last_token_id] for r in batch])
-        positions = torch.tensor([r.num_tokens for r in batch], device=self.runner.device)
+        positions = ops.to_device([r.num_tokens for r in batch], self.runner.device)
         token_ids = self.sampler(logits, sampling, positions).tolist()  # the one host sync
         self.propose_time_s += proposed - start
         self.verify_time_s += time.perf_counter() - proposed

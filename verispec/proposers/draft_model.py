@@ -198,10 +198,10 @@ class ModelProposer(Proposer):
             self._draft(requests, active, slots, num_drafts[active])
         # Gather the flattened layout from the per-slot buffers: request r's drafts are
         # buffer[slot_r, 0:n_r], in the order of ``requests`` (host-built indices, no sync).
-        flat_slots = torch.from_numpy(np.repeat(slots, num_drafts[active])).to(self.device)
-        flat_pos = torch.from_numpy(
-            np.concatenate([np.arange(n) for n in num_drafts[active]] or [np.zeros(0, np.int64)])
-        ).to(self.device)
+        flat_slots = ops.to_device(np.repeat(slots, num_drafts[active]), self.device)
+        flat_pos = ops.to_device(
+            np.concatenate([np.arange(n) for n in num_drafts[active]] or [np.zeros(0, np.int64)]),
+            self.device)
         draft_token_ids = self.draft_token_buffer[flat_slots, flat_pos]  # [num_draft_tokens]
         draft_probs = None
         if self.draft_probs_buffer is not None:

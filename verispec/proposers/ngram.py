@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from verispec import ops
 from verispec.config import SpeculativeConfig
 from verispec.proposers.base import (
     DraftProposal,
@@ -120,7 +121,7 @@ class NgramProposer(Proposer):
             cu_num_draft_tokens[r + 1] = cu_num_draft_tokens[r] + draft.shape[0]
         draft_token_ids = np.concatenate(drafts) if drafts else _EMPTY  # [num_draft_tokens]
         return DraftProposal(
-            draft_token_ids=torch.from_numpy(draft_token_ids.astype(np.int64)).to(self.device),
+            draft_token_ids=ops.to_device(draft_token_ids.astype(np.int64), self.device),
             cu_num_draft_tokens=torch.from_numpy(cu_num_draft_tokens),
             draft_probs=None,
         )

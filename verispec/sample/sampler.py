@@ -44,7 +44,7 @@ class SamplingTensors:
             raise ValueError(f"need one seed per request: {len(params)} params, {len(seeds)} seeds")
 
         def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+            return ops.to_device(values, device, dtype)
 
         return cls(
             temperature=column([p.temperature for p in params], torch.float32),
