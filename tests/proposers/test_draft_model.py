@@ -350,14 +350,15 @@ def test_captured_draft_matches_eager(llama_dir, method):
     """Over simulated steps with random acceptance, the captured k-step draft (catch-up of the
     last two committed tokens) proposes what the eager drafting proposes: the same tokens and,
     for probabilistic drafting, the same q (float32, up to summation order). The first step
-    after the prompt drafts eagerly (the cache lacks the prompt)."""
+    after the prompt feeds the prompt eagerly first (but for its last two tokens), then
+    replays."""
     k = 3
     eager = draft_proposer(llama_dir, k, method)
     graph = _flat(draft_proposer(llama_dir, k, method))
     rng = random.Random(0)
     contexts = {0: [5, 9, 11, 3], 2: [7, 1, 22, 40, 41, 8, 2]}
     replays = 0
-    for _ in range(6):
+    for _ in range(6):  # the first step catches the prompt up eagerly, then replays
         requests = [Request(list(c), k, slot, temperature=0.8 if method != "greedy" else 0.0,
                             seed=slot + 10) for slot, c in contexts.items()]
         replays += graph._can_replay(requests, np.arange(2), np.array([0, 2]))
@@ -371,7 +372,7 @@ def test_captured_draft_matches_eager(llama_dir, method):
             contexts[r.slot] += drafts[:rng.randint(0, k)] + [rng.randrange(VOCAB)]
         for p in (eager, graph):
             p.on_commit(list(contexts), [len(c) for c in contexts.values()])
-    assert replays == 5
+    assert replays == 6
 
 
 def test_captured_draft_refuses_swapped_buffers(llama_dir):

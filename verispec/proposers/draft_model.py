@@ -31,9 +31,10 @@ On CUDA the whole draft of a step is one captured CUDA graph per batch bucket (`
 drafting k tokens for every request of the batch (requests planned for fewer ignore the rest;
 their cache rows are past the committed tokens and rolled back like any rejected draft). The
 graph writes the drafts, and q for probabilistic drafting, straight into the per-slot buffers,
-which therefore must stay the tensors that existed at capture (checked at every replay). A step
-in which a request's cache lacks more than two tokens (its first step after the prompt) drafts
-eagerly as above.
+which therefore must stay the tensors that existed at capture (checked at every replay). A
+request whose cache lacks more than the last two tokens (its first step after the prompt) is
+first fed the rest in one eager forward without logits; batches larger than every graph, and
+requests of a single token, draft eagerly as above.
 """
 
 from __future__ import annotations
@@ -147,11 +148,27 @@ class ModelProposer(Proposer):
                     draft_ids, slots, positions, 1, self.num_layers))
 
     def _can_replay(self, requests, active: np.ndarray, slots: np.ndarray) -> bool:
-        graphs, cache = self.runner.graphs, self.runner.kv_cache
+        """Whether the captured draft applies: graphs, a batch that fits, two committed tokens
+        per request. A cache that lacks more than the last two is first caught up eagerly
+        (``_catch_up``), so a request's first step after its prompt replays too."""
+        graphs = self.runner.graphs
         if graphs is None or not graphs.fits(self.graph_name, active.size):
             return False
-        num_tokens = np.array([len(requests[r].token_ids) for r in active])
-        return bool((num_tokens >= 2).all() and (cache.lengths_np[slots] >= num_tokens - 2).all())
+        return all(len(requests[r].token_ids) >= 2 for r in active)
+
+    def _catch_up(self, requests, active: np.ndarray, slots: np.ndarray) -> None:
+        """Feed the committed tokens before the last two that a request's cache lacks (its
+        prompt, on its first step) in one eager forward without logits."""
+        cache = self.runner.kv_cache
+        lag_slots, feeds = [], []
+        for r, slot in zip(active.tolist(), slots.tolist()):
+            context = requests[r].token_ids
+            num_cached, target = cache.length(slot), len(context) - 2
+            if num_cached < target:
+                lag_slots.append(slot)
+                feeds.append(_tail(context, num_cached)[: target - num_cached])
+        if lag_slots:
+            self.runner.forward(lag_slots, feeds, "none", self.num_layers)
 
     def _draft_replay(self, requests, active: np.ndarray, slots: np.ndarray) -> None:
         """Draft k tokens for every active request with the captured graph."""
@@ -218,6 +235,7 @@ class ModelProposer(Proposer):
         """Run the catch-up forward and n_r autoregressive steps; fill the per-slot buffers
         (replaying the captured draft where it applies)."""
         if self._can_replay(requests, active, slots):
+            self._catch_up(requests, active, slots)
             return self._draft_replay(requests, active, slots)
         cache = self.runner.kv_cache
         contexts = [requests[r].token_ids for r in active]
