@@ -64,6 +64,10 @@ class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None: run eagerly (no CUDA)
     inputs: dict[str, torch.Tensor]  # name -> [bucket, width] static
     outputs: object  # what the step returned at capture (static tensors)
+    # host copies of the inputs, pinned on CUDA (their copy to the device does not wait for the
+    # stream to drain), and the event after the last copy out of them
+    staging: dict[str, torch.Tensor] | None = None
+    copied: torch.cuda.Event | None = None
 
 
 class CUDAGraphRunner:
@@ -111,15 +115,18 @@ class CUDAGraphRunner:
         for bucket in reversed(self.buckets):
             static = {key: torch.full((bucket, spec.width), spec.pad, dtype=spec.dtype,
                                       device=self.device) for key, spec in inputs.items()}
+            staging = {key: torch.empty(t.shape, dtype=t.dtype, pin_memory=self.capture_graphs)
+                       for key, t in static.items()}
             if not self.capture_graphs:
-                captured[bucket] = _Captured(None, static, None)
+                captured[bucket] = _Captured(None, static, None, staging)
                 continue
             step(static)  # warm-up: compiles kernels, allocates library workspaces
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 outputs = step(static)
-            captured[bucket] = _Captured(graph, static, outputs)
+            captured[bucket] = _Captured(graph, static, outputs, staging,
+                                         torch.cuda.Event())
         if self.capture_graphs:
             torch.cuda.synchronize(self.device)
         self._steps[name] = captured
@@ -145,17 +152,15 @@ class CUDAGraphRunner:
         bucket = bucket_for(batch_size, self.buckets)
         captured = self._steps[name][bucket]
         specs = self._specs[name]
+        if captured.copied is not None:
+            captured.copied.synchronize()  # the last copy out of the staging buffers is done
         for key, static in captured.inputs.items():
             value = rows[key]
             if isinstance(value, np.ndarray):
-                if batch_size < bucket:
-                    padded = np.full((bucket, static.shape[1]), specs[key].pad,
-                                     dtype=value.dtype)
-                    padded[:batch_size] = value.reshape(batch_size, -1)
-                    value = padded
-                host = torch.from_numpy(value).view(static.shape)
-                if static.is_cuda:  # pinned: the copy does not wait for the stream to drain
-                    host = host.pin_memory()
+                host = captured.staging[key]
+                host_np = host.numpy()
+                host_np[:batch_size] = value.reshape(batch_size, -1)
+                host_np[batch_size:] = specs[key].pad
                 static.copy_(host, non_blocking=True)
             else:
                 static[:batch_size].copy_(value.view(batch_size, -1))
@@ -163,6 +168,7 @@ class CUDAGraphRunner:
                     static[batch_size:].fill_(specs[key].pad)
         if captured.graph is None:
             return self._step_fns[name](captured.inputs), bucket
+        captured.copied.record()
         captured.graph.replay()
         return captured.outputs, bucket
 
