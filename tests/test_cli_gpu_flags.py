@@ -131,3 +131,13 @@ def test_plot_without_matplotlib_is_refused_before_any_run(tmp_path, monkeypatch
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     assert cli.main(["bench", "--plot", str(tmp_path / "plot.png")]) == 2
     assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_batch_invariant_flag_maps_onto_llm_argument():
+    parser = cli.build_parser()
+    for command in ("generate", "bench"):
+        prompt = ["hi"] if command == "generate" else []
+        args = parser.parse_args([command, *prompt])
+        assert cli.engine_kwargs(args)["batch_invariant"] is True
+        args = parser.parse_args([command, *prompt, "--no-batch-invariant"])
+        assert cli.engine_kwargs(args)["batch_invariant"] is False

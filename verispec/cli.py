@@ -30,6 +30,10 @@ ENGINE_FLAGS: dict[str, dict] = {
     "enforce_eager": dict(action="store_true",
                           help="on CUDA, run every step eagerly instead of replaying the CUDA "
                           "graphs captured at start-up (default: off)"),
+    "batch_invariant": dict(action=argparse.BooleanOptionalAction, default=True,
+                            help="on CUDA, matmuls whose rows do not depend on the batch, so a "
+                            "request's tokens are the same alone or in any batch; "
+                            "--no-batch-invariant uses cuBLAS (default: on)"),
 }
 # SamplingParams field -> CLI default when it differs from the dataclass default.
 SAMPLING_DEFAULTS = {"temperature": 0.0, "max_tokens": 256}
