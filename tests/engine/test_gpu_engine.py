@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.proposers.test_draft_model import Request, save_llama
 from verispec import LLM, SamplingParams
 
 pytestmark = [
@@ -27,17 +28,8 @@ VOCAB = 512
 
 
 def _save(path, layers: int, hidden: int, seed: int) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).eval().save_pretrained(path)
-    return str(path)
+    return save_llama(path, num_layers=layers, vocab_size=VOCAB, seed=seed, hidden_size=hidden,
+                      initializer_range=0.1, max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +87,6 @@ def test_request_alone_equals_request_in_a_batch(dirs, params):
 def test_captured_draft_writes_tokens_and_probs(dirs):
     """The captured k-step draft equals the eager draft (tokens and q), and a draft-probs buffer
     swapped after capture is refused, not silently left unwritten."""
-    from tests.proposers.test_draft_model import Request
-
     llm = LLM(dirs[0], device="cuda", max_num_seqs=4, dtype="float32",
               speculative_config=_spec(dirs, "draft_model", "probabilistic"))
     proposer = llm.spec.proposer

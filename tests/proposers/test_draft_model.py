@@ -46,17 +46,20 @@ class Request:
     seed: int = 0
 
 
-def save_llama(path, *, num_layers: int = 3, vocab_size: int = VOCAB, seed: int = 0) -> str:
+def save_llama(path, *, num_layers: int = 3, vocab_size: int = VOCAB, seed: int = 0,
+               hidden_size: int = 32, initializer_range: float = 0.2,
+               max_position_embeddings: int = 256) -> str:
     """A tiny random Llama (fp32). initializer_range 0.2 makes every layer matter and the
     logits spread (std ~1), so argmax near-ties are rare and the first layers disagree with
     the full model."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.2,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5,
+        initializer_range=initializer_range, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2,
     )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).eval().save_pretrained(path)

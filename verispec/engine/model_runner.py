@@ -114,7 +114,7 @@ class ModelRunner:
         return f"forward_s{num_queries}" + ("" if num_layers is None else f"_l{num_layers}")
 
     @torch.inference_mode()
-    def capture(self, query_counts, num_layers: int | None = None, pool=None) -> None:
+    def capture(self, query_counts, num_layers: int | None = None) -> None:
         """Capture the forward for every batch bucket and each number of new tokens per request
         in ``query_counts`` (1 = decode, k + 1 = verify); no-op without graphs."""
         if self.graphs is None:
@@ -228,8 +228,7 @@ class ModelRunner:
             rows = row_start + counts - 1
         else:
             rows = np.concatenate([s + np.arange(n) for s, n in zip(row_start, counts)])
-        contiguous = rows.size and rows[-1] - rows[0] == rows.size - 1 and (np.diff(
-            rows) == 1).all()
+        contiguous = rows[-1] - rows[0] == rows.size - 1  # rows are increasing
         if all_logits is None:
             hidden = hidden[rows[0]:rows[-1] + 1] if contiguous else hidden[
                 to_device(rows, self.device)]

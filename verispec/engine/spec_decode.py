@@ -171,6 +171,9 @@ class SpeculativeDecoder:
         capture = getattr(self.proposer, "capture", None)
         if capture is not None:
             capture()
+            draft_graphs = getattr(getattr(self.proposer, "runner", None), "graphs", None)
+            if draft_graphs is not None and draft_graphs is not self.runner.graphs:
+                draft_graphs.log_summary("draft")
         costs = measured_costs(self.runner, self.proposer, self.k)
         if costs is not None:
             self.costs = costs

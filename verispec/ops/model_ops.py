@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -163,6 +162,3 @@ def get_model_ops(device: torch.device | str, batch_invariant: bool = True) -> M
         return triton_model_ops(batch_invariant)
     return TORCH_MODEL_OPS
 
-
-def softmax_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
