@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from tests.models.utils import copy_bundled_tokenizer, requires_bundled, save_tiny_model
 from verispec import LLM, SamplingParams
@@ -223,3 +224,13 @@ def test_speculative_config_is_stored(model_dir):
     llm = LLM(model_dir, max_model_len=32, max_num_seqs=1,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert llm.speculative_config.num_speculative_tokens == 2
+
+
+@pytest.mark.parametrize("device", ["meta", "cuda", "cuda:7", "nonsense"])
+def test_devices_that_cannot_run_are_refused_at_construction(device):
+    """One ValueError naming the value, before any model is loaded (a CPU-only machine has no
+    CUDA; 'meta' cannot run; 'cuda:7' does not exist here)."""
+    if device.startswith("cuda") and torch.cuda.is_available() and device == "cuda":
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match=f"device.*{device}"):
+        LLM("/nonexistent/model/dir", device=device)
