@@ -147,6 +147,28 @@ def test_stream_matches_generate(llm):
     assert chunks[-1].finish_reason == final.finish_reason
 
 
+def test_streams_end_with_their_final_output_whatever_interleaves(llm):
+    """Regression: a stream whose request finished during another stream's step, or during a
+    generate() call made while it was open, ended without its final output (finish_reason None,
+    tokens missing)."""
+    p = SamplingParams(temperature=0, max_tokens=4)
+    expected = llm.generate([5, 6, 7], p)[0].token_ids
+    short = llm.generate_stream([5, 6, 7], p)
+    long = llm.generate_stream([9, 8], SamplingParams(temperature=0, max_tokens=12))
+    next(short)
+    for _ in range(6):  # the long stream's steps finish the short request
+        next(long)
+    rest = list(short)
+    assert rest and rest[-1].finish_reason == "length" and rest[-1].token_ids == expected
+    other = llm.generate_stream([5, 6, 7], p)
+    next(other)
+    llm.generate([4, 4], SamplingParams(temperature=0, max_tokens=8))  # runs `other` to its end
+    last = list(other)[-1]
+    assert last.finish_reason == "length" and last.token_ids == expected
+    assert list(long)[-1].finish_reason == "length"
+    assert not llm.scheduler.has_unfinished
+
+
 def test_stream_stopped_early_releases_its_slot(llm):
     stream = llm.generate_stream([5, 6, 7], SamplingParams(temperature=0, max_tokens=30))
     next(stream)

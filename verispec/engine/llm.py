@@ -338,10 +338,17 @@ class LLM:
         self.scheduler.add(request)
         shown = ""
         try:
-            while not request.finished:
-                self.step()
+            while True:
+                # Another stream's step or a generate() call may have run (and finished) this
+                # request since the last yield: step only while it runs, and always end with
+                # its final output.
+                if not request.finished:
+                    self.step()
                 output = self._output(request)
-                if output.text != shown or request.finished:
+                if request.finished:
+                    yield output
+                    return
+                if output.text != shown:
                     shown = output.text
                     yield output
         finally:  # the consumer may stop early: release the request's slot
