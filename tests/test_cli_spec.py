@@ -30,11 +30,14 @@ def test_every_flag_maps_onto_its_field():
     config = cli.speculative_config(parse(
         "--speculative-method", "draft_model", "--num-speculative-tokens", "4",
         "--draft-model", "/m", "--draft-sample-method", "probabilistic",
-        "--prompt-lookup-min", "2", "--prompt-lookup-max", "3",
     ))
     assert (config.method, config.num_speculative_tokens, config.model) == ("draft_model", 4, "/m")
     assert config.draft_sample_method == "probabilistic"
+    config = cli.speculative_config(parse("--prompt-lookup-min", "2", "--prompt-lookup-max", "3"))
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (2, 3)
+    with pytest.raises(ValueError, match="'draft_model' does not use prompt_lookup_min=2"):
+        cli.speculative_config(parse("--speculative-method", "draft_model", "--draft-model",
+                                     "/m", "--prompt-lookup-min", "2"))
     config = cli.speculative_config(parse("--speculative-method", "early_exit",
                                           "--draft-layers", "6"))
     assert config.num_draft_layers == 6
@@ -63,7 +66,7 @@ def test_json_config_and_its_errors():
 def test_bad_flag_value_is_one_clear_line(capsys):
     assert cli.main(["generate", "hi", "--num-speculative-tokens", "0"]) == 2
     err = capsys.readouterr().err
-    assert "num_speculative_tokens must be an integer >= 1, got 0" in err
+    assert "num_speculative_tokens must be an integer in [1, 32]" in err and "got 0" in err
     assert "Traceback" not in err
 
 

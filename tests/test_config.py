@@ -146,3 +146,25 @@ def test_from_dict_accepts_vllm_keys_and_rejects_unknown():
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['num_spec_tokens'\]"):
         SpeculativeConfig.from_dict({"num_spec_tokens": 3})
     assert SpeculativeConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_num_speculative_tokens_has_a_sane_cap():
+    """Regression: k = 1000 was accepted and allocated a k x V buffer per slot."""
+    from verispec.config import MAX_SPECULATIVE_TOKENS
+
+    SpeculativeConfig(num_speculative_tokens=MAX_SPECULATIVE_TOKENS)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer in"):
+        SpeculativeConfig(num_speculative_tokens=1000)
+
+
+@pytest.mark.parametrize("method, key, value", [
+    ("ngram", "model", "some/dir"),
+    ("ngram", "draft_sample_method", "probabilistic"),
+    ("ngram", "num_draft_layers", 4),
+    ("draft_model", "prompt_lookup_max", 3),
+    ("early_exit", "model", "some/dir"),
+])
+def test_keys_the_method_does_not_use_are_refused(method, key, value):
+    """Regression: ``model`` with ``ngram`` was silently ignored."""
+    with pytest.raises(ValueError, match=f"{method!r} does not use {key}="):
+        SpeculativeConfig(method=method, **{key: value})

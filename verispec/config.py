@@ -79,6 +79,18 @@ def _check_rates(rates: Any, k: int) -> list[float]:
     return [float(a) for a in rates]
 
 
+# The most draft tokens per step (k); EAGLE-style and draft-model proposers use up to ~10.
+MAX_SPECULATIVE_TOKENS = 32
+# Method-specific keys (with their defaults) and the methods that use them.
+METHOD_KEYS_DEFAULTS = {"model": None, "prompt_lookup_min": None, "prompt_lookup_max": None,
+                        "num_draft_layers": None, "draft_sample_method": "greedy"}
+METHOD_KEYS = {
+    "ngram": {"prompt_lookup_min", "prompt_lookup_max"},
+    "draft_model": {"model", "draft_sample_method"},
+    "early_exit": {"num_draft_layers", "draft_sample_method"},
+}
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding settings, named as vLLM's ``speculative_config``.
@@ -105,11 +117,13 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}] "
+                f"(each slot keeps k draft rows, k x vocab_size floats when probabilistic), "
+                f"got {k!r}")
         if not isinstance(self.method, str) or not self.method:
             raise ValueError(f"method must be a proposer name, got {self.method!r}")
-        self._check_prompt_lookup()
         if self.rejection_sample_method not in REJECTION_SAMPLE_METHODS:
             raise ValueError(
                 f"rejection_sample_method must be one of {REJECTION_SAMPLE_METHODS}, "
@@ -128,7 +142,22 @@ class SpeculativeConfig:
             raise ValueError(
                 f"num_draft_layers must be an integer >= 1, got {self.num_draft_layers!r}"
             )
+        self._check_method_keys()  # before the prompt lookup's derived defaults are filled in
+        self._check_prompt_lookup()
         self._check_synthetic()
+
+    def _check_method_keys(self) -> None:
+        """A key the method does not use is an error, not silently ignored (methods registered
+        elsewhere are not checked)."""
+        given = [name for name in METHOD_KEYS_DEFAULTS
+                 if getattr(self, name) != METHOD_KEYS_DEFAULTS[name]]
+        used = METHOD_KEYS.get(self.method)
+        unused = [name for name in given if used is not None and name not in used]
+        if unused:
+            raise ValueError(
+                f"speculative method {self.method!r} does not use "
+                + ", ".join(f"{name}={getattr(self, name)!r}" for name in unused)
+                + f"; it takes {sorted(used) or 'none of the method-specific keys'}")
 
     def _check_prompt_lookup(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max

@@ -256,3 +256,22 @@ def test_devices_that_cannot_run_are_refused_at_construction(device):
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match=f"device.*{device}"):
         LLM("/nonexistent/model/dir", device=device)
+
+
+def test_numpy_and_float_token_ids_are_one_prompt(llm):
+    """numpy integers are token ids (one prompt); floats are one error for the prompt, not a
+    batch of per-token errors."""
+    import numpy as np
+
+    p = SamplingParams(temperature=0, max_tokens=3)
+    expected = llm.generate([5, 6, 7], p)[0].token_ids
+    assert llm.generate([np.int64(5), np.int32(6), np.int64(7)], p)[0].token_ids == expected
+    assert llm.generate(np.array([5, 6, 7]), p)[0].token_ids == expected
+    with pytest.raises(ValueError, match=r"must be integers in \[0, .*3\.0"):
+        llm.generate([5, 6, 3.0], p)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(llm):
+    vocab_size = llm.model_config.vocab_size
+    with pytest.raises(ValueError, match=f"stop_token_ids \\[{vocab_size}\\] are outside"):
+        llm.generate([5, 6], SamplingParams(max_tokens=3, stop_token_ids=[vocab_size]))

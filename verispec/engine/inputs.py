@@ -8,17 +8,30 @@ token-id prompt and a list of dicts one conversation; any other list is a batch.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from verispec.sampling_params import SamplingParams
 
 
+def _is_number(value: Any) -> bool:
+    """A token id candidate: a Python or numpy number (bools are not)."""
+    return isinstance(value, numbers.Number) and not isinstance(value, (bool, np.bool_))
+
+
 def is_single_prompt(prompts: Any) -> bool:
+    """One prompt (a string, a list of numbers, a 1-D numpy array, a list of chat messages) or
+    a batch. A list of numbers is one prompt even where some are not valid token ids (numpy
+    integers, floats): it then fails as one prompt, not as a batch of per-token errors."""
     if isinstance(prompts, str):
         return True
+    if isinstance(prompts, np.ndarray):
+        return prompts.ndim == 1
     if isinstance(prompts, (list, tuple)) and prompts:
-        return all(isinstance(p, int) for p in prompts) or all(isinstance(p, dict) for p in prompts)
+        return all(_is_number(p) for p in prompts) or all(isinstance(p, dict) for p in prompts)
     return False
 
 
@@ -47,16 +60,18 @@ def encode_prompt(prompt: Any, tokenizer, vocab_size: int) -> tuple[str | None, 
         text = apply_chat_template(tokenizer, prompt)
         # The template writes the special tokens itself (BOS included where the model uses one).
         ids = tokenizer.encode(text, add_special_tokens=False)
-    elif isinstance(prompt, (list, tuple)):
-        if not prompt:
+    elif isinstance(prompt, (list, tuple, np.ndarray)):
+        if len(prompt) == 0:
             raise ValueError("prompt is empty")
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)
-               or not 0 <= t < vocab_size]
+        # numpy integers are token ids too; floats, bools and out-of-range values are not
+        bad = [t for t in prompt if not isinstance(t, numbers.Integral)
+               or isinstance(t, (bool, np.bool_)) or not 0 <= t < vocab_size]
         if bad:
             raise ValueError(
-                f"prompt token ids must be integers in [0, {vocab_size}), got {bad[:5]!r}"
+                f"prompt token ids must be integers in [0, {vocab_size}), got "
+                f"{[t.item() if isinstance(t, np.generic) else t for t in bad[:5]]!r}"
             )
-        ids, text = list(prompt), None
+        ids, text = [int(t) for t in prompt], None
     else:
         raise ValueError(
             "prompt must be a string, a list of token ids or a list of chat messages, "

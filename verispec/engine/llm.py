@@ -152,7 +152,12 @@ class LLM:
     def _make_request(self, prompt: Any, params: Any) -> Request:
         """A validated request; ValueError naming the cause otherwise."""
         params = inputs.as_sampling_params(params)
-        text, ids = inputs.encode_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
+        vocab_size = self.model_config.vocab_size
+        outside = [t for t in params.stop_token_ids if t >= vocab_size]
+        if outside:
+            raise ValueError(f"stop_token_ids {outside[:5]!r} are outside the model's vocabulary "
+                             f"[0, {vocab_size})")
+        text, ids = inputs.encode_prompt(prompt, self.tokenizer, vocab_size)
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens, but max_model_len={self.max_model_len} leaves no "
