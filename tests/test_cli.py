@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from tests.models.utils import requires_bundled
+from verispec import cli
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -48,3 +49,19 @@ def test_generate_on_bundled_model():
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert "tokens/s" in result.stderr
+
+
+def test_empty_prompt_and_ctrl_c_are_one_line(capsys, monkeypatch):
+    """An empty prompt is refused before any model loads; Ctrl-C prints one line (exit 130),
+    not a traceback."""
+    assert cli.main(["generate", "  "]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the prompt is empty" in err
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.COMMANDS, "generate", (*cli.COMMANDS["generate"][:2], interrupted))
+    assert cli.main(["generate", "hi"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err and err.strip().count("\n") == 0

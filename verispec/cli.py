@@ -168,6 +168,8 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     from verispec.engine.llm import LLM
 
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty: give the text to generate from")
     params = sampling_params(args)
     llm = LLM(**engine_kwargs(args), speculative_config=speculative_config(args))
     chat = not args.no_chat and getattr(llm.tokenizer, "chat_template", None)
@@ -339,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"verispec {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's exit status for SIGINT
+        print(f"\nverispec {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

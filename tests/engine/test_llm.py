@@ -227,6 +227,9 @@ def test_load_errors(tmp_path, model_dir):
     )
     with pytest.raises(ValueError, match=r"unsupported architecture.*LlamaForCausalLM"):
         LLM(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],\n  oops}')
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON: .* at line 2"):
+        LLM(str(tmp_path))
     import shutil
 
     shutil.copy(f"{model_dir}/config.json", tmp_path / "config.json")

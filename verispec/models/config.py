@@ -123,4 +123,11 @@ def read_hf_config(model_dir: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ValueError(f"model directory {model_dir!r} has no config.json")
     with open(path) as f:
-        return json.load(f)
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column "
+                             f"{e.colno}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    return config
