@@ -9,6 +9,7 @@ cause, and a bad request in a batch does not stop the others.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -217,7 +218,8 @@ def test_bad_request_in_batch_does_not_stop_others(llm):
     assert len(outs[0].token_ids) == 5 and outs[1].token_ids == []
 
 
-def test_load_errors(tmp_path, model_dir):
+def test_load_errors(tmp_path, model_dir, monkeypatch):
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))  # GGUF conversions go here
     with pytest.raises(ValueError, match="not a local directory"):
         LLM(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="no config.json"):
@@ -235,6 +237,17 @@ def test_load_errors(tmp_path, model_dir):
     shutil.copy(f"{model_dir}/config.json", tmp_path / "config.json")
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         LLM(str(tmp_path))
+    weights = next(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    with open(f"{model_dir}/{weights}", "rb") as f:
+        data = f.read()
+    for content in (data[: len(data) // 2], b"garbage" * 9):  # truncated, not safetensors
+        (tmp_path / "model.safetensors").write_bytes(content)
+        with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors"):
+            LLM(str(tmp_path))
+    for content in (b"GGUF\x03\x00\x00\x00" + b"garbage" * 5, b"notgguf" * 10):
+        (tmp_path / "model.gguf").write_bytes(content)
+        with pytest.raises(ValueError, match="model.gguf is not a readable GGUF file"):
+            LLM(str(tmp_path / "model.gguf"))
     with pytest.raises(ValueError, match="dtype"):
         LLM(model_dir, dtype="float64")
     with pytest.raises(ValueError, match="max_num_seqs"):

@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import tempfile
 
 import numpy as np
@@ -116,7 +117,11 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     import torch
     from safetensors.torch import save_file
 
-    reader = gguf.GGUFReader(gguf_path)
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+    except (ValueError, IndexError, OSError, struct.error) as e:  # the gguf package's errors
+        raise ValueError(f"{gguf_path} is not a readable GGUF file ({type(e).__name__}: {e}); "
+                         "it may be truncated or corrupt") from None
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(

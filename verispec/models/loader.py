@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from verispec.models.config import ModelConfig, read_hf_config
 from verispec.models.registry import resolve_architecture
@@ -78,10 +78,16 @@ def _safetensors_files(model_dir: str) -> list[str]:
 
 
 def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the directory's safetensors files; a truncated or
+    garbage file is a ValueError naming it and what is wrong."""
     for path in _safetensors_files(model_dir):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{path} is not a readable safetensors file ({e}); it may be "
+                             "truncated or corrupt") from None
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
