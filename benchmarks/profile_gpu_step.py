@@ -12,6 +12,7 @@ the achieved bandwidth; whether row 0 of a product is bit-identical at 1, 8, 64 
 
     python benchmarks/profile_gpu_step.py                # on the GPU machine
     python benchmarks/profile_gpu_step.py --layers 4     # a shallower model, quicker
+    python benchmarks/profile_gpu_step.py --shape 1b     # the draft model's shapes
 """
 
 from __future__ import annotations
@@ -40,6 +41,21 @@ def llama8b(layers: int) -> ModelConfig:
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_position_embeddings=8192),
     )
+
+
+def llama1b(layers: int) -> ModelConfig:
+    """The Llama-3.2-1B shape (the end-to-end benchmark's draft model)."""
+    return ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=2048,
+        intermediate_size=8192, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+        max_position_embeddings=131072, tie_word_embeddings=True,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=8192),
+    )
+
+
+SHAPES = {"8b": (llama8b, 32), "1b": (llama1b, 16)}
 
 
 def random_model(config: ModelConfig, device) -> LlamaForCausalLM:
@@ -114,6 +130,13 @@ def graph_time(fn, calls: int) -> float:
     return time_fn(graph.replay) / calls
 
 
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """[N, K] of each matmul of a layer, and the LM head."""
+    H, inter = config.hidden_size, config.intermediate_size
+    return {"qkv": (config.q_size + 2 * config.kv_size, H), "o": (H, config.q_size),
+            "gate_up": (2 * inter, H), "down": (H, inter), "lm_head": (config.vocab_size, H)}
+
+
 SWEEP = [(64, 32, 4, 6), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 8, 3),
          (128, 256, 8, 2), (128, 128, 4, 3)]
 
@@ -124,10 +147,7 @@ def sweep_rows(config: ModelConfig, bandwidth: float, device) -> list[dict]:
     from verispec.ops import triton_model
     from verispec.ops.triton_model import LinearConfig
 
-    H, inter, V = config.hidden_size, config.intermediate_size, config.vocab_size
-    q = config.q_size + 2 * config.kv_size
-    shapes = {"qkv": (q, H), "o": (H, config.q_size), "gate_up": (2 * inter, H),
-              "down": (H, inter), "lm_head": (V, H)}
+    shapes = weight_shapes(config)
     rows = []
     for name, (N, Kd) in shapes.items():
         copies = max(1, -(-400 * 2**20 // (N * Kd * 2)))
@@ -165,10 +185,7 @@ def linear_rows(config: ModelConfig, bandwidth: float, device) -> tuple[list[dic
     the weight that L2 cannot hold them."""
     from verispec.ops import triton_model
 
-    H, inter, V = config.hidden_size, config.intermediate_size, config.vocab_size
-    q = config.q_size + 2 * config.kv_size
-    shapes = {"qkv": (q, H), "o": (H, config.q_size), "gate_up": (2 * inter, H),
-              "down": (H, inter), "lm_head": (V, H)}
+    shapes = weight_shapes(config)
     rows, invariant = [], {}
     for name, (N, Kd) in shapes.items():
         copies = max(1, -(-400 * 2**20 // (N * Kd * 2)))
@@ -225,16 +242,20 @@ def print_rows(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b",
+                        help="Llama-3.1-8B (the target) or Llama-3.2-1B (the draft) shapes")
+    parser.add_argument("--layers", type=int, default=None, help="default: the shape's")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
     args = parser.parse_args(argv)
     device = torch.device("cuda")
-    config = llama8b(args.layers)
+    make_config, default_layers = SHAPES[args.shape]
+    config = make_config(args.layers or default_layers)
     model = random_model(config, device)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = copy_bandwidth(device)
     floor_s = weight_bytes / bandwidth
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+    print(f"{args.shape}, {config.num_hidden_layers} layers; "
+          f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
           f"weights {weight_bytes / 1e9:.2f} GB, floor {floor_s * 1e3:.2f} ms per step")
     steps = []
     for batch_invariant in (True, False):
