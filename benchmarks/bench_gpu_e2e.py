@@ -381,6 +381,33 @@ def graph_info(llm) -> dict:
     return info
 
 
+def graph_costs(llm, batch_sizes) -> list[dict]:
+    """Device milliseconds of one replay of the target's decode and verify graphs and of the
+    draft graph (k forwards) per batch size (empty without graphs)."""
+    runner, proposer = llm.runner, llm.spec.proposer
+    graphs, draft_graphs = runner.graphs, proposer.runner.graphs
+    if graphs is None or not graphs.capture_graphs or not draft_graphs.has(proposer.graph_name):
+        return []
+    return [dict(B=b, decode_graph_ms=1e3 * graphs.time_step(runner.graph_name(1), b),
+                 verify_graph_ms=1e3 * graphs.time_step(runner.graph_name(K + 1), b),
+                 draft_graph_ms=1e3 * draft_graphs.time_step(proposer.graph_name, b))
+            for b in batch_sizes]
+
+
+def step_rows(runs: dict, costs: list[dict]) -> list[dict]:
+    """Where a speculative step goes: its wall time against the graphs it replays; the rest is
+    the host's work between graphs (and the rejection sampler)."""
+    rows = []
+    for cost in costs:
+        spec, plain = runs[f"b{cost['B']} draft"], runs[f"b{cost['B']} plain"]
+        step_ms = 1e3 * spec["decode_s"] / max(spec["spec_steps"], 1)
+        plain_ms = 1e3 * plain["decode_s"] / max(plain["decode_steps"], 1)
+        rows.append(dict(cost, plain_step_ms=plain_ms,
+                         plain_rest_ms=plain_ms - cost["decode_graph_ms"], spec_step_ms=step_ms,
+                         spec_rest_ms=step_ms - cost["verify_graph_ms"] - cost["draft_graph_ms"]))
+    return rows
+
+
 def engine_summary(name: str, llm, startup_s: float, device: torch.device) -> dict:
     peak = peak_memory(device)
     return dict(engine=name, startup_s=startup_s,
@@ -417,6 +444,7 @@ def run_engines(dirs: dict, device: torch.device, lengths: dict, vocab_size: int
     warm_up(llm, batch)
     timed(llm, "b1 draft")
     timed(llm, f"b{BATCH} draft")
+    costs = graph_costs(llm, (1, BATCH))
     engines.append(engine_summary("draft", llm, startup, device))
     del llm
     free_memory(device)
@@ -429,7 +457,7 @@ def run_engines(dirs: dict, device: torch.device, lengths: dict, vocab_size: int
     del llm
     free_memory(device)
     return dict(runs=runs, engines=engines, kernels=kernels, determinism=checks,
-                prompt=prompt, b1_token_ids=token_ids["b1 plain"][0])
+                graph_costs=costs, prompt=prompt, b1_token_ids=token_ids["b1 plain"][0])
 
 
 # ----------------------------------------------------------------- HF transformers
@@ -546,6 +574,10 @@ def print_report(result: dict) -> None:
     print_table(draft, ["run", "plain_step_ms", "spec_steps", "propose_cost", "verify_cost",
                         "accept_len", "predicted", "speedup", "measured_x_predicted"], ".3f")
     print()
+    if result["steps"]:
+        print("where a step goes (ms; rest = wall - graphs: host work and the sampler):")
+        print_table(result["steps"], float_format=".3f")
+        print()
     print_table(result["eager"], float_format=".2f")
     print()
     print("per engine (peak GPU memory since its start; n/a: not on this device or not exposed):")
@@ -615,7 +647,8 @@ def run(args: argparse.Namespace, workdir: str) -> dict:
         draft_weight_bytes=weight_bytes(dirs["draft"]), roofline_step_ms=1e3 * step_s,
         roofline_tok_s_b1=1 / step_s, roofline_tok_s_batch=BATCH / step_s, batch=BATCH, k=K,
         synthetic_acceptance_length=ACCEPTANCE_LENGTH, lengths=lengths, runs=runs,
-        eager=eager_rows(runs), engines=engine["engines"], kernels=engine["kernels"],
+        eager=eager_rows(runs), steps=step_rows(runs, engine["graph_costs"]),
+        engines=engine["engines"], kernels=engine["kernels"],
         determinism=engine["determinism"], hf=hf,
         goals=goal_rows(runs, hf, engine["determinism"]))
 

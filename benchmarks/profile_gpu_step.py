@@ -56,6 +56,7 @@ def llama1b(layers: int) -> ModelConfig:
 
 
 SHAPES = {"8b": (llama8b, 32), "1b": (llama1b, 16)}
+PARTS = ("steps", "linears", "sweep", "kernels")
 
 
 def random_model(config: ModelConfig, device) -> LlamaForCausalLM:
@@ -137,13 +138,20 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
             "gate_up": (2 * inter, H), "down": (H, inter), "lm_head": (config.vocab_size, H)}
 
 
-SWEEP = [(64, 32, 4, 6), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 8, 3),
-         (128, 256, 8, 2), (128, 128, 4, 3)]
+SWEEP = [(16, 16, 4, 8), (16, 32, 4, 6), (16, 64, 4, 4), (16, 128, 4, 4), (32, 32, 4, 6),
+         (64, 16, 4, 6), (64, 32, 4, 6), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4),
+         (128, 128, 8, 3), (128, 256, 8, 2), (128, 128, 4, 3),
+         # 64 features per step: the same sum if the tensor cores add 16-feature slices in
+         # order whatever block_k (same_bits says whether they do)
+         (128, 256, 8, 3, 64), (128, 128, 8, 4, 64), (128, 128, 4, 4, 64), (64, 256, 8, 3, 64),
+         (256, 128, 8, 3, 64), (64, 128, 4, 5, 64)]
 
 
-def sweep_rows(config: ModelConfig, bandwidth: float, device) -> list[dict]:
-    """Tiles (block_k 128, so every row's sum is the same) at 1, 64, 128 and 256 rows:
-    the fastest per weight shape and row count decides ``triton_model.LINEAR_TILES``."""
+def sweep_rows(config: ModelConfig, bandwidth: float, device,
+               row_counts=(1, 16, 64, 128, 256)) -> list[dict]:
+    """Tiles (block_k 128, so every row's sum is the same) at 1, 16, 64, 128 and 256 rows:
+    the fastest per weight shape and row count decides ``triton_model.LINEAR_TILES``;
+    ``same_bits``: row 0 equals row 0 of the one-row product with ``linear_config``'s tile."""
     from verispec.ops import triton_model
     from verispec.ops.triton_model import LinearConfig
 
@@ -154,7 +162,8 @@ def sweep_rows(config: ModelConfig, bandwidth: float, device) -> list[dict]:
         ws = [torch.randn(N, Kd, device=device, dtype=torch.bfloat16) * 0.02
               for _ in range(copies)]
         x = torch.randn(256, Kd, device=device, dtype=torch.bfloat16)
-        for M in (1, 64, 128, 256):
+        reference = triton_model.linear(x[:1], ws[0])[0]
+        for M in row_counts:
             best = None
             for tile in SWEEP:
                 cfg = LinearConfig(*tile)
@@ -164,8 +173,9 @@ def sweep_rows(config: ModelConfig, bandwidth: float, device) -> list[dict]:
                 except Exception as e:  # out of shared memory and the like
                     print(f"{name} M={M} {tile}: {type(e).__name__}")
                     continue
+                same = torch.equal(triton_model.linear(x[:M], ws[0], config=cfg)[0], reference)
                 row = dict(weight=name, M=M, tile=str(tile), us=seconds * 1e6,
-                           x_floor=seconds / (N * Kd * 2 / bandwidth))
+                           x_floor=seconds / (N * Kd * 2 / bandwidth), same_bits=same)
                 rows.append(row)
                 if best is None or row["us"] < best["us"]:
                     best = row
@@ -246,6 +256,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="Llama-3.1-8B (the target) or Llama-3.2-1B (the draft) shapes")
     parser.add_argument("--layers", type=int, default=None, help="default: the shape's")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS,
+                        help="what to measure (default: all)")
+    parser.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 16, 64, 128, 256],
+                        help="row counts of the tile sweep")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     make_config, default_layers = SHAPES[args.shape]
@@ -257,17 +271,21 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.shape}, {config.num_hidden_layers} layers; "
           f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
           f"weights {weight_bytes / 1e9:.2f} GB, floor {floor_s * 1e3:.2f} ms per step")
-    steps = []
-    for batch_invariant in (True, False):
-        steps += step_times(model, args.batch_sizes, batch_invariant, floor_s)
-    print_rows(steps)
-    linears, invariant = linear_rows(config, bandwidth, device)
-    print_rows(linears)
-    sweep = sweep_rows(config, bandwidth, device)
-    print_rows(sweep)
-    print("row 0 bit-identical at 1, 8, 64, 65, 256 rows:", invariant)
-    kernels = kernel_shares(model, device)
-    print_rows(kernels[:25] + kernels[-1:])
+    steps, linears, invariant, sweep, kernels = [], [], {}, [], []
+    if "steps" in args.parts:
+        for batch_invariant in (True, False):
+            steps += step_times(model, args.batch_sizes, batch_invariant, floor_s)
+        print_rows(steps)
+    if "linears" in args.parts:
+        linears, invariant = linear_rows(config, bandwidth, device)
+        print_rows(linears)
+        print("row 0 bit-identical at 1, 8, 64, 65, 256 rows:", invariant)
+    if "sweep" in args.parts:
+        sweep = sweep_rows(config, bandwidth, device, args.sweep_rows)
+        print_rows(sweep)
+    if "kernels" in args.parts:
+        kernels = kernel_shares(model, device)
+        print_rows(kernels[:25] + kernels[-1:])
     print(json.dumps(dict(benchmark="profile_gpu_step", device=torch.cuda.get_device_name(),
                           copy_bandwidth_tb_s=bandwidth / 1e12, weight_gb=weight_bytes / 1e9,
                           floor_ms=floor_s * 1e3, steps=steps, linears=linears,

@@ -113,6 +113,11 @@ def test_measured_costs_and_synthetic_mode(dirs):
         "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.5})
     costs = llm.spec.costs
     assert costs[0] == 1.0 and len(set(costs[1:])) == 1 and costs[1] >= 1.0
+    proposer, taken = llm.spec.proposer, []
+    take = proposer._take_ahead
+    proposer._take_ahead = lambda requests: taken.append(take(requests)) or taken[-1]
     outs = llm.generate(PROMPTS[:4], SamplingParams(max_tokens=64, ignore_eos=True))
     assert all(len(o.token_ids) == 64 for o in outs)
     assert 2.2 < llm.spec.stats.mean_acceptance_length < 2.8
+    # every step drafted ahead but the first and those after a request finished (3 at most)
+    assert taken[0] is False and len(taken) > 10 and taken.count(False) <= 4

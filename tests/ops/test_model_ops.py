@@ -133,6 +133,29 @@ def test_linear_matches_twin(device, shape, bias, dtype):
            1e-3 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_silu_mul_matches_twin_and_the_unfused_kernels(device, bias, dtype):
+    """The fused gate|up projection + SwiGLU equals the twin, and on a GPU it is bit-identical
+    to the unfused kernels (linear, then silu_mul): the same sums, rounded the same way."""
+    _dot_dtype(device, dtype)
+    g = torch.Generator().manual_seed(6)
+    inter, K = 80, 256  # 80 outputs: a partial last tile
+    x = torch.randn(5, K, generator=g).to(device, dtype)
+    w = (torch.randn(2 * inter, K, generator=g) / K**0.5).to(device, dtype)
+    b = torch.randn(2 * inter, generator=g).to(device, dtype) if bias else None
+    fused = triton_model.linear_silu_mul(x, w, b)
+    assert fused.shape == (5, inter)
+    _close(fused, model_ops.linear_silu_mul(x, w, b), 1e-3 if dtype == torch.float32 else 1e-2)
+    unfused = triton_model.silu_mul(triton_model.linear(x, w, b))
+    if torch.device(device).type == "cuda":
+        assert torch.equal(fused, unfused)
+    else:  # the interpreter's dot of another tile shape may round differently
+        _close(fused, unfused, 1e-5)
+    for row in (0, 4):  # batch invariant like linear
+        assert torch.equal(triton_model.linear_silu_mul(x[row:row + 1], w, b)[0], fused[row])
+
+
 def test_linear_rows_do_not_depend_on_the_batch(device):
     """Row 0 of a one-row product equals row 0 of a 70-row product (another tile), bit for bit."""
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
@@ -140,9 +163,10 @@ def test_linear_rows_do_not_depend_on_the_batch(device):
     x = torch.randn(70, 1024, generator=g).to(device, dtype)
     w = (torch.randn(48, 1024, generator=g) / 32).to(device, dtype)
     tiles = triton_model.LINEAR_TILES[x.element_size()]
+    few_rows = triton_model.LINEAR_FEW_ROWS.get(x.element_size())
     full = triton_model.linear(x, w, config=tiles[0])  # the largest tile
     for row in (0, 65):
-        for tile in tiles[1:]:
+        for tile in tiles[1:] + ((few_rows[2],) if few_rows else ()):
             alone = triton_model.linear(x[row:row + 1], w, config=tile)
             assert torch.equal(alone[0], full[row]), tile
     assert torch.equal(triton_model.linear(x, w)[65], full[65])  # the tile linear_config picks
@@ -153,7 +177,8 @@ def test_linear_tiles_follow_the_shape_with_one_block_k():
     only part of a tile that orders a row's sum)."""
     cfg = triton_model.linear_config
     bf16 = torch.bfloat16
-    assert (cfg(1, 6144, bf16).block_m, cfg(1, 6144, bf16).block_n) == (64, 64)  # qkv
+    assert (cfg(1, 6144, bf16).block_m, cfg(1, 6144, bf16).block_n) == (16, 32)  # qkv
+    assert (cfg(64, 6144, bf16).block_m, cfg(64, 6144, bf16).block_n) == (64, 64)
     assert cfg(1, 4096, bf16).block_n == 32 and cfg(64, 4096, bf16).block_n == 32  # o, down
     assert cfg(1, 28672, bf16).block_n == 128 and cfg(1, 28672, bf16).block_m == 64
     assert cfg(256, 28672, bf16).block_m == 128 and cfg(256, 4096, bf16).block_m == 64

@@ -378,6 +378,50 @@ def test_captured_draft_matches_eager(llama_dir, method):
     assert replays == 6
 
 
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_drafting_ahead_matches_drafting_after_the_commit(llama_dir, method):
+    """The next step's draft queued from a step's output tokens (device tensors the host has not
+    read, -1 padded) equals what the eager proposer drafts after the commit, over steps that
+    accept no draft, some and all; the queued drafts are used when the same requests continue,
+    and a step whose batch changed (a request left) or whose requests took another step in
+    between drafts as usual, with the same tokens."""
+    k = 3
+    eager = draft_proposer(llama_dir, k, method)
+    graph = _flat(draft_proposer(llama_dir, k, method))
+    taken = []
+    take = graph._take_ahead
+    graph._take_ahead = lambda requests: taken.append(take(requests)) or taken[-1]
+    temperature = 0.0 if method == "greedy" else 0.8
+    requests = [Request([5, 9, 11, 3], k, 0, temperature, 10),
+                Request([7, 1, 22, 40, 41, 8, 2], k, 2, temperature, 11),
+                Request([4, 4, 6], k, 1, temperature, 12)]
+    rng = random.Random(3)
+    for step in range(9):
+        if step == 6:
+            requests = requests[:2]  # the third finished: the queued drafts are not used
+        if step == 7:  # both took a plain step after the queued drafts: not used either
+            for r in requests:
+                r.token_ids.append(rng.randrange(VOCAB))
+            for p in (eager, graph):
+                p.on_commit([r.slot for r in requests], [len(r.token_ids) for r in requests])
+        a, b = eager.propose(requests), graph.propose(requests)
+        assert a.draft_token_ids.tolist() == b.draft_token_ids.tolist(), step
+        if method != "greedy":
+            torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-4, atol=1e-6)
+        drafts = a.draft_token_ids.view(len(requests), k).tolist()
+        outputs = torch.full((len(requests), k + 1), -1, dtype=torch.int32)
+        for i, r in enumerate(requests):
+            accepted = (0, k, rng.randint(0, k))[(step + i) % 3]
+            tokens = drafts[i][:accepted] + [rng.randrange(VOCAB)]
+            outputs[i, :len(tokens)] = torch.tensor(tokens)
+        graph.draft_ahead(requests, outputs)  # before the host commits
+        for i, r in enumerate(requests):
+            r.token_ids += [t for t in outputs[i].tolist() if t != -1]
+        for p in (eager, graph):
+            p.on_commit([r.slot for r in requests], [len(r.token_ids) for r in requests])
+    assert taken == [False, True, True, True, True, True, False, False, True]
+
+
 def test_captured_draft_refuses_swapped_buffers(llama_dir):
     """A buffer replaced after capture would never be written by a replay (the drafts would be
     stale): the proposer refuses to replay instead."""

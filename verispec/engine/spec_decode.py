@@ -142,6 +142,9 @@ class SpeculativeDecoder:
         self.k = config.num_speculative_tokens
         self.runner = runner
         self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self._host_outputs: torch.Tensor | None = None  # pinned copy of a step's output tokens
+        self._outputs_copied = None
         context = ProposerContext(
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
@@ -239,14 +242,14 @@ class SpeculativeDecoder:
                                            proposal.draft_token_ids, num_drafts)
         # Draft i of request r occupies position num_tokens + i (num_tokens counts the prompt).
         positions = ops.to_device([r.num_tokens for r in batch], self.runner.device)
-        token_ids = self.rejection_sampler(
+        token_ids = self._read_outputs(batch, self.rejection_sampler(
             target_logits,
             proposal.draft_token_ids.to(self.runner.device),
             ops.to_device(proposal.cu_num_draft_tokens, self.runner.device),
             proposal.draft_probs,
             sampling,
             positions,
-        ).tolist()  # the step's one host sync
+        ))
         self.propose_time_s += proposed - start
         self.verify_time_s += time.perf_counter() - proposed
         self.num_steps += 1
@@ -261,6 +264,23 @@ class SpeculativeDecoder:
         self.logger.observe(step_stats)
         self.logger.maybe_log()
         return outputs
+
+    def _read_outputs(self, batch: Sequence[Request], token_ids: torch.Tensor) -> list[list[int]]:
+        """The step's one host sync: ``token_ids`` [B, k + 1] as lists. On CUDA the copy to the
+        host is queued first, then the proposer may queue the next step's drafts behind it
+        (``Proposer.draft_ahead``), so the device drafts while the host commits this step."""
+        if token_ids.device.type != "cuda":
+            return token_ids.tolist()
+        if self._host_outputs is None or self._host_outputs.dtype != token_ids.dtype:
+            self._host_outputs = torch.empty(  # [max_num_seqs, k + 1], pinned
+                (self.max_num_seqs, self.k + 1), dtype=token_ids.dtype, pin_memory=True)
+            self._outputs_copied = torch.cuda.Event()
+        host = self._host_outputs[: token_ids.shape[0]]
+        host.copy_(token_ids, non_blocking=True)
+        self._outputs_copied.record()
+        self.proposer.draft_ahead(batch, token_ids)
+        self._outputs_copied.synchronize()
+        return host.tolist()
 
     def _plain_step(self, batch: Sequence[Request], sampling: SamplingTensors,
                     start: float) -> list[list[int]]:

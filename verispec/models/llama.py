@@ -257,8 +257,8 @@ class MLP(nn.Module):
 
 
     def forward_flat(self, h: torch.Tensor, ops: ModelOps) -> torch.Tensor:
-        gate_up = ops.linear(h, self.gate_up_weight, self.gate_up_bias)
-        return ops.linear(ops.silu_mul(gate_up), self.down_weight, self.down_bias)
+        act = ops.linear_silu_mul(h, self.gate_up_weight, self.gate_up_bias)
+        return ops.linear(act, self.down_weight, self.down_bias)
 
 
 class DecoderLayer(nn.Module):

@@ -16,7 +16,8 @@ row the same way whatever else is in the batch and however many tokens the step 
   ``[0, position]`` (a sliding window where the model has one), grouped-query;
 - ``silu_mul``: ``silu(gate) * up`` of the fused gate|up projection;
 - ``linear``: ``x @ weight.T + bias``, on the GPU a kernel whose reduction order over the input
-  features is fixed by the weight's shape alone (never by the number of rows).
+  features is fixed by the weight's shape alone (never by the number of rows);
+- ``linear_silu_mul``: ``silu_mul(linear(x, weight, bias))`` of the fused gate|up weight.
 """
 
 from __future__ import annotations
@@ -125,6 +126,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, K] x [2I, K] (gate rows, then up rows) -> [T, I]: ``silu_mul(linear(x, weight,
+    bias))``, the SwiGLU projection and activation (one kernel on the GPU)."""
+    return silu_mul(linear(x, weight, bias))
+
+
 @dataclass(frozen=True)
 class ModelOps:
     """The model ops of one backend (all with the twins' signatures)."""
@@ -135,10 +143,11 @@ class ModelOps:
     cache_attention: Callable[..., torch.Tensor]
     silu_mul: Callable[..., torch.Tensor]
     linear: Callable[..., torch.Tensor]
+    linear_silu_mul: Callable[..., torch.Tensor]
 
 
 TORCH_MODEL_OPS = ModelOps("torch", rms_norm, rope_cache_write, cache_attention, silu_mul,
-                           linear)
+                           linear, linear_silu_mul)
 
 
 @functools.cache
@@ -147,11 +156,18 @@ def triton_model_ops(batch_invariant: bool = True) -> ModelOps:
     algorithm depends on the number of rows (faster at some sizes, not batch invariant)."""
     from verispec.ops import triton_model
 
+    if batch_invariant:
+        return ModelOps(
+            "triton", triton_model.rms_norm, triton_model.rope_cache_write,
+            triton_model.cache_attention, triton_model.silu_mul, triton_model.linear,
+            triton_model.linear_silu_mul)
+
+    def cublas_linear_silu_mul(x, weight, bias=None):
+        return triton_model.silu_mul(linear(x, weight, bias))
+
     return ModelOps(
         "triton", triton_model.rms_norm, triton_model.rope_cache_write,
-        triton_model.cache_attention, triton_model.silu_mul,
-        triton_model.linear if batch_invariant else linear,
-    )
+        triton_model.cache_attention, triton_model.silu_mul, linear, cublas_linear_silu_mul)
 
 
 def get_model_ops(device: torch.device | str, batch_invariant: bool = True) -> ModelOps:

@@ -182,6 +182,15 @@ class Proposer(abc.ABC):
     def free(self, slot: int) -> None:  # noqa: B027 - optional hook, no-op by default
         """The request in ``slot`` finished or was aborted; forget its state."""
 
+    def draft_ahead(self, requests: Sequence[ProposalRequest],
+                    output_token_ids: torch.Tensor) -> bool:
+        """Optionally queue the next step's drafts on the device now, from this step's output
+        tokens (``[B, k + 1]`` on the device, -1 padded, not yet read by the host), so the
+        device drafts while the host commits. ``propose`` uses them only if the next step is
+        these requests continuing with exactly those tokens; otherwise it drafts as usual.
+        Returns whether drafts were queued (default: never)."""
+        return False
+
 
 ProposerT = TypeVar("ProposerT", bound=Proposer)
 

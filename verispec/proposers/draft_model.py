@@ -35,11 +35,24 @@ which therefore must stay the tensors that existed at capture (checked at every 
 request whose cache lacks more than the last two tokens (its first step after the prompt) is
 first fed the rest in one eager forward without logits; batches larger than every graph, and
 requests of a single token, draft eagerly as above.
+
+Drafting ahead (``draft_ahead``, CUDA graphs only): after a step whose whole batch drafted through
+the graph, the next step's draft is queued on the device right behind the rejection sampler,
+before the host has read the step's output tokens. Its inputs come from those tokens on the
+device: with ``a + 1`` output tokens (``a`` accepted drafts), the last two committed tokens are
+``out[a - 1], out[a]`` (``a = 0``: the step's fed token, then ``out[0]``) at positions
+``num_tokens + a - 1`` and ``num_tokens + a``, and the cache already holds every position below
+(the step fed d_1 .. d_{k-1} after its last two tokens, and the accepted ones are committed). So
+the device drafts while the host commits, plans and launches the verify forward. ``propose`` uses
+the queued drafts only if its requests are the same ones, in the same order, each with exactly
+the tokens ``on_commit`` reported (a request that finished, joined or stepped otherwise sends the
+step down the usual path, which rewrites every row the queued draft touched).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,6 +60,7 @@ import torch
 
 from verispec import ops
 from verispec.config import SpeculativeConfig
+from verispec.ops.rejection import PLACEHOLDER_TOKEN_ID
 from verispec.proposers.base import (
     DraftProposal,
     ProposalRequest,
@@ -102,6 +116,10 @@ class ModelProposer(Proposer):
             rows, k, vocab_size, dtype=torch.float32, device=self.device
         )
         self._captured_buffers = None
+        # Drafting ahead: whether the last draft replayed the graph for the whole batch, and the
+        # drafts queued for the next step (requests, their committed lengths once known).
+        self._replayed_all = False
+        self._ahead: _AheadDraft | None = None
 
     # ----------------------------------------------------------------- captured drafting
 
@@ -170,25 +188,70 @@ class ModelProposer(Proposer):
         if lag_slots:
             self.runner.forward(lag_slots, feeds, "none", self.num_layers)
 
-    def _draft_replay(self, requests, active: np.ndarray, slots: np.ndarray) -> None:
-        """Draft k tokens for every active request with the captured graph."""
+    def _check_captured_buffers(self) -> None:
         captured = self._captured_buffers
         if captured[0] is not self.draft_token_buffer or captured[1] is not self.draft_probs_buffer:
             raise RuntimeError(
                 "the draft buffers were replaced after the CUDA graph was captured: a replay "
                 "writes only the tensors that existed at capture")
-        cache, k = self.runner.kv_cache, self.num_speculative_tokens
-        num_tokens = np.array([len(requests[r].token_ids) for r in active], dtype=np.int64)
-        ids = np.stack([np.asarray(_tail(requests[r].token_ids, n - 2), dtype=np.int64)
-                        for r, n in zip(active, num_tokens)])
-        rows = {"ids": ids, "slots": slots[:, None], "starts": (num_tokens - 2)[:, None]}
+
+    def _replay(self, requests, active: np.ndarray, slots: np.ndarray, ids, starts) -> None:
+        """Replay the captured draft for ``requests[active]`` in ``slots``: ``ids`` [B_a, 2] the
+        last two committed tokens at positions ``starts`` [B_a] (host arrays or device
+        tensors)."""
+        self._check_captured_buffers()
+        rows = {"ids": ids, "slots": slots[:, None], "starts": starts.reshape(-1, 1)}
         if not self.greedy:
             rows["temperature"] = np.array([[float(requests[r].temperature)] for r in active],
                                            dtype=np.float32)
             rows["seeds"] = np.array([[int(requests[r].seed)] for r in active], dtype=np.int64)
         self.runner.graphs.run(self.graph_name, rows)
+
+    def _draft_replay(self, requests, active: np.ndarray, slots: np.ndarray) -> None:
+        """Draft k tokens for every active request with the captured graph."""
+        num_tokens = np.array([len(requests[r].token_ids) for r in active], dtype=np.int64)
+        ids = np.stack([np.asarray(_tail(requests[r].token_ids, n - 2), dtype=np.int64)
+                        for r, n in zip(active, num_tokens)])
+        self._replay(requests, active, slots, ids, num_tokens - 2)
         # the cache now holds everything fed: num_tokens - 2 + 2 + (k - 1) tokens
-        cache.lengths_np[slots] = num_tokens + k - 1
+        self.runner.kv_cache.lengths_np[slots] = num_tokens + self.num_speculative_tokens - 1
+
+    def draft_ahead(self, requests: Sequence[ProposalRequest],
+                    output_token_ids: torch.Tensor) -> bool:
+        """Queue the next step's captured draft from this step's output tokens on the device
+        (see the module docstring); only after a step whose whole batch replayed the graph."""
+        self._ahead = None
+        if not self._replayed_all or getattr(self, "shares_target_cache", False):
+            return False
+        active = np.arange(len(requests))
+        slots = np.array([r.slot for r in requests], dtype=np.int64)
+        if not self._can_replay(requests, active, slots):
+            return False
+        out = output_token_ids.to(torch.int64)  # [B, k + 1], -1 padded
+        num_out = (out != PLACEHOLDER_TOKEN_ID).sum(1)  # [B] a + 1 >= 1
+        last = out.gather(1, (num_out - 1)[:, None])[:, 0]
+        before = out.gather(1, (num_out - 2).clamp_min(0)[:, None])[:, 0]
+        fed = ops.to_device(np.array([r.token_ids[-1] for r in requests], dtype=np.int64),
+                            self.device)  # the token this step fed before its drafts
+        num_tokens = np.array([len(r.token_ids) for r in requests], dtype=np.int64)
+        ids = torch.stack([torch.where(num_out >= 2, before, fed), last], dim=1)  # [B, 2]
+        starts = ops.to_device(num_tokens, self.device) + num_out - 2
+        self._replay(requests, active, slots, ids, starts)
+        self._ahead = _AheadDraft(list(requests))
+        return True
+
+    def _take_ahead(self, requests: Sequence[ProposalRequest]) -> bool:
+        """Whether the queued drafts are this step's (then the cache holds what they fed)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead.num_tokens is None or len(ahead.requests) != len(requests):
+            return False
+        for r, queued in zip(requests, ahead.requests):
+            if r is not queued or len(r.token_ids) != ahead.num_tokens.get(r.slot):
+                return False
+        slots = np.array([r.slot for r in requests], dtype=np.int64)
+        num_tokens = np.array([len(r.token_ids) for r in requests], dtype=np.int64)
+        self.runner.kv_cache.lengths_np[slots] = num_tokens + self.num_speculative_tokens - 1
+        return True
 
     @property
     def num_cached_tokens(self) -> np.ndarray:
@@ -211,8 +274,12 @@ class ModelProposer(Proposer):
         np.cumsum(num_drafts, out=cu_num_draft_tokens[1:])
         active = np.flatnonzero(num_drafts > 0)
         slots = np.array([requests[r].slot for r in active], dtype=np.int64)  # [B_a]
-        if active.size:
+        if self._take_ahead(requests):
+            self._replayed_all = True  # every request's cache holds its queued drafts
+        elif active.size:
             self._draft(requests, active, slots, num_drafts[active])
+        else:
+            self._replayed_all = False
         # Gather the flattened layout from the per-slot buffers: request r's drafts are
         # buffer[slot_r, 0:n_r], in the order of ``requests`` (host-built indices, no sync).
         flat_slots = ops.to_device(np.repeat(slots, num_drafts[active]), self.device)
@@ -234,9 +301,12 @@ class ModelProposer(Proposer):
     ) -> None:
         """Run the catch-up forward and n_r autoregressive steps; fill the per-slot buffers
         (replaying the captured draft where it applies)."""
+        self._replayed_all = False
         if self._can_replay(requests, active, slots):
             self._catch_up(requests, active, slots)
-            return self._draft_replay(requests, active, slots)
+            self._draft_replay(requests, active, slots)
+            self._replayed_all = active.size == len(requests)
+            return
         cache = self.runner.kv_cache
         contexts = [requests[r].token_ids for r in active]
         num_tokens = np.array([len(c) for c in contexts], dtype=np.int64)  # [B_a]
@@ -288,9 +358,24 @@ class ModelProposer(Proposer):
         cache = self.runner.kv_cache
         for slot, num_committed in zip(slots, num_committed_tokens):
             cache.truncate(slot, max(0, min(cache.length(slot), int(num_committed) - 1)))
+        if self._ahead is not None:  # the lengths the queued drafts were made for
+            if self._ahead.num_tokens is None:
+                self._ahead.num_tokens = {int(s): int(n) for s, n in
+                                          zip(slots, num_committed_tokens)}
+            else:  # a second commit: not the step the drafts were queued for
+                self._ahead = None
 
     def free(self, slot: int) -> None:
         self.runner.kv_cache.free(slot)
+
+
+@dataclass
+class _AheadDraft:
+    """Drafts queued by ``draft_ahead``: for these requests, in this order, each continuing
+    with the committed length ``on_commit`` then reports (slot -> num_tokens)."""
+
+    requests: list
+    num_tokens: dict[int, int] | None = None
 
 
 def check_vocab_sizes(
