@@ -52,71 +52,85 @@ def test_silu_mul_matches_twin(device):
     _close(triton_model.silu_mul(gu), model_ops.silu_mul(gu), 1e-5)
 
 
-def _rope_inputs(device, dtype, T=6, hq=4, hkv=2, d=16, slots=3, max_len=20):
-    g = torch.Generator().manual_seed(2)
+def _attention_inputs(device, dtype, counts, contexts, hq=4, hkv=2, d=16, max_len=40, seed=3):
+    """A flat step: request b feeds counts[b] new tokens (qkv rows) ending at position
+    contexts[b] - 1 of slot B - b; the caches hold random keys and values before them."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(counts), sum(counts)
     qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=g).to(device, dtype)
-    positions = torch.tensor([0, 1, 2, 7, 8, 19][:T], device=device)
-    slot_mapping = torch.tensor([0, 0, 0, 2, 2, 1][:T], device=device)
     angles = torch.arange(max_len)[:, None] * (0.3 ** torch.arange(d // 2))[None]
     emb = torch.cat((angles, angles), -1)
     sin = emb.sin()
-    sin[:, : d // 2].neg_()
+    sin[:, : d // 2].neg_()  # the signed table of models.rope
     cos, sin = emb.cos().to(device, dtype), sin.to(device, dtype)
-    cache = torch.zeros(2, slots, max_len, hkv, d, device=device, dtype=dtype)
-    return qkv, positions, cos, sin, cache, slot_mapping, hq, hkv
+    k_cache = torch.randn(B + 1, max_len, hkv, d, generator=g).to(device, dtype)
+    v_cache = torch.randn(B + 1, max_len, hkv, d, generator=g).to(device, dtype)
+    slot_ids = torch.arange(B, 0, -1)  # not the identity
+    positions = torch.cat([torch.arange(c - n, c) for n, c in zip(counts, contexts)])
+    slot_mapping = torch.repeat_interleave(slot_ids, torch.tensor(counts))
+    qs = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)))
+    return dict(qkv=qkv, positions=positions.to(device), cos=cos, sin=sin, k_cache=k_cache,
+                v_cache=v_cache, slot_mapping=slot_mapping.to(device),
+                slot_ids=slot_ids.to(device), context_lens=torch.tensor(contexts).to(device),
+                query_start=qs.to(device), max_queries=max(counts), num_heads=hq,
+                num_kv_heads=hkv, scale=0.25)
+
+
+def _rope_attention(fn, inputs, **kwargs):
+    """fn on copies of the caches: (output, k cache, v cache)."""
+    x = dict(inputs, k_cache=inputs["k_cache"].clone(), v_cache=inputs["v_cache"].clone())
+    return fn(**x, **kwargs), x["k_cache"], x["v_cache"]
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_rope_cache_write_matches_twin(device, qk_norm):
-    dtype = torch.float32
-    qkv, positions, cos, sin, cache, slot_mapping, hq, hkv = _rope_inputs(device, dtype)
-    d = cos.shape[-1]
-    norms = ((1 + 0.1 * torch.randn(d)).to(device), (1 - 0.1 * torch.randn(d)).to(device)) \
-        if qk_norm else (None, None)
-    twin_cache = cache.clone()
-    q = triton_model.rope_cache_write(qkv, positions, cos, sin, cache[0], cache[1], slot_mapping,
-                                      hq, hkv, *norms, 1e-6)
-    q_ref = model_ops.rope_cache_write(qkv, positions, cos, sin, twin_cache[0], twin_cache[1],
-                                       slot_mapping, hq, hkv, *norms, 1e-6)
-    _close(q, q_ref, 1e-5)
-    _close(cache, twin_cache, 1e-5)
-
-
-def _attention_inputs(device, dtype, counts, contexts, hq=4, hkv=2, d=16, max_len=40, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    B = len(counts)
-    k_cache = torch.randn(B + 1, max_len, hkv, d, generator=g).to(device, dtype)
-    v_cache = torch.randn(B + 1, max_len, hkv, d, generator=g).to(device, dtype)
-    T = sum(counts)
-    q = torch.randn(T, hq, d, generator=g).to(device, dtype)
-    slot_ids = torch.arange(B, 0, -1, device=device)  # not the identity
-    qs = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), device=device)
-    return q, k_cache, v_cache, slot_ids, torch.tensor(contexts, device=device), qs
-
-
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cache_attention_matches_twin(device, dtype, window):
+def test_rope_cache_attention_matches_twin(device, dtype, window, qk_norm):
+    """RoPE (after the Qwen3 head norm), the cache write and attention against the twin
+    (rope_cache_write then cache_attention), for a step of at most 16 new tokens per request
+    (written inside the attention launch) and one of 20 (a launch of its own first)."""
     _dot_dtype(device, dtype)
-    counts, contexts = [1, 4, 3, 9], [1, 11, 37, 20]
-    args = _attention_inputs(device, dtype, counts, contexts)
-    out = triton_model.cache_attention(*args, max(counts), 0.25, window)
-    ref = model_ops.cache_attention(*args, max(counts), 0.25, window)
-    _close(out, ref, 1e-2 if dtype == torch.bfloat16 else 1e-3)
+    d = 16
+    g = torch.Generator().manual_seed(8)
+    norms = dict(q_norm=(1 + 0.1 * torch.randn(d, generator=g)).to(device, dtype),
+                 k_norm=(1 - 0.1 * torch.randn(d, generator=g)).to(device, dtype),
+                 eps=1e-6) if qk_norm else {}
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    for counts, contexts in (([1, 4, 3, 9], [1, 11, 37, 20]), ([2, 20], [9, 30])):
+        inputs = _attention_inputs(device, dtype, counts, contexts, d=d)
+        out = _rope_attention(triton_model.rope_cache_attention, inputs, window=window, **norms)
+        ref = _rope_attention(model_ops.rope_cache_attention, inputs, window=window, **norms)
+        for a, b in zip(out, ref):
+            _close(a, b, tol)
 
 
-def test_cache_attention_query_alone_equals_query_in_verify(device):
-    """A query decoded alone (one new token) and the same query as one of four (a verify step)
-    give bit-identical outputs: later keys are masked, and blocks past it leave it unchanged."""
+def test_cache_write_is_the_same_in_and_before_the_attention_launch(device, monkeypatch):
+    """A step's K/V written inside the attention launch (steps of <= 16 tokens) and in a launch
+    of its own (longer steps) are the same bits, and so are the outputs."""
+    inputs = _attention_inputs(device, torch.float32, [1, 4, 3, 9], [1, 11, 37, 20])
+    inside = _rope_attention(triton_model.rope_cache_attention, inputs)
+    monkeypatch.setattr(triton_model, "FUSED_WRITE_MAX_QUERIES", 0)
+    before = _rope_attention(triton_model.rope_cache_attention, inputs)
+    for a, b in zip(inside, before):
+        assert torch.equal(a, b)
+
+
+def test_query_alone_equals_query_in_verify(device):
+    """Four tokens decoded one at a time (each writes its K/V, then attends) and the same four
+    as one verify step give bit-identical outputs and caches: later keys are masked, and blocks
+    past a query leave it unchanged."""
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    q, k_cache, v_cache, slot_ids, _, _ = _attention_inputs(device, dtype, [4], [70], max_len=80)
-    many = triton_model.cache_attention(q, k_cache, v_cache, slot_ids, torch.tensor(
-        [70], device=device), torch.tensor([0, 4], device=device), 4, 0.25)
+    inputs = _attention_inputs(device, dtype, [4], [70], max_len=80)
+    many, k_many, v_many = _rope_attention(triton_model.rope_cache_attention, inputs)
+    k_cache, v_cache = inputs["k_cache"].clone(), inputs["v_cache"].clone()
     for i in range(4):
-        alone = triton_model.cache_attention(
-            q[i:i + 1], k_cache, v_cache, slot_ids, torch.tensor([67 + i], device=device),
-            torch.tensor([0, 1], device=device), 1, 0.25)
+        alone = triton_model.rope_cache_attention(**dict(
+            inputs, qkv=inputs["qkv"][i:i + 1], positions=inputs["positions"][i:i + 1],
+            slot_mapping=inputs["slot_mapping"][i:i + 1], k_cache=k_cache, v_cache=v_cache,
+            context_lens=torch.tensor([67 + i], device=device),
+            query_start=torch.tensor([0, 1], device=device), max_queries=1))
         assert torch.equal(alone[0], many[i])
+    assert torch.equal(k_cache, k_many) and torch.equal(v_cache, v_many)
 
 
 @pytest.mark.parametrize("shape", [(40, 64), (48, 1024)])
@@ -156,6 +170,23 @@ def test_linear_silu_mul_matches_twin_and_the_unfused_kernels(device, bias, dtyp
         assert torch.equal(triton_model.linear_silu_mul(x[row:row + 1], w, b)[0], fused[row])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_matches_torch_with_ties_and_nan(device, dtype):
+    """The first maximum of each row, as torch.argmax: ties across and within blocks of 4096,
+    a partial last block, a maximum in the last column, a NaN (the maximum), an all -inf
+    row."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 9000, generator=g)
+    x[0, [5000, 123, 8999]] = 50.0  # three ties in different blocks and lanes: 123 wins
+    x[1, [4096 + 7, 7]] = 50.0  # the same lane of two blocks: 7 wins
+    x[2, 8999] = 50.0
+    x[3, [10, 20]] = float("nan")
+    x[4] = float("-inf")
+    x = x.to(device, dtype)
+    assert triton_model.argmax(x).tolist() == model_ops.argmax(x).tolist()
+    assert triton_model.argmax(x)[:4].tolist() == [123, 7, 8999, 10]
+
+
 def test_linear_rows_do_not_depend_on_the_batch(device):
     """Row 0 of a one-row product equals row 0 of a 70-row product (another tile), bit for bit."""
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
@@ -191,9 +222,8 @@ def test_model_ops_choice():
 
 
 def test_strided_index_tensors_are_refused(device):
-    """An expanded (stride-0) slot mapping would be read past its end: refused up front."""
-    qkv, positions, cos, sin, cache, slot_mapping, hq, hkv = _rope_inputs(device, torch.float32)
-    strided = torch.zeros(1, dtype=torch.long, device=device).expand(6)
-    with pytest.raises(ValueError, match="slot_mapping must be a contiguous 1-D tensor"):
-        triton_model.rope_cache_write(qkv, positions, cos, sin, cache[0], cache[1], strided,
-                                      hq, hkv)
+    """An expanded (stride-0) index tensor would be read past its end: refused up front."""
+    inputs = _attention_inputs(device, torch.float32, [1, 1], [3, 4])
+    strided = torch.ones(1, dtype=torch.long, device=device).expand(2)
+    with pytest.raises(ValueError, match="slot_ids must be a contiguous 1-D tensor"):
+        triton_model.rope_cache_attention(**dict(inputs, slot_ids=strided))

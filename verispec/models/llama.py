@@ -219,19 +219,18 @@ class Attention(nn.Module):
 
     def forward_flat(self, h: torch.Tensor, batch: FlatBatch, k_cache: torch.Tensor,
                      v_cache: torch.Tensor) -> torch.Tensor:
-        """[T, hidden] -> [T, hidden] on the flat layout: qkv, RoPE and the cache write in one
-        kernel, attention over the cache, output projection."""
+        """[T, hidden] -> [T, hidden] on the flat layout: the qkv projection; RoPE, the cache
+        write and attention over the cache in one op; the output projection."""
         ops = batch.ops
         qkv = ops.linear(h, self.qkv_weight, self.qkv_bias)
-        q = ops.rope_cache_write(
+        out = ops.rope_cache_attention(
             qkv, batch.positions, batch.cos, batch.sin, k_cache, v_cache, batch.slot_mapping,
-            self.num_heads, self.num_kv_heads,
+            batch.slot_ids, batch.context_lens, batch.query_start, batch.max_queries,
+            self.num_heads, self.num_kv_heads, self.scale, self.window,
             None if self.q_norm is None else self.q_norm.weight,
             None if self.k_norm is None else self.k_norm.weight,
             0.0 if self.q_norm is None else self.q_norm.eps,
         )
-        out = ops.cache_attention(q, k_cache, v_cache, batch.slot_ids, batch.context_lens,
-                                  batch.query_start, batch.max_queries, self.scale, self.window)
         return ops.linear(out.view(h.shape[0], self.q_size), self.o_weight, self.o_bias)
 
 

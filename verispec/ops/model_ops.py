@@ -14,10 +14,12 @@ row the same way whatever else is in the batch and however many tokens the step 
   returns the rotated q;
 - ``cache_attention``: causal attention of each new token over its request's cache rows
   ``[0, position]`` (a sliding window where the model has one), grouped-query;
+- ``rope_cache_attention``: the two above in one op (one kernel on the GPU);
 - ``silu_mul``: ``silu(gate) * up`` of the fused gate|up projection;
 - ``linear``: ``x @ weight.T + bias``, on the GPU a kernel whose reduction order over the input
   features is fixed by the weight's shape alone (never by the number of rows);
-- ``linear_silu_mul``: ``silu_mul(linear(x, weight, bias))`` of the fused gate|up weight.
+- ``linear_silu_mul``: ``silu_mul(linear(x, weight, bias))`` of the fused gate|up weight;
+- ``argmax``: the first maximum of each row of logits (greedy drafting).
 """
 
 from __future__ import annotations
@@ -115,6 +117,34 @@ def cache_attention(
     return out
 
 
+def rope_cache_attention(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) D]
+    positions: torch.Tensor,  # [T] int64
+    cos: torch.Tensor,  # [L, D]
+    sin: torch.Tensor,  # [L, D] signed
+    k_cache: torch.Tensor,  # [num_slots, max_len, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, max_len, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64
+    slot_ids: torch.Tensor,  # [B] int64
+    context_lens: torch.Tensor,  # [B] int64
+    query_start: torch.Tensor,  # [B + 1] int64, leading 0
+    max_queries: int,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    window: int | None = None,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """``rope_cache_write`` then ``cache_attention`` (one kernel on the GPU, which derives
+    ``positions`` and ``slot_mapping`` from the request layout). Returns [T, Hq, D]."""
+    q = rope_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
+                         num_kv_heads, q_norm, k_norm, eps)
+    return cache_attention(q, k_cache, v_cache, slot_ids, context_lens, query_start,
+                           max_queries, scale, window)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: ``silu(gate) * up`` (each rounded to the input dtype, as torch)."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -124,6 +154,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """[T, K] @ [N, K].T (+ [N]) -> [T, N] in x's dtype."""
     return F.linear(x, weight, bias)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[R, V] -> [R] int64: the first index of each row's maximum (NaN counts as the
+    maximum), as ``torch.argmax``."""
+    return torch.argmax(logits, dim=-1)
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
@@ -139,15 +175,15 @@ class ModelOps:
 
     name: str
     rms_norm: Callable[..., torch.Tensor]
-    rope_cache_write: Callable[..., torch.Tensor]
-    cache_attention: Callable[..., torch.Tensor]
+    rope_cache_attention: Callable[..., torch.Tensor]
     silu_mul: Callable[..., torch.Tensor]
     linear: Callable[..., torch.Tensor]
     linear_silu_mul: Callable[..., torch.Tensor]
+    argmax: Callable[..., torch.Tensor]
 
 
-TORCH_MODEL_OPS = ModelOps("torch", rms_norm, rope_cache_write, cache_attention, silu_mul,
-                           linear, linear_silu_mul)
+TORCH_MODEL_OPS = ModelOps("torch", rms_norm, rope_cache_attention, silu_mul, linear,
+                           linear_silu_mul, argmax)
 
 
 @functools.cache
@@ -158,16 +194,16 @@ def triton_model_ops(batch_invariant: bool = True) -> ModelOps:
 
     if batch_invariant:
         return ModelOps(
-            "triton", triton_model.rms_norm, triton_model.rope_cache_write,
-            triton_model.cache_attention, triton_model.silu_mul, triton_model.linear,
-            triton_model.linear_silu_mul)
+            "triton", triton_model.rms_norm, triton_model.rope_cache_attention,
+            triton_model.silu_mul, triton_model.linear, triton_model.linear_silu_mul,
+            triton_model.argmax)
 
     def cublas_linear_silu_mul(x, weight, bias=None):
         return triton_model.silu_mul(linear(x, weight, bias))
 
     return ModelOps(
-        "triton", triton_model.rms_norm, triton_model.rope_cache_write,
-        triton_model.cache_attention, triton_model.silu_mul, linear, cublas_linear_silu_mul)
+        "triton", triton_model.rms_norm, triton_model.rope_cache_attention,
+        triton_model.silu_mul, linear, cublas_linear_silu_mul, triton_model.argmax)
 
 
 def get_model_ops(device: torch.device | str, batch_invariant: bool = True) -> ModelOps:

@@ -5,14 +5,19 @@ Every kernel computes a row with the same instructions whatever the number of ro
 result does not depend on its batch (REFERENCE §12):
 
 - ``_rms_norm_kernel``: one program per row, residual add and norm in one pass;
-- ``_rope_cache_kernel``: one program per (token, head) of the fused qkv: RoPE (after Qwen3's
-  per-head norm), q to the output, k and v into the cache at the token's slot and position;
 - ``_silu_mul_kernel``: elementwise (where the gate|up projection is not fused with it);
-- ``_cache_attention_kernel``: one program per (request, kv head, tile of 16 query rows), the
-  rows of a tile being the (query, head) pairs of one kv head's group; an online softmax over key
-  blocks of 64 from key 0, so a query's result is the same whether it is decoded alone or is one
-  of the k + 1 queries of a verify step (blocks past its position are fully masked and leave its
-  running sums unchanged: rescale by exp(0) = 1, add 0);
+- ``_rope_attention_kernel``: one program per (request, kv head, tile of 16 query rows), the
+  rows of a tile being the (query, head) pairs of one kv head's group. It rotates the tile's q
+  (RoPE after Qwen3's per-head norm) in registers, and for a step of at most 16 new tokens per
+  request (decode, verify) it first writes the rotated K and V of the request's new tokens into
+  the cache itself (every tile of a head writes the same values; a barrier, then it reads them),
+  so a layer's attention is one kernel; a longer step (prefill) writes them in a launch of its
+  own first, with the same code on the same blocks of 16 tokens, so a token's K is the same
+  bits whichever way it was written. Then an online softmax over key blocks of 64 from key 0,
+  so a query's result is the same whether it is decoded alone or is one of the k + 1 queries
+  of a verify step (blocks past its position are fully masked and leave its running sums
+  unchanged: rescale by exp(0) = 1, add 0);
+- ``_argmax_kernel``: one program per row, the first maximum (the greedy draft's token);
 - ``_linear_kernel``: ``x @ W.T``, each output summed over the input features 128 at a time in
   order (no split of the features, whose partial sums would have to be added in some order);
   the tile of rows x outputs follows the product's shape (``linear_config``: enough programs to
@@ -68,52 +73,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out.view(x.shape)
 
 
-@triton.jit
-def _rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                       q_out_ptr, qn_ptr, kn_ptr, stride_qkv, stride_cos,
-                       stride_kc_slot, stride_kc_pos, stride_kc_head,
-                       stride_vc_slot, stride_vc_pos, stride_vc_head, stride_qo_t, eps,
-                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                       HAS_QK_NORM: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    half = tl.arange(0, D // 2)
-    base = qkv_ptr + t * stride_qkv + head * D
-    x1 = tl.load(base + half).to(tl.float32)
-    x2 = tl.load(base + D // 2 + half).to(tl.float32)
-    pos = tl.load(pos_ptr + t)
-    slot = tl.load(slot_ptr + t)
-    if head >= HQ + HKV:  # v: copied into the cache as is
-        dst = v_cache_ptr + slot * stride_vc_slot + pos * stride_vc_pos + (head - HQ - HKV) * \
-            stride_vc_head
-        tl.store(dst + half, x1.to(v_cache_ptr.dtype.element_ty))
-        tl.store(dst + D // 2 + half, x2.to(v_cache_ptr.dtype.element_ty))
-    else:
-        if HAS_QK_NORM:  # Qwen3: RMSNorm over the head, rounded to the model dtype
-            norm_ptr = qn_ptr if head < HQ else kn_ptr
-            rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
-            dt = qkv_ptr.dtype.element_ty
-            x1 = (x1 * rstd).to(dt).to(tl.float32) * tl.load(norm_ptr + half).to(tl.float32)
-            x2 = (x2 * rstd).to(dt).to(tl.float32) * tl.load(norm_ptr + D // 2 + half).to(
-                tl.float32)
-            x1 = x1.to(dt).to(tl.float32)
-            x2 = x2.to(dt).to(tl.float32)
-        # rotate-half RoPE: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s] (the sin table is signed)
-        c = tl.load(cos_ptr + pos * stride_cos + half).to(tl.float32)
-        s = tl.load(sin_ptr + pos * stride_cos + D // 2 + half).to(tl.float32)
-        y1 = x1 * c - x2 * s
-        y2 = x2 * c + x1 * s
-        if head < HQ:
-            dst = q_out_ptr + t * stride_qo_t + head * D
-            tl.store(dst + half, y1.to(q_out_ptr.dtype.element_ty))
-            tl.store(dst + D // 2 + half, y2.to(q_out_ptr.dtype.element_ty))
-        else:
-            dst = k_cache_ptr + slot * stride_kc_slot + pos * stride_kc_pos + (head - HQ) * \
-                stride_kc_head
-            tl.store(dst + half, y1.to(k_cache_ptr.dtype.element_ty))
-            tl.store(dst + D // 2 + half, y2.to(k_cache_ptr.dtype.element_ty))
-
-
 def _check_index(**tensors: torch.Tensor) -> None:
     """The kernels read index tensors as contiguous 1-D arrays: a strided view (an expanded
     tensor has stride 0) would be read past its end."""
@@ -121,28 +80,6 @@ def _check_index(**tensors: torch.Tensor) -> None:
         if t.dim() != 1 or (t.numel() > 1 and t.stride(0) != 1):
             raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape "
                              f"{tuple(t.shape)} and stride {t.stride()}")
-
-
-def rope_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
-                     num_kv_heads, q_norm=None, k_norm=None, eps=1e-6) -> torch.Tensor:
-    """See ``model_ops.rope_cache_write``."""
-    _check_index(positions=positions, slot_mapping=slot_mapping)
-    T = qkv.shape[0]
-    D = cos.shape[-1]
-    q = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
-    if T == 0:
-        return q
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cos", cos), ("sin", sin)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension")
-    has_norm = q_norm is not None
-    _rope_cache_kernel[(T, num_heads + 2 * num_kv_heads)](
-        qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q,
-        q_norm if has_norm else cos, k_norm if has_norm else cos,
-        qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), q.stride(0), eps,
-        HQ=num_heads, HKV=num_kv_heads, D=D, HAS_QK_NORM=has_norm, num_warps=1)
-    return q
 
 
 @triton.jit
@@ -171,12 +108,37 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _cache_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, slot_ptr, ctx_ptr, qs_ptr,
-                            stride_qt, stride_qh, stride_kc_slot, stride_kc_pos, stride_kc_head,
-                            stride_vc_slot, stride_vc_pos, stride_vc_head, stride_ot, stride_oh,
-                            scale, window, G: tl.constexpr, D: tl.constexpr,
-                            BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
-                            WINDOWED: tl.constexpr, PRECISION: tl.constexpr):
+def _rope_rows(src, d, partner, pos, ok, cos_ptr, sin_ptr, stride_cos, norm_ptr, eps,
+               D: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Rows ``[R, D]`` of heads at ``src`` (a pointer per row) at positions ``pos`` -> rotated,
+    float32: ``x * cos + x[partner] * signed_sin`` (rotate-half; the sin table holds ``[-sin,
+    sin]``), after Qwen3's per-head RMSNorm (rounded to the model dtype) where the model has
+    one."""
+    x = tl.load(src + d[None, :], mask=ok[:, None], other=0.0)
+    dt = x.dtype
+    x = x.to(tl.float32)
+    xp = tl.load(src + partner[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
+        w = tl.load(norm_ptr + d).to(tl.float32)[None, :]
+        wp = tl.load(norm_ptr + partner).to(tl.float32)[None, :]
+        x = ((x * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+        xp = ((xp * rstd).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
+    c = tl.load(cos_ptr + pos[:, None] * stride_cos + d[None, :], mask=ok[:, None], other=0.0)
+    s = tl.load(sin_ptr + pos[:, None] * stride_cos + d[None, :], mask=ok[:, None], other=0.0)
+    return x * c.to(tl.float32) + xp * s.to(tl.float32)
+
+
+@triton.jit
+def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr,
+                           out_ptr, slot_ptr, ctx_ptr, qs_ptr, stride_qkv, stride_cos,
+                           stride_kc_slot, stride_kc_pos, stride_kc_head, stride_vc_slot,
+                           stride_vc_pos, stride_vc_head, stride_ot, stride_oh, scale, window, eps,
+                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                           BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+                           HAS_QK_NORM: tl.constexpr, WINDOWED: tl.constexpr,
+                           WRITE: tl.constexpr, ATTEND: tl.constexpr, PRECISION: tl.constexpr):
+    G: tl.constexpr = HQ // HKV
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -186,46 +148,71 @@ def _cache_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, slot_ptr, 
         return
     slot = tl.load(slot_ptr + b).to(tl.int64)
     ctx = tl.load(ctx_ptr + b)
-    rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)  # row = query * G + head in group
-    query = rows // G
-    row_ok = query < num_q
-    pos = ctx - num_q + query  # absolute position of the row's query
-    token = (q_lo + query).to(tl.int64)
-    head = kv_head * G + rows % G
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    m = tl.full((BLOCK_Q,), -1.0e30, tl.float32)  # finite: a fully masked block stays exact
-    s_sum = tl.zeros((BLOCK_Q,), tl.float32)
-    acc = tl.zeros((BLOCK_Q, D), tl.float32)
-    last_pos = ctx - num_q + tl.minimum(num_q - 1, (tile * BLOCK_Q + BLOCK_Q - 1) // G)
-    kv_lo = 0
-    if WINDOWED:  # blocks wholly before every row's window are skipped (aligned to BLOCK_KV)
-        first_pos = ctx - num_q + (tile * BLOCK_Q) // G
-        kv_lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_KV * BLOCK_KV
+    partner = (d + D // 2) % D
     k_base = k_cache_ptr + slot * stride_kc_slot + kv_head * stride_kc_head
     v_base = v_cache_ptr + slot * stride_vc_slot + kv_head * stride_vc_head
-    for start in range(kv_lo, last_pos + 1, BLOCK_KV):
-        key_pos = start + tl.arange(0, BLOCK_KV)
-        key_ok = key_pos <= last_pos
-        k = tl.load(k_base + key_pos[:, None].to(tl.int64) * stride_kc_pos + d[None, :],
-                    mask=key_ok[:, None], other=0.0)
-        v = tl.load(v_base + key_pos[:, None].to(tl.int64) * stride_vc_pos + d[None, :],
-                    mask=key_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BQ, BKV] f32
-        visible = key_pos[None, :] <= pos[:, None]
-        if WINDOWED:
-            visible &= pos[:, None] - key_pos[None, :] < window
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        s_sum = s_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
-    out = acc / s_sum[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    last_query = tl.minimum(num_q - 1, (tile * BLOCK_Q + BLOCK_Q - 1) // G)
+    if WRITE:
+        # K (rotated) and V of the new tokens, in blocks of BLOCK_Q tokens: with ATTEND every
+        # block up to this tile's last query (tiles of one head write the same values), else
+        # the tile-th block only (a separate launch before the attention).
+        first_block = 0 if ATTEND else tile * BLOCK_Q
+        end = last_query + 1 if ATTEND else tl.minimum(num_q, first_block + BLOCK_Q)
+        for j0 in range(first_block, end, BLOCK_Q):
+            j = j0 + tl.arange(0, BLOCK_Q)
+            ok = j < end
+            tok = (q_lo + j).to(tl.int64)
+            p = ctx - num_q + j
+            k = _rope_rows(qkv_ptr + tok[:, None] * stride_qkv + (HQ + kv_head) * D, d, partner,
+                           p, ok, cos_ptr, sin_ptr, stride_cos, kn_ptr, eps, D, HAS_QK_NORM)
+            rows = p[:, None].to(tl.int64)
+            tl.store(k_base + rows * stride_kc_pos + d[None, :],
+                     k.to(k_cache_ptr.dtype.element_ty), mask=ok[:, None])
+            v = tl.load(qkv_ptr + tok[:, None] * stride_qkv + (HQ + HKV + kv_head) * D
+                        + d[None, :], mask=ok[:, None], other=0.0)
+            tl.store(v_base + rows * stride_vc_pos + d[None, :],
+                     v.to(v_cache_ptr.dtype.element_ty), mask=ok[:, None])
+        tl.debug_barrier()  # this program's cache writes are visible to its reads below
+    if ATTEND:
+        rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)  # row = query * G + head in group
+        query = rows // G
+        row_ok = query < num_q
+        pos = ctx - num_q + query  # absolute position of the row's query
+        token = (q_lo + query).to(tl.int64)
+        head = kv_head * G + rows % G
+        q = _rope_rows(qkv_ptr + token[:, None] * stride_qkv + head[:, None] * D, d, partner,
+                       pos, row_ok, cos_ptr, sin_ptr, stride_cos, qn_ptr, eps, D, HAS_QK_NORM)
+        q = q.to(qkv_ptr.dtype.element_ty)  # q rounded to the model dtype, as the twin's
+        m = tl.full((BLOCK_Q,), -1.0e30, tl.float32)  # finite: a fully masked block stays exact
+        s_sum = tl.zeros((BLOCK_Q,), tl.float32)
+        acc = tl.zeros((BLOCK_Q, D), tl.float32)
+        last_pos = ctx - num_q + last_query
+        kv_lo = 0
+        if WINDOWED:  # blocks wholly before every row's window are skipped (aligned to BLOCK_KV)
+            first_pos = ctx - num_q + (tile * BLOCK_Q) // G
+            kv_lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_KV * BLOCK_KV
+        for start in range(kv_lo, last_pos + 1, BLOCK_KV):
+            key_pos = start + tl.arange(0, BLOCK_KV)
+            key_ok = key_pos <= last_pos
+            k = tl.load(k_base + key_pos[:, None].to(tl.int64) * stride_kc_pos + d[None, :],
+                        mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_base + key_pos[:, None].to(tl.int64) * stride_vc_pos + d[None, :],
+                        mask=key_ok[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BQ, BKV] f32
+            visible = key_pos[None, :] <= pos[:, None]
+            if WINDOWED:
+                visible &= pos[:, None] - key_pos[None, :] < window
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            s_sum = s_sum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+        out = acc / s_sum[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -234,25 +221,75 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def cache_attention(q, k_cache, v_cache, slot_ids, context_lens, query_start, max_queries,
-                    scale, window=None) -> torch.Tensor:
-    """See ``model_ops.cache_attention``."""
+@triton.jit
+def _argmax_kernel(x_ptr, out_ptr, stride_x, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK)
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_col = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, N, BLOCK):  # lane j: the first maximum of columns j, j + BLOCK, ...
+        cols = start + lanes
+        v = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=float("-inf"))
+        v = v.to(tl.float32)
+        v = tl.where(v != v, float("inf"), v)  # NaN counts as the largest value, as in torch
+        take = v > best
+        best = tl.where(take, v, best)
+        best_col = tl.where(take, cols, best_col)
+    top = tl.max(best, axis=0)
+    first = tl.min(tl.where(best == top, best_col, N), axis=0)  # the first column holding it
+    tl.store(out_ptr + row, first.to(tl.int64))
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """See ``model_ops.argmax``: one program per row streaming it in blocks of 4096 (torch's
+    reduction gives a single row one block of threads: ~28 us for 128k float32 logits on an
+    H100, this ~4 us)."""
+    R, N = logits.shape
+    out = torch.empty(R, dtype=torch.int64, device=logits.device)
+    if R and N:
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        _argmax_kernel[(R,)](logits, out, logits.stride(0), N, BLOCK=4096, num_warps=8)
+    return out
+
+
+# Steps of up to this many new tokens per request (decode, verify) write their K/V inside the
+# attention launch; longer ones (prefill) write it in a launch of their own first.
+FUSED_WRITE_MAX_QUERIES = 16
+
+
+def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, slot_ids,
+                         context_lens, query_start, max_queries, num_heads, num_kv_heads, scale,
+                         window=None, q_norm=None, k_norm=None, eps=1e-6) -> torch.Tensor:
+    """See ``model_ops.rope_cache_attention``. The kernel derives each token's position and slot
+    from ``context_lens``, ``query_start`` and ``slot_ids`` (``positions`` and ``slot_mapping``
+    are the twin's)."""
     _check_index(slot_ids=slot_ids, context_lens=context_lens, query_start=query_start)
-    T, num_heads, D = q.shape
-    num_kv_heads = k_cache.shape[2]
-    G = num_heads // num_kv_heads
+    T = qkv.shape[0]
+    D = cos.shape[-1]
     B = slot_ids.shape[0]
-    out = torch.empty_like(q)
+    out = torch.empty((T, num_heads, D), dtype=qkv.dtype, device=qkv.device)
     if T == 0 or B == 0:
         return out
+    for name, t in (("qkv", qkv), ("k_cache", k_cache), ("v_cache", v_cache), ("cos", cos),
+                    ("sin", sin)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    G = num_heads // num_kv_heads
+    has_norm = q_norm is not None
     grid = (B, num_kv_heads, triton.cdiv(max_queries * G, ATTENTION_BLOCK_Q))
-    _cache_attention_kernel[grid](
-        q, k_cache, v_cache, out, slot_ids, context_lens, query_start,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        scale, 0 if window is None else window, G=G, D=D, BLOCK_Q=ATTENTION_BLOCK_Q,
-        BLOCK_KV=ATTENTION_BLOCK_KV, WINDOWED=window is not None,
-        PRECISION=_precision(q.dtype), num_warps=4)
+    args = (qkv, cos, sin, q_norm if has_norm else cos, k_norm if has_norm else cos, k_cache,
+            v_cache, out, slot_ids, context_lens, query_start, qkv.stride(0), cos.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
+            v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), scale,
+            0 if window is None else window, eps)
+    meta = dict(HQ=num_heads, HKV=num_kv_heads, D=D, BLOCK_Q=ATTENTION_BLOCK_Q,
+                BLOCK_KV=ATTENTION_BLOCK_KV, HAS_QK_NORM=has_norm, WINDOWED=window is not None,
+                PRECISION=_precision(qkv.dtype), num_warps=4)
+    fused = max_queries <= FUSED_WRITE_MAX_QUERIES
+    if not fused:
+        _rope_attention_kernel[grid](*args, WRITE=True, ATTEND=False, **meta)
+    _rope_attention_kernel[grid](*args, WRITE=fused, ATTEND=True, **meta)
     return out
 
 

@@ -155,7 +155,7 @@ class ModelProposer(Proposer):
         for i in range(k):
             positions = starts + 2 + i  # d_{i+1} occupies position num_tokens + i
             if self.greedy:
-                draft_ids = torch.argmax(logits, dim=-1)
+                draft_ids = runner.ops.argmax(logits)
             else:
                 draft_ids, q = ops.sample_draft(logits, x["temperature"].view(-1),
                                                 x["seeds"].view(-1), positions)
