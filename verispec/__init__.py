@@ -1,12 +1,19 @@
 """verispec: fast, exact speculative decoding for PyTorch."""
 
-from verispec.config import (
+# First, before anything imports torch: how OpenMP threads wait (see verispec.cpu_threads).
+from verispec.cpu_threads import set_wait_policy
+from verispec.log import configure_logging
+
+set_wait_policy()
+configure_logging()
+
+from verispec.config import (  # noqa: E402
     SpeculativeConfig,
     acceptance_length_to_rates,
     unconditional_to_conditional_rates,
 )
-from verispec.engine import LLM, RequestOutput
-from verispec.sampling_params import SamplingParams
+from verispec.engine import LLM, RequestOutput  # noqa: E402
+from verispec.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -31,9 +31,10 @@ ENGINE_FLAGS: dict[str, dict] = {
                           help="on CUDA, run every step eagerly instead of replaying the CUDA "
                           "graphs captured at start-up (default: off)"),
     "batch_invariant": dict(action=argparse.BooleanOptionalAction, default=True,
-                            help="on CUDA, matmuls whose rows do not depend on the batch, so a "
-                            "request's tokens are the same alone or in any batch; "
-                            "--no-batch-invariant uses cuBLAS (default: on)"),
+                            help="matmuls and attention whose rows do not depend on the batch, "
+                            "so a request's tokens are the same alone or in any batch; "
+                            "--no-batch-invariant uses cuBLAS on CUDA and torch's own CPU "
+                            "matmul choices (default: on)"),
 }
 # SamplingParams field -> CLI default when it differs from the dataclass default.
 SAMPLING_DEFAULTS = {"temperature": 0.0, "max_tokens": 256}
@@ -44,10 +45,13 @@ SAMPLING_HELP = {
     "min_p": "0.0 = off",
     "seed": "per-request seed (default: drawn at random)",
     "max_tokens": "most tokens generated per request",
-    "stop": "stop string (repeatable)",
-    "stop_token_ids": "stop token id (repeatable)",
+    "stop": "stop string (repeatable; default: none)",
+    "stop_token_ids": "stop token id (repeatable; default: none)",
     "ignore_eos": "keep generating past the EOS token (default: off)",
 }
+# SamplingParams fields with no flag: their results are returned by the Python API and the
+# server (``verispec serve``), and the terminal commands have no place to show them.
+SAMPLING_API_ONLY = ("logprobs",)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +64,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling (SamplingParams fields)")
     defaults = SamplingParams()
     for f in dataclasses.fields(SamplingParams):
+        if f.name in SAMPLING_API_ONLY:
+            continue
         flag = "--" + f.name.replace("_", "-")
         default = SAMPLING_DEFAULTS.get(f.name, getattr(defaults, f.name))
         help_text = SAMPLING_HELP.get(f.name)
@@ -82,15 +88,20 @@ SPEC_FLAGS: dict[str, tuple[str, dict]] = {
     "method": ("--speculative-method", dict(
         help="proposer, or none (default: ngram)")),
     "num_speculative_tokens": ("--num-speculative-tokens", dict(type=int, help="k (default: 3)")),
-    "model": ("--draft-model", dict(help="draft model directory or .gguf (draft_model)")),
-    "num_draft_layers": ("--draft-layers", dict(type=int, help="N target layers (early_exit)")),
-    "draft_sample_method": ("--draft-sample-method", dict(choices=["greedy", "probabilistic"])),
-    "prompt_lookup_min": ("--prompt-lookup-min", dict(type=int)),
-    "prompt_lookup_max": ("--prompt-lookup-max", dict(type=int)),
+    "model": ("--draft-model", dict(help="draft model directory or .gguf (draft_model; "
+                                    "default: none)")),
+    "num_draft_layers": ("--draft-layers", dict(type=int, help="N target layers (early_exit; "
+                                                "default: none)")),
+    "draft_sample_method": ("--draft-sample-method", dict(choices=["greedy", "probabilistic"],
+                                                          help="(default: greedy)")),
+    "prompt_lookup_min": ("--prompt-lookup-min", dict(type=int, help="(ngram; default: 5)")),
+    "prompt_lookup_max": ("--prompt-lookup-max", dict(type=int, help="(ngram; default: 5)")),
     "synthetic_acceptance_length": ("--synthetic-acceptance-length", dict(
-        type=float, help="benchmark at this mean acceptance length (synthetic mode)")),
+        type=float, help="benchmark at this mean acceptance length (synthetic mode; "
+        "default: off)")),
     "synthetic_acceptance_rates": ("--synthetic-acceptance-rates", dict(
-        help="comma-separated unconditional per-position rates (synthetic mode)")),
+        help="comma-separated unconditional per-position rates (synthetic mode; "
+        "default: off)")),
 }
 
 
@@ -105,7 +116,8 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
             options = dict(options, metavar=name.upper())
         group.add_argument(flag, dest="spec_" + name, default=None, **options)
     group.add_argument("--speculative-config", default=None, metavar="JSON",
-                       help="a vLLM speculative_config dict as JSON (instead of the flags above)")
+                       help="a vLLM speculative_config dict as JSON (instead of the flags "
+                       "above; default: none)")
 
 
 def speculative_config(args: argparse.Namespace):
@@ -150,7 +162,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**{f.name: getattr(args, f.name)
-                             for f in dataclasses.fields(SamplingParams)})
+                             for f in dataclasses.fields(SamplingParams)
+                             if f.name not in SAMPLING_API_ONLY})
 
 
 # ----------------------------------------------------------------------------- generate
@@ -159,7 +172,8 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt text")
     parser.add_argument("--no-chat", action="store_true",
-                        help="send the prompt as plain text, without the chat template")
+                        help="send the prompt as plain text, without the chat template "
+                        "(default: off)")
     add_engine_args(parser)
     add_speculative_args(parser)
     add_sampling_args(parser)
@@ -218,10 +232,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k-values", default=None,
                         help="comma-separated k to sweep (default: --num-speculative-tokens)")
     parser.add_argument("--no-chat", action="store_true",
-                        help="text prompts without the chat template")
-    parser.add_argument("--json", default=None, metavar="FILE", help="write the rows as JSON")
+                        help="text prompts without the chat template (default: off)")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="write the rows as JSON (default: not written)")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
-                        help="draw per-position acceptance and speedup against k (matplotlib)")
+                        help="draw per-position acceptance and speedup against k (matplotlib; "
+                        "default: not drawn)")
     add_engine_args(parser)
     add_speculative_args(parser)
     add_sampling_args(parser)
@@ -307,6 +323,32 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- serve
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="port to listen on (default: %(default)s)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send (default: the --model value, or the "
+                        "bundled model's name)")
+    add_engine_args(parser)
+    add_speculative_args(parser)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    config = speculative_config(args)  # bad flags are refused before the model loads
+    try:
+        from verispec.serve import run_server
+    except ImportError as e:
+        raise ValueError(f"verispec serve needs {e.name}: pip install -e .") from None
+    return run_server(engine_kwargs(args), config, args.host, args.port, args.served_model_name)
+
+
 # ----------------------------------------------------------------------------- main
 
 # name -> (help, add_arguments, run). Later subcommands (e.g. ``bench``) register here.
@@ -315,6 +357,8 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
                  run_generate),
     "bench": ("tokens/s and acceptance with and without speculation on a prompt set",
               add_bench_args, run_bench),
+    "serve": ("an OpenAI-compatible HTTP server (completions, chat, Prometheus /metrics)",
+              add_serve_args, run_serve),
 }
 
 

@@ -23,7 +23,10 @@ class SamplingParams:
     ``min_p`` 0.0 disable theirs. The processed distribution is logits / temperature, then top-k,
     top-p and min-p masks, renormalised (REFERENCE §3). ``seed`` None draws one at admission.
     ``stop`` strings and ``stop_token_ids`` end the request; the EOS token does too unless
-    ``ignore_eos``. ``max_tokens`` counts generated tokens.
+    ``ignore_eos``. ``max_tokens`` counts generated tokens. ``logprobs`` None returns no log
+    probabilities; an integer N returns, for every output token, its log probability under the
+    processed distribution and those of the N most likely tokens (vLLM's meaning; 0 = the
+    token's alone).
     """
 
     temperature: float = 1.0
@@ -35,6 +38,7 @@ class SamplingParams:
     stop: Sequence[str] = field(default_factory=tuple)
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or math.isnan(self.temperature) or (
@@ -68,6 +72,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

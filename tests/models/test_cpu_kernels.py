@@ -158,8 +158,8 @@ def test_model_attention_through_the_kernel_matches_sdpa(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "cache_attention",
                         lambda *args: calls.append(args[0].shape) or kernel(*args))
 
-    def steps():
-        runner = ModelRunner(loaded.model, 3, 64)
+    def steps(batch_invariant=True):
+        runner = ModelRunner(loaded.model, 3, 64, batch_invariant=batch_invariant)
         out = [runner.forward([2, 0], [[5, 17, 33, 2], [7, 3]], logits="all"),
                runner.forward([2, 0], [[8, 9, 10], [11]], logits="all"),
                runner.forward([0], [[12]]), runner.forward([0, 2], [[13], [14]])]
@@ -167,6 +167,6 @@ def test_model_attention_through_the_kernel_matches_sdpa(tmp_path, monkeypatch):
 
     with_kernel = steps()
     assert len(calls) == 4 * loaded.model.config.num_hidden_layers
-    monkeypatch.setattr(llama, "CPU_KERNEL_MAX_QUERIES", 0)
-    torch.testing.assert_close(with_kernel, steps(), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(llama, "CPU_KERNEL_MAX_QUERIES", 0)  # batch-variant path: SDPA
+    torch.testing.assert_close(with_kernel, steps(batch_invariant=False), rtol=1e-5, atol=1e-5)
     assert len(calls) == 4 * loaded.model.config.num_hidden_layers  # SDPA the second time

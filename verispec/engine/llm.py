@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from verispec import ops
@@ -21,6 +22,7 @@ from verispec.engine.request import Request, RequestOutput
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.spec_decode import SpeculativeDecoder
 from verispec.models.loader import load_model, parse_dtype
+from verispec.sample.logprobs import token_logprobs
 from verispec.sample.sampler import Sampler, SamplingTensors, draw_seed
 from verispec.sampling_params import SamplingParams
 
@@ -74,9 +76,10 @@ class LLM:
     device : torch device, default ``"cpu"``
     enforce_eager : on CUDA, run every step eagerly instead of replaying captured CUDA graphs
         (vLLM's name); no effect on CPU
-    batch_invariant : on CUDA, matmuls whose rows do not depend on the batch (the default: a
-        request's tokens are the same alone or in any batch, and greedy speculation emits the
-        plain greedy tokens); False uses torch's (cuBLAS) matmul, faster for large verify steps
+    batch_invariant : matmuls and attention whose rows do not depend on the batch, on CUDA and
+        on CPU (the default: a request's tokens are the same alone or in any batch, and greedy
+        speculation emits the plain greedy tokens, in every dtype); False uses torch's own
+        kernel choices (cuBLAS; on CPU oneDNN / MKL), faster for large verify steps
     """
 
     def __init__(
@@ -157,6 +160,9 @@ class LLM:
         if outside:
             raise ValueError(f"stop_token_ids {outside[:5]!r} are outside the model's vocabulary "
                              f"[0, {vocab_size})")
+        if params.logprobs is not None and params.logprobs > vocab_size:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the model's vocabulary size "
+                             f"{vocab_size}")
         text, ids = inputs.encode_prompt(prompt, self.tokenizer, vocab_size)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -188,6 +194,7 @@ class LLM:
             finish_reason=request.finish_reason,
             metrics=request.metrics,
             spec_stats=request.spec_stats,
+            logprobs=None if request.logprobs is None else list(request.logprobs),
         )
 
     # ----------------------------------------------------------------- the step loop
@@ -197,10 +204,15 @@ class LLM:
         batch, is_prefill = self.scheduler.schedule()
         self.num_steps += 1
         if self.spec is None or is_prefill:
-            outputs = [[t] for t in self._sample(batch, self._run(batch, is_prefill))]
+            logits = self._run(batch, is_prefill)
+            outputs = [[t] for t in self._sample(batch, logits)]
+            step_logits = (logits, np.arange(len(batch)))
         else:  # propose, verify, accept
             outputs = self.spec.step(batch, self._sampling_tensors(batch))
-        finished = [r for r, tokens in zip(batch, outputs) if self._commit(r, tokens)]
+            step_logits = self.spec.step_logits
+        logprobs = self._logprobs(batch, outputs, *step_logits)
+        finished = [r for r, tokens, lp in zip(batch, outputs, logprobs)
+                    if self._commit(r, tokens, lp)]
         if self.spec is not None:
             if is_prefill:
                 for r in batch:
@@ -231,10 +243,35 @@ class LLM:
         token_ids = self.sampler(logits, self._sampling_tensors(batch), positions)
         return token_ids.tolist()  # the step's one host sync
 
-    def _commit(self, request: Request, token_ids: Sequence[int]) -> bool:
+    def _logprobs(self, batch: list[Request], outputs: list[list[int]], logits: torch.Tensor,
+                  first_rows: np.ndarray) -> list[list[dict[int, float]] | None]:
+        """Per request of the step, the logprobs of its output tokens (None unless it asked):
+        output token j of request r came from ``logits[first_rows[r] + j]``."""
+        wanted = [i for i, r in enumerate(batch) if r.params.logprobs is not None]
+        result: list[list[dict[int, float]] | None] = [None] * len(batch)
+        if not wanted:
+            return result
+        rows = np.concatenate([first_rows[i] + np.arange(len(outputs[i])) for i in wanted])
+        owners = np.concatenate([np.full(len(outputs[i]), i) for i in wanted])
+        entries = token_logprobs(
+            logits[ops.to_device(rows, logits.device)],
+            self._sampling_tensors(batch).select(ops.to_device(owners, self.device)),
+            ops.to_device([t for i in wanted for t in outputs[i]], logits.device, torch.int64),
+            [batch[i].params.logprobs for i in owners],
+        )
+        start = 0
+        for i in wanted:
+            result[i] = entries[start : start + len(outputs[i])]
+            start += len(outputs[i])
+        return result
+
+    def _commit(self, request: Request, token_ids: Sequence[int],
+                logprobs: Sequence[dict[int, float]] | None = None) -> bool:
         """Append output tokens in order, stopping at the first that ends the request (no token
-        after it is kept). Returns True if the request finished (its slot is then released)."""
+        after it is kept), and the logprobs of the tokens kept. Returns True if the request
+        finished (its slot is then released)."""
         now = time.perf_counter()
+        num_before = request.num_output_tokens
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         params = request.params
@@ -251,6 +288,8 @@ class LLM:
                 request.finish_reason = "length"
             if request.finished:
                 break
+        if logprobs is not None:
+            request.logprobs.extend(logprobs[: request.num_output_tokens - num_before])
         # The cache holds every committed token but the last, which the next step feeds.
         self.runner.kv_cache.truncate(request.slot, request.num_tokens - 1)
         if request.finished:
@@ -333,6 +372,30 @@ class LLM:
     def spec_decoding_log_line(self, elapsed_s: float) -> str | None:
         """The vLLM-format metrics line over all steps so far (None without speculation)."""
         return None if self.spec is None else self.spec.stats.log_line(elapsed_s)
+
+    # ----------------------------------------------------------------- driving the engine
+    # For a caller that runs the step loop itself (the server: one engine thread adds requests,
+    # steps, and aborts between steps). Not thread-safe: call from one thread only.
+
+    def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None) -> Request:
+        """Validate and queue one request (ValueError naming the cause on bad input); it joins
+        the batch at the next ``step`` that has a free KV slot. Read it with ``get_output``."""
+        request = self._make_request(prompt, sampling_params or SamplingParams())
+        self.scheduler.add(request)
+        return request
+
+    def abort_request(self, request: Request) -> None:
+        """Drop an unfinished request, waiting or running; its KV slot is free for the next
+        step (a finished request is left as it is)."""
+        self._abort([request])
+
+    def get_output(self, request: Request) -> RequestOutput:
+        """The request's output so far (final once ``finish_reason`` is set)."""
+        return self._output(request)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
 
     def generate_stream(
         self, prompt: Any, sampling_params: SamplingParams | None = None

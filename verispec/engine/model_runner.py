@@ -24,6 +24,8 @@ larger than every graph run the same layout eagerly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -36,6 +38,17 @@ from verispec.ops import to_device
 from verispec.ops.model_ops import get_model_ops
 
 LOGITS_MODES = ("last", "all", "none")
+
+
+@dataclass
+class CapturedHidden:
+    """Hidden states of every token fed by the runner's last forward (``capture_layers``):
+    slot ``slots[b]`` fed ``counts[b]`` tokens at positions ``starts[b] ..``, request-major."""
+
+    slots: list[int]
+    starts: np.ndarray  # [B] int64 position of each request's first fed token
+    counts: np.ndarray  # [B] int64
+    rows: torch.Tensor  # [sum(counts), len(capture_layers) * hidden] model dtype
 # bfloat16 CPU matmuls of this many rows or more run in float32 (prefill; see models.llama.linear).
 # Decode and verify steps keep a bfloat16 matmul: widening the LM head every step costs more than
 # it saves there. With the compiled bfloat16 kernel (models.cpu_kernels) the crossover is later:
@@ -61,7 +74,8 @@ class ModelRunner:
         """``max_step_tokens``: the most new tokens per request a captured step may feed (k + 1
         for verify); ``flat_layout`` (default: on CUDA) runs the GPU path, also on CPU with the
         torch twins (tests); ``enforce_eager`` never replays graphs; ``batch_invariant=False``
-        uses torch's matmul on the GPU path (faster at some sizes, rows depend on the batch)."""
+        uses torch's matmul on the GPU path and torch's matmul and attention choices on the CPU path
+        (faster at some sizes, rows depend on the batch)."""
         self.model = model
         self.config = model.config
         self.device = torch.device(device)
@@ -70,6 +84,11 @@ class ModelRunner:
         self.flat = self.device.type == "cuda" if flat_layout is None else flat_layout
         self.batch_invariant = batch_invariant
         self.graphs: CUDAGraphRunner | None = None
+        # Hidden states an EAGLE head reads (set by its proposer): the residual stream entering
+        # each listed layer, ``num_hidden_layers`` = the final-norm output; every forward then
+        # keeps them in ``captured_hidden`` (on the flat layout it runs eagerly).
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured_hidden: CapturedHidden | None = None
         if self.flat:
             self._init_flat(num_slots, max_step_tokens, kv_cache_dtype, enforce_eager,
                             batch_invariant)
@@ -78,13 +97,16 @@ class ModelRunner:
             # On CPU, SDPA over a bfloat16 cache is several times slower than over float32.
             kv_cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         if self.device.type == "cpu":
-            # float32 products as one weight block per thread; bfloat16 ones of many rows
-            # (prefill) widened to float32 (models.llama.linear says why).
+            # Batch invariant (the default): every matmul and attention row computed one way
+            # whatever the number of rows (models.llama.invariant_linear). Otherwise float32
+            # products as one weight block per thread and bfloat16 ones of many rows (prefill)
+            # widened to float32 (models.llama.linear says why).
             upcast_rows = 0
             if self.dtype != torch.float32:
                 upcast_rows = (CPU_UPCAST_ROWS_WITH_KERNEL if cpu_kernels.available()
                                else CPU_UPCAST_ROWS)
-            model.set_cpu_matmuls(torch.get_num_threads(), upcast_rows=upcast_rows)
+            model.set_cpu_matmuls(torch.get_num_threads(), upcast_rows=upcast_rows,
+                                  batch_invariant=batch_invariant)
         self.kv_cache = KVCache(self.config, num_slots, max_model_len, kv_cache_dtype,
                                 self.device)
         # Angles in float32, then rounded to the model dtype once (as HF does per forward).
@@ -172,7 +194,7 @@ class ModelRunner:
 
     def _graph_for(self, batch_size: int, width: int, num_layers: int | None) -> int | None:
         """The smallest captured number of tokens per request >= width that fits the batch."""
-        if self.graphs is None:
+        if self.graphs is None or self.capture_layers:
             return None
         for num_queries in range(width, self.kv_cache.extra_rows + 2):
             if self.graphs.fits(self.graph_name(num_queries, num_layers), batch_size):
@@ -218,8 +240,9 @@ class ModelRunner:
             batch = FlatBatch(dev(positions), dev(slot_mapping), dev(np.asarray(slots)),
                               dev(starts + counts), dev(query_start), int(counts.max()),
                               self.cos, self.sin, self.ops)
-            hidden = self.model.forward_flat(flat_ids, batch, cache.k_layers, cache.v_layers,
-                                             num_layers)
+            hidden = self._capture(slots, starts, counts, None, self.model.forward_flat(
+                flat_ids, batch, cache.k_layers, cache.v_layers, num_layers,
+                **self._capture_kwargs()))
             all_logits, row_start = None, query_start[:-1]
         cache.advance(slots, counts.tolist())
         if logits == "none":
@@ -351,7 +374,9 @@ class ModelRunner:
             return self._forward_flat(slots, counts, ids_np, None, logits, num_layers)
         meta, _, valid_index = self._metadata(slots, counts, starts, width)
         input_ids = torch.from_numpy(ids_np).to(self.device)
-        hidden = self.model(input_ids, meta, cache.k_layers, cache.v_layers, num_layers)
+        hidden = self._capture(slots, starts, counts, meta.valid_index, self.model(
+            input_ids, meta, cache.k_layers, cache.v_layers, num_layers,
+            **self._capture_kwargs()))
         cache.advance(slots, counts.tolist())
         if logits == "none":
             return None
@@ -365,3 +390,25 @@ class ModelRunner:
             if valid_index is not None:
                 rows = rows[meta.valid_index]
         return self.model.compute_logits(rows)
+
+    def _capture_kwargs(self) -> dict:
+        """The model's ``capture_layers`` argument: the listed layers below the final norm."""
+        inner = tuple(i for i in self.capture_layers if i < self.config.num_hidden_layers)
+        return {"capture_layers": inner} if inner else {}
+
+    def _capture(self, slots: list[int], starts: np.ndarray, counts: np.ndarray,
+                 valid_index: torch.Tensor | None, output) -> torch.Tensor:
+        """Keep the hidden states ``capture_layers`` names in ``captured_hidden`` (the rows of
+        the valid tokens); returns the final-norm hidden states."""
+        hidden, captured = output if isinstance(output, tuple) else (output, [])
+        if not self.capture_layers:
+            return hidden
+        captured = iter(captured)
+        parts = [hidden if i >= self.config.num_hidden_layers else next(captured)
+                 for i in self.capture_layers]
+        rows = torch.cat(parts, dim=-1).reshape(-1, sum(p.shape[-1] for p in parts))
+        if valid_index is not None:
+            rows = rows[valid_index]
+        self.captured_hidden = CapturedHidden(list(slots), np.asarray(starts).copy(),
+                                              np.asarray(counts).copy(), rows)
+        return hidden

@@ -69,6 +69,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # Speculative decoding counters of this request (None without speculation).
     spec_stats: SpecDecodingStats | None = None
+    # With SamplingParams.logprobs set: one dict per token of token_ids, token id -> log
+    # probability under the processed target distribution (verispec.sample.logprobs).
+    logprobs: list[dict[int, float]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -103,6 +106,8 @@ class Request:
         self.spec_stats: SpecDecodingStats | None = None  # set at admission when speculating
         self.finish_reason: str | None = None
         self.stop_text_len: int | None = None  # text cut before a stop string
+        # One dict per output token when the request asked for logprobs (RequestOutput.logprobs)
+        self.logprobs: list[dict[int, float]] | None = None if params.logprobs is None else []
         self.metrics = RequestMetrics(time.perf_counter() if arrival_time is None
                                       else arrival_time)
 

@@ -27,6 +27,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_free_slots(self) -> int:
+        """KV cache slots no request holds."""
+        return len(self._free_slots)
+
     def schedule(self) -> tuple[list[Request], bool]:
         """The requests of the next step and whether it is a prefill. A new list: the step
         releases finished requests from ``running`` while it walks the batch."""

@@ -163,6 +163,10 @@ class SpeculativeDecoder:
         self.propose_time_s = 0.0
         self.verify_time_s = 0.0
         self.num_steps = 0
+        # The target logits of the last step and the first row of each request in them
+        # (``[sum(n_r + 1), V]``, REFERENCE §2): output token j of request r came from row
+        # ``first_rows[r] + j``. Read by the engine right after the step, for logprobs.
+        self.step_logits: tuple[torch.Tensor, np.ndarray] | None = None
         self._alpha = np.full(max_num_seqs, ALPHA_PRIOR)  # per slot
         self._steps_off = np.zeros(max_num_seqs, dtype=np.int64)
         self._probe_interval = np.full(max_num_seqs, REPROBE_STEPS)  # per slot
@@ -240,6 +244,8 @@ class SpeculativeDecoder:
         target_logits = self.runner.verify([r.slot for r in batch],
                                            [r.last_token_id for r in batch],
                                            proposal.draft_token_ids, num_drafts)
+        first_rows = np.concatenate([[0], np.cumsum(num_drafts + 1)[:-1]])
+        self.step_logits = (target_logits, first_rows)
         # Draft i of request r occupies position num_tokens + i (num_tokens counts the prompt).
         positions = ops.to_device([r.num_tokens for r in batch], self.runner.device)
         token_ids = self._read_outputs(batch, self.rejection_sampler(
@@ -287,6 +293,7 @@ class SpeculativeDecoder:
         """Nobody drafted: one decode row per request, sampled as its bonus token would be."""
         proposed = time.perf_counter()
         logits = self.runner.forward([r.slot for r in batch], [[r.last_token_id] for r in batch])
+        self.step_logits = (logits, np.arange(len(batch)))
         positions = ops.to_device([r.num_tokens for r in batch], self.runner.device)
         token_ids = self.sampler(logits, sampling, positions).tolist()  # the one host sync
         self.propose_time_s += proposed - start

@@ -8,7 +8,9 @@
  * float32; scores, softmax and the weighted sum run in float32. It reads each key and value
  * row where it lies in the cache (no gathered copy) and needs no layout change of q: what
  * torch's SDPA costs at one query per request is mostly fixed overhead (~75 us a call on a
- * 2-core AMD EPYC, plus the casts around it). Built and loaded by verispec/models/cpu_kernels.py.
+ * 2-core AMD EPYC, plus the casts around it). One (token, head) per OpenMP work item, taken as
+ * threads come free; each sums its rows in order, so its result depends on nothing else in the
+ * batch (batch invariance). Built and loaded by verispec/models/cpu_kernels.py.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -53,7 +55,7 @@ int cache_attention(const void *q, int64_t q_token_stride, void *out, int io_bf1
     size_t per_thread = (size_t)(kv_len + 2 * head_dim + 16);
     float *scratch = malloc(sizeof(float) * per_thread * (size_t)num_threads);
     if (scratch == NULL) return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < items; item++) {
         float *p = scratch + per_thread * (size_t)omp_get_thread_num();
         float *qf = p + kv_len, *acc = qf + head_dim;

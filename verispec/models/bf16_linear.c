@@ -10,9 +10,19 @@
  * 16 weights w[k], w[k + 1] pair up in each lane: the lane shifted left by 16 is w[k] in
  * float32, the lane with its low half cleared is w[k + 1]. So the weights stream from memory at
  * 2 bytes each and widen with one shift and one mask per 16 weights, against the input widened
- * and split once per call into its even and odd elements. Each weight row is read once for up to GROUP
- * input rows (a verify step's few rows cost little more than one). OpenMP threads (torch's own
- * runtime) split the output features. Built and loaded by verispec/models/cpu_kernels.py.
+ * and split once per call into its even and odd elements. Each weight row is read from memory
+ * once for all input rows (GROUP rows per pass, the next passes find it in L1), so a verify
+ * step's few rows cost little more than one. OpenMP threads (torch's own runtime) take the
+ * output features 16 at a time as they come free (a dynamic schedule: on a shared CPU a thread
+ * the OS preempts takes fewer, instead of the whole step waiting for its fixed half). Which
+ * thread sums an output never changes how it is summed.
+ *
+ * Batch invariance (REFERENCE §12): y[m, n] is summed in the same order whatever the number of
+ * rows M and wherever row m falls in a group: four float32 chains over 32 weights at a time
+ * (even and odd elements of two halves), folded, then chains over 16 weights, then the scalar
+ * tails. A row's result depends on its own input and the weight only, so a token gives the same
+ * bits decoded alone, in a batch, in a verify step or in a prefill (tested). Built and loaded
+ * by verispec/models/cpu_kernels.py.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -21,7 +31,7 @@
 
 #include "cpu_kernels.h"
 
-#define GROUP 4 /* input rows per pass over a weight row */
+#define GROUP 2 /* input rows per pass over a weight row (4 chains each: 8 of 16 registers) */
 
 /* out[g] = sum_k x_g[k] w[k] for the `rows` (1..GROUP, a constant after inlining) input rows
  * whose even / odd elements start at xe / xo (row stride `half`); x holds the whole rows (for
@@ -33,8 +43,8 @@ static inline __attribute__((always_inline)) void dots(
     __m256 even[GROUP], odd[GROUP];
     for (int g = 0; g < rows; g++) even[g] = odd[g] = _mm256_setzero_ps();
     int64_t t = 0;
-    if (rows <= 2) { /* two more chains per row, so that FMA latency does not bound it */
-        __m256 even2[2], odd2[2];
+    { /* two more chains per row, so that FMA latency does not bound it */
+        __m256 even2[GROUP], odd2[GROUP];
         for (int g = 0; g < rows; g++) even2[g] = odd2[g] = _mm256_setzero_ps();
         for (; t + 16 <= half; t += 16) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(w + 2 * t));
@@ -76,12 +86,11 @@ static inline __attribute__((always_inline)) void dots(
 
 static void group_rows(const uint16_t *w, const float *xe, const float *xo, const uint16_t *x,
                        int64_t half, int64_t k_size, int rows, float *out) {
-    switch (rows) { /* constant row counts, so that the loops over them unroll */
-        case 1: dots(w, xe, xo, x, half, k_size, 1, out); break;
-        case 2: dots(w, xe, xo, x, half, k_size, 2, out); break;
-        case 3: dots(w, xe, xo, x, half, k_size, 3, out); break;
-        default: dots(w, xe, xo, x, half, k_size, GROUP, out); break;
-    }
+    /* constant row counts, so that the loops over them unroll; every row is summed alike */
+    if (rows == 1)
+        dots(w, xe, xo, x, half, k_size, 1, out);
+    else
+        dots(w, xe, xo, x, half, k_size, GROUP, out);
 }
 
 /* Returns 0, or -1 when the scratch for the split input cannot be allocated. */
@@ -96,7 +105,7 @@ int bf16_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
             xe[m * half + u] = widen1(x[m * k_size + 2 * u]);
             xo[m * half + u] = widen1(x[m * k_size + 2 * u + 1]);
         }
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(dynamic, 16) num_threads(num_threads)
     for (int64_t n = 0; n < n_size; n++) {
         const uint16_t *wr = w + n * k_size;
         float b = bias ? widen1(bias[n]) : 0.0f;
@@ -112,10 +121,13 @@ int bf16_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
     return 0;
 }
 
-/* The same for float32 weights and input: y[m, n] = sum_k x[m, k] w[n, k] + b[n]. */
+/* The same for float32 weights and input: y[m, n] = sum_k x[m, k] w[n, k] + b[n], every row
+ * summed alike (two chains over 16 floats at a time, then the scalar tail) in groups of up to
+ * F32_GROUP rows. */
+#define F32_GROUP 4
 static inline __attribute__((always_inline)) void f32_dots(
     const float *w, const float *x, int64_t k_size, int rows, float *out) {
-    __m256 acc[GROUP], acc2[GROUP];
+    __m256 acc[F32_GROUP], acc2[F32_GROUP];
     for (int g = 0; g < rows; g++) acc[g] = acc2[g] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 16 <= k_size; k += 16) {
@@ -138,19 +150,19 @@ static void f32_group_rows(const float *w, const float *x, int64_t k_size, int r
         case 1: f32_dots(w, x, k_size, 1, out); break;
         case 2: f32_dots(w, x, k_size, 2, out); break;
         case 3: f32_dots(w, x, k_size, 3, out); break;
-        default: f32_dots(w, x, k_size, GROUP, out); break;
+        default: f32_dots(w, x, k_size, F32_GROUP, out); break;
     }
 }
 
 void f32_linear(const float *x, const float *w, const float *bias, float *y, int64_t m_size,
                 int64_t n_size, int64_t k_size, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(dynamic, 16) num_threads(num_threads)
     for (int64_t n = 0; n < n_size; n++) {
         const float *wr = w + n * k_size;
         float b = bias ? bias[n] : 0.0f;
-        for (int64_t m = 0; m < m_size; m += GROUP) {
-            int rows = m_size - m < GROUP ? (int)(m_size - m) : GROUP;
-            float out[GROUP];
+        for (int64_t m = 0; m < m_size; m += F32_GROUP) {
+            int rows = m_size - m < F32_GROUP ? (int)(m_size - m) : F32_GROUP;
+            float out[F32_GROUP];
             f32_group_rows(wr, x + m * k_size, k_size, rows, out);
             for (int g = 0; g < rows; g++) y[(m + g) * n_size + n] = out[g] + b;
         }

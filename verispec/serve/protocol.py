@@ -1,0 +1,202 @@
+"""The OpenAI API surface of the server: request bodies, their sampling parameters, errors.
+
+Request bodies are pydantic models that forbid unknown fields: nothing a client sends is silently
+ignored. A few OpenAI fields that clients send by default are accepted at their neutral value
+only (``n`` 1, ``presence_penalty`` / ``frequency_penalty`` 0, ``logit_bias`` empty, ``echo``
+false, ``best_of`` 1, ``suffix`` empty); ``user`` (an end-user id) is accepted and has no effect
+on generation, as in OpenAI's API. Scalars are strict: ``"0.5"`` is not a temperature.
+
+Every error is OpenAI's body ``{"error": {"message", "type", "param", "code"}}``; the message
+names the field and the value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from verispec.sampling_params import SamplingParams
+
+# Most top logprobs per token a request may ask for (vLLM's default max_logprobs; OpenAI's chat
+# top_logprobs limit).
+MAX_LOGPROBS = 20
+# JSON has no -inf: a token the masks removed reports this, as vLLM does.
+MIN_LOGPROB = -9999.0
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 500: "server_error",
+               503: "server_error"}
+
+
+class ApiError(Exception):
+    """An HTTP error with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.code}}
+
+
+def show(value: Any, limit: int = 100) -> str:
+    """A value as an error message quotes it (repr, cut to ``limit`` characters)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Body):
+    role: StrictStr
+    content: StrictStr | list[TextPart]
+
+    def as_dict(self) -> dict:
+        content = self.content
+        if not isinstance(content, str):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content}
+
+
+class _GenerationRequest(_Body):
+    """The fields both endpoints share."""
+
+    model: StrictStr | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: StrictInt | None = None
+    user: StrictStr | None = None
+    # Accepted at their neutral value only (NEUTRAL_VALUES).
+    n: StrictInt | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
+
+    def check_neutral_fields(self) -> None:
+        """ApiError for a field verispec does not implement set to anything but its neutral
+        value."""
+        for name, neutral in NEUTRAL_VALUES.items():
+            value = getattr(self, name, None)
+            if value is not None and value != neutral:
+                raise ApiError(400, f"{name}={show(value)} is not supported by verispec (only "
+                               f"{show(neutral)}, which is the default)", name)
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream=true, got "
+                           f"stream_options={show(self.stream_options.model_dump())}",
+                           "stream_options")
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = None
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt per choice: a string or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+
+
+NEUTRAL_VALUES = {"n": 1, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                  "logit_bias": {}, "echo": False, "suffix": ""}
+
+# Union-typed fields: what a validation error says they must be.
+FIELD_EXPECTS = {
+    "prompt": "a string, a list of token ids, a list of strings or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "messages": "a non-empty list of {'role': str, 'content': str | [{'type': 'text', "
+                "'text': str}]} messages",
+}
+
+
+def validation_error(errors: list[dict], body: Any) -> ApiError:
+    """The first of pydantic's errors (FastAPI's RequestValidationError) as one 400 naming the
+    field and the value."""
+    error = errors[0]
+    loc = [part for part in error.get("loc", ()) if part != "body"]
+    kind = error.get("type", "")
+    if kind == "json_invalid":
+        reason = (error.get("ctx") or {}).get("error") or error.get("msg")
+        return ApiError(400, f"the request body is not valid JSON: {reason}")
+    if not loc or not isinstance(loc[0], str):
+        return ApiError(400, f"the request body must be a JSON object, got {show(body)}")
+    field = loc[0]
+    value = body.get(field) if isinstance(body, dict) else error.get("input")
+    if kind == "extra_forbidden":
+        return ApiError(400, f"{field} is not a field verispec supports (got {show(value)})",
+                        field)
+    if kind == "missing" and len(loc) == 1:
+        return ApiError(400, f"{field} is required", field)
+    if field in FIELD_EXPECTS:
+        return ApiError(400, f"{field} must be {FIELD_EXPECTS[field]}, got {show(value)}", field)
+    path = field + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
+    return ApiError(400, f"{path}: {error.get('msg')}, got {show(error.get('input'))}", field)
+
+
+def check_logprobs(name: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ApiError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", name)
+
+
+def check_max_tokens(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ApiError(400, f"{name} must be an integer >= 1, got {value}", name)
+
+
+def sampling_params(request: _GenerationRequest, max_tokens: int,
+                    logprobs: int | None) -> SamplingParams:
+    """The request's SamplingParams (OpenAI defaults: temperature 1, top_p 1); a ValueError of
+    SamplingParams becomes a 400 naming the field (its messages start with the field's name)."""
+    fields = dict(
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=0 if request.top_k is None else request.top_k,
+        min_p=0.0 if request.min_p is None else request.min_p,
+        seed=request.seed,
+        max_tokens=max_tokens,
+        stop=[request.stop] if isinstance(request.stop, str) else (request.stop or []),
+        stop_token_ids=request.stop_token_ids or [],
+        ignore_eos=request.ignore_eos,
+        logprobs=logprobs,
+    )
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:
+        message = str(e)
+        param = next((name for name in fields if message.startswith(name + " ")), None)
+        raise ApiError(400, message, param) from None

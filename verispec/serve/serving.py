@@ -1,0 +1,319 @@
+"""Completions and chat completions: API request -> engine submission -> OpenAI response.
+
+Prompts are tokenized here, on the event loop, with the front's own copy of the tokenizer (the
+engine thread decodes with the engine's; a Rust tokenizer must not be used by two threads at
+once), exactly as ``LLM.generate`` would (``verispec.engine.inputs.encode_prompt``, the chat
+template for messages), so a seeded request gives the tokens ``LLM.generate`` gives.
+
+Streaming sends server-sent events as OpenAI's API: one ``data: {chunk}`` per engine step that
+moved a request (several tokens when speculation accepted drafts), the last chunk of a choice
+with its ``finish_reason``, a usage chunk when ``stream_options.include_usage``, then
+``data: [DONE]``. Logprobs cover every generated token but one that ended the request (an EOS or
+stop token, which is not text either).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from verispec.engine import inputs
+from verispec.engine.llm import LLM
+from verispec.engine.request import RequestOutput
+from verispec.sampling_params import SamplingParams
+from verispec.serve.async_engine import AsyncEngine, EngineError, Submission
+from verispec.serve.protocol import (
+    MIN_LOGPROB,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_logprobs,
+    check_max_tokens,
+    sampling_params,
+    show,
+)
+
+
+@dataclass
+class _Choice:
+    """What one choice of a response has sent so far."""
+
+    text: str = ""
+    num_logprobs: int = 0
+    text_offset: int = 0
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list = field(default_factory=list)
+
+
+class OpenAIServing:
+    """The two generation endpoints of one served model."""
+
+    def __init__(self, llm: LLM, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = copy.deepcopy(llm.tokenizer)
+        self.vocab_size = llm.model_config.vocab_size
+        self.max_model_len = llm.max_model_len
+        self.eos_token_ids = llm.eos_token_ids
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
+
+    # ----------------------------------------------------------------- requests
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"The model {name!r} does not exist: this server serves "
+                           f"{self.model_name!r}", "model", "model_not_found")
+
+    def encode(self, prompt, param: str) -> list[int]:
+        """Token ids of a prompt (text, ids or chat messages); ApiError naming ``param``."""
+        try:
+            _, ids = inputs.encode_prompt(prompt, self.tokenizer, self.vocab_size)
+        except ValueError as e:
+            message = str(e) if str(e).startswith(param) else f"{param}: {e}"
+            raise ApiError(400, message, param) from None
+        if len(ids) >= self.max_model_len:
+            raise ApiError(400, f"{param} has {len(ids)} tokens, but max_model_len="
+                           f"{self.max_model_len} leaves no room to generate (at most "
+                           f"{self.max_model_len - 1} prompt tokens)", param)
+        return ids
+
+    def check_room(self, ids: list[int], max_tokens: int, param: str) -> None:
+        if len(ids) + max_tokens > self.max_model_len:
+            raise ApiError(400, f"{param}={max_tokens} and the prompt's {len(ids)} tokens exceed "
+                           f"max_model_len={self.max_model_len}: ask for at most "
+                           f"{self.max_model_len - len(ids)} tokens", param)
+
+    def check_stop_token_ids(self, ids: list[int] | None) -> None:
+        outside = [t for t in ids or [] if not 0 <= t < self.vocab_size]
+        if outside:
+            raise ApiError(400, f"stop_token_ids {show(outside[:5])} are outside the model's "
+                           f"vocabulary [0, {self.vocab_size})", "stop_token_ids")
+
+    async def completion(self, body: CompletionRequest, raw: Request) -> Response:
+        self.check_model(body.model)
+        body.check_neutral_fields()
+        check_logprobs("logprobs", body.logprobs)
+        check_max_tokens("max_tokens", body.max_tokens)
+        self.check_stop_token_ids(body.stop_token_ids)
+        prompts = [self.encode(p, "prompt") for p in body.prompts()]
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
+        for ids in prompts:
+            self.check_room(ids, max_tokens, "max_tokens")
+        params = sampling_params(body, max_tokens, body.logprobs)
+        return await self._respond(raw, "text_completion", prompts, [params] * len(prompts),
+                                   body.stream, body.stream_options, "prompt")
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(body.model)
+        body.check_neutral_fields()
+        for name in ("max_tokens", "max_completion_tokens"):
+            check_max_tokens(name, getattr(body, name))
+        if body.max_tokens is not None and body.max_completion_tokens is not None and (
+                body.max_tokens != body.max_completion_tokens):
+            raise ApiError(400, f"max_tokens={body.max_tokens} and max_completion_tokens="
+                           f"{body.max_completion_tokens} disagree; give one", "max_tokens")
+        check_logprobs("top_logprobs", body.top_logprobs)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, f"top_logprobs={body.top_logprobs} needs logprobs=true",
+                           "top_logprobs")
+        self.check_stop_token_ids(body.stop_token_ids)
+        ids = self.encode([m.as_dict() for m in body.messages], "messages")
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        if max_tokens is None:  # as vLLM: whatever max_model_len leaves
+            max_tokens = self.max_model_len - len(ids)
+        self.check_room(ids, max_tokens, param)
+        num_top = (body.top_logprobs or 0) if body.logprobs else None
+        params = sampling_params(body, max_tokens, num_top)
+        return await self._respond(raw, "chat.completion", [ids], [params], body.stream,
+                                   body.stream_options, "messages")
+
+    async def _respond(self, raw: Request, kind: str, prompts: list[list[int]],
+                       params: list[SamplingParams], stream: bool, stream_options,
+                       prompt_param: str) -> Response:
+        try:
+            submission = await self.engine.submit(prompts, params)
+        except ValueError as e:  # refused by the engine (the checks above catch most first)
+            raise ApiError(400, str(e), prompt_param) from None
+        except EngineError as e:
+            raise ApiError(503, str(e)) from None
+        response_id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
+        response = _Response(self, kind, response_id, prompts, params)
+        if stream:
+            include_usage = stream_options is not None and stream_options.include_usage
+            return StreamingResponse(response.stream(submission, include_usage),
+                                     media_type="text/event-stream")
+        return await cancel_on_disconnect(response.collect(submission), raw)
+
+    # ----------------------------------------------------------------- tokens as text
+
+    def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:  # a model without a tokenizer: vLLM's spelling of an id
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+    def num_text_tokens(self, output: RequestOutput, params: SamplingParams) -> int:
+        """Generated tokens that count as text: all but an EOS / stop token that ended it."""
+        ids = output.token_ids
+        if output.finish_reason == "stop" and ids and (
+                ids[-1] in params.stop_token_ids
+                or (not params.ignore_eos and ids[-1] in self.eos_token_ids)):
+            return len(ids) - 1
+        return len(ids)
+
+
+async def cancel_on_disconnect(work, raw: Request) -> Response:
+    """Run ``work`` (a coroutine returning a Response) unless the client disconnects first; then
+    cancel it (its requests are aborted) and answer nobody."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return Response(status_code=499)
+    return task.result()
+
+
+class _Response:
+    """One API response being built from the outputs of its submission."""
+
+    def __init__(self, serving: OpenAIServing, kind: str, response_id: str,
+                 prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> None:
+        self.serving = serving
+        self.chat = kind == "chat.completion"
+        self.kind = kind
+        self.id = response_id
+        self.created = int(time.time())
+        self.params = params
+        self.num_prompt_tokens = sum(len(p) for p in prompts)
+        self.choices = [_Choice() for _ in prompts]
+
+    def _advance(self, index: int, output: RequestOutput) -> tuple[str, list | None]:
+        """The choice's new text and new logprobs (None unless asked for) since last time."""
+        choice, params = self.choices[index], self.params[index]
+        text = output.text
+        # Text only grows (held-back pieces of UTF-8 or of a stop string are not shown early);
+        # should a re-decode ever change shown text, the response keeps the engine's text.
+        delta = text[len(choice.text):] if text.startswith(choice.text) else ""
+        choice.text = text
+        choice.num_tokens = len(output.token_ids)
+        choice.finish_reason = output.finish_reason
+        if params.logprobs is None:
+            return delta, None
+        end = self.serving.num_text_tokens(output, params)
+        new = [(output.token_ids[i], output.logprobs[i])
+               for i in range(choice.num_logprobs, end)]
+        choice.num_logprobs = end
+        return delta, self._logprobs(choice, new, params.logprobs)
+
+    def _logprobs(self, choice: _Choice, new: list[tuple[int, dict]], num_top: int) -> list:
+        text = self.serving.token_text
+        items = []
+        for token_id, entry in new:
+            top = list(entry.items())[:num_top]
+            if self.chat:
+                items.append(dict(_chat_logprob(text(token_id), entry[token_id]),
+                                  top_logprobs=[_chat_logprob(text(t), v) for t, v in top]))
+            else:
+                items.append((text(token_id), _clamp(entry[token_id]),
+                              {text(t): _clamp(v) for t, v in entry.items()}, choice.text_offset))
+                choice.text_offset += len(text(token_id))
+        return items
+
+    def _choice_json(self, index: int, delta: str, logprobs: list | None,
+                     finish_reason: str | None, streaming: bool) -> dict:
+        if logprobs is not None and self.chat:
+            logprobs = {"content": logprobs}
+        elif logprobs is not None:
+            tokens, values, top, offsets = (list(x) for x in zip(*logprobs)) if logprobs else (
+                [], [], [], [])
+            logprobs = {"tokens": tokens, "token_logprobs": values, "top_logprobs": top,
+                        "text_offset": offsets}
+        if not self.chat:
+            return {"index": index, "text": delta, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
+        message = {"content": delta} if streaming else {"role": "assistant", "content": delta}
+        return {"index": index, ("delta" if streaming else "message"): message,
+                "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _usage(self) -> dict:
+        completion = sum(c.num_tokens for c in self.choices)
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.num_prompt_tokens + completion}
+
+    def _envelope(self, choices: list[dict], streaming: bool) -> dict:
+        kind = self.kind + (".chunk" if streaming and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created,
+                "model": self.serving.model_name, "choices": choices}
+
+    async def collect(self, submission: Submission) -> Response:
+        """The whole response (non-streaming)."""
+        logprobs: list[list | None] = [None] * len(self.choices)
+        try:
+            async for batch in submission.outputs():
+                for index, output in batch:
+                    _, new = self._advance(index, output)
+                    if new is not None:
+                        logprobs[index] = (logprobs[index] or []) + new
+        except EngineError as e:
+            raise ApiError(500, str(e)) from None
+        finally:
+            submission.abort()
+        choices = [self._choice_json(i, c.text, logprobs[i], c.finish_reason, False)
+                   for i, c in enumerate(self.choices)]
+        return JSONResponse(dict(self._envelope(choices, False), usage=self._usage()))
+
+    async def stream(self, submission: Submission, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events; a client that disconnects cancels this, which aborts."""
+        usage = {"usage": None} if include_usage else {}
+        try:
+            if self.chat:  # the first chunk of each choice carries the role
+                for index in range(len(self.choices)):
+                    choice = {"index": index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}
+                    yield _sse(dict(self._envelope([choice], True), **usage))
+            async for batch in submission.outputs():
+                for index, output in batch:
+                    delta, logprobs = self._advance(index, output)
+                    if delta or logprobs or output.finished:
+                        choice = self._choice_json(index, delta, logprobs, output.finish_reason,
+                                                   True)
+                        yield _sse(dict(self._envelope([choice], True), **usage))
+            if include_usage:
+                yield _sse(dict(self._envelope([], True), usage=self._usage()))
+        except EngineError as e:
+            yield _sse(ApiError(500, str(e)).body())
+        finally:
+            submission.abort()
+        yield "data: [DONE]\n\n"
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def _chat_logprob(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": _clamp(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
