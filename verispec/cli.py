@@ -349,6 +349,62 @@ def run_serve(args: argparse.Namespace) -> int:
     return run_server(engine_kwargs(args), config, args.host, args.port, args.served_model_name)
 
 
+# ----------------------------------------------------------------------------- train-draft
+
+# TrainDraftConfig field -> help; every field is a flag (--output-dir, --draft-vocab-size, ...).
+TRAIN_DRAFT_HELP = {
+    "output_dir": "directory the head is written to (and resumed from); load it with "
+                  "--speculative-method eagle3 --draft-model DIR",
+    "model": "target: local HF directory or .gguf file (default: the bundled model)",
+    "prompts": 'JSONL file of {"prompt": ...} or {"messages": [...]} lines (default: the '
+               "built-in set)",
+    "num_prompts": "use the first N prompts (default: all)",
+    "max_new_tokens": "tokens generated per response",
+    "temperature": "temperature of the generated responses (0 = greedy)",
+    "draft_vocab_size": "tokens of the head's own LM head (the most frequent in the data)",
+    "ttt_steps": "draft steps unrolled per position in training (training-time test)",
+    "epochs": "passes over the data",
+    "batch_size": "sequences per optimizer step",
+    "lr": "peak learning rate (AdamW, warm-up then cosine decay)",
+    "warmup_steps": "optimizer steps of linear warm-up",
+    "max_seq_len": "longest sequence trained on (longer ones are cut)",
+    "save_every": "write the head and the training state every N steps",
+    "seed": "seed of the data order and the initial weights",
+    "dtype": "target dtype for generating and recording hidden states",
+    "device": "cpu, cuda or cuda:N",
+    "max_num_seqs": "requests generated at once",
+}
+
+
+def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
+    from verispec.train.train_draft import TrainDraftConfig
+
+    for f in dataclasses.fields(TrainDraftConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        options = dict(help=TRAIN_DRAFT_HELP[f.name])
+        if f.name == "output_dir":
+            parser.add_argument(flag, dest=f.name, required=True, **options)
+            continue
+        if f.name == "dtype":
+            options["choices"] = ["bfloat16", "float32"]
+        if "default:" not in options["help"]:
+            options["help"] += " (default: %(default)s)"
+        parser.add_argument(flag, dest=f.name, type=kind, default=f.default, **options)
+
+
+def run_train_draft(args: argparse.Namespace) -> int:
+    import json
+
+    from verispec.train.train_draft import TrainDraftConfig, train_draft
+
+    config = TrainDraftConfig(**{f.name: getattr(args, f.name)
+                                 for f in dataclasses.fields(TrainDraftConfig)})
+    summary = train_draft(config, log=lambda line: print(line, file=sys.stderr))
+    print(json.dumps({"train_draft": summary}))
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 
 # name -> (help, add_arguments, run). Later subcommands (e.g. ``bench``) register here.
@@ -359,6 +415,8 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
               add_bench_args, run_bench),
     "serve": ("an OpenAI-compatible HTTP server (completions, chat, Prometheus /metrics)",
               add_serve_args, run_serve),
+    "train-draft": ("train an EAGLE-3 draft head for a target on its own generations",
+                    add_train_draft_args, run_train_draft),
 }
 
 

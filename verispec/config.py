@@ -88,6 +88,8 @@ METHOD_KEYS = {
     "ngram": {"prompt_lookup_min", "prompt_lookup_max"},
     "draft_model": {"model", "draft_sample_method"},
     "early_exit": {"num_draft_layers", "draft_sample_method"},
+    "eagle": {"model", "draft_sample_method"},  # model: the EAGLE head's directory
+    "eagle3": {"model", "draft_sample_method"},
 }
 
 
@@ -95,8 +97,9 @@ METHOD_KEYS = {
 class SpeculativeConfig:
     """Speculative decoding settings, named as vLLM's ``speculative_config``.
 
-    ``method``: proposer name (``"ngram"``, ``"draft_model"``, ``"early_exit"``; validated against
-    the proposer registry by the engine). ``model``: the draft model for ``"draft_model"``.
+    ``method``: proposer name (``"ngram"``, ``"draft_model"``, ``"early_exit"``, ``"eagle"``,
+    ``"eagle3"``; validated against the proposer registry by the engine). ``model``: the draft
+    model for ``"draft_model"``, the head's directory for ``"eagle"`` / ``"eagle3"``.
     ``rejection_sample_method``: ``"standard"`` (exact) or ``"synthetic"`` (benchmarking, REFERENCE
     §3 rule 4), which takes exactly one of ``synthetic_acceptance_rates`` (unconditional, length k)
     or ``synthetic_acceptance_length``.
@@ -166,6 +169,9 @@ class SpeculativeConfig:
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        used = METHOD_KEYS.get(self.method, {"prompt_lookup_min"})
+        if lo is None and hi is None and "prompt_lookup_min" not in used:
+            return  # left unset where unused, so the config rebuilds from its own fields
         if lo is None and hi is None:
             lo = hi = DEFAULT_PROMPT_LOOKUP
         elif lo is None:

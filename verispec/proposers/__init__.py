@@ -15,12 +15,15 @@ from verispec.proposers.base import (
     register_proposer,
 )
 from verispec.proposers.draft_model import DraftModelProposer
+from verispec.proposers.eagle import Eagle3Proposer, EagleProposer
 from verispec.proposers.early_exit import EarlyExitProposer
 from verispec.proposers.ngram import NgramProposer, ngram_lookup
 
 __all__ = [
     "DraftModelProposer",
     "DraftProposal",
+    "Eagle3Proposer",
+    "EagleProposer",
     "EarlyExitProposer",
     "NgramProposer",
     "ProposalRequest",

@@ -1,0 +1,187 @@
+"""``verispec train-draft`` on a tiny random target.
+
+Strategy: a 6-layer random Llama (float32) and token-id prompts. A few optimizer steps must
+lower the loss; the written directory must load as an EAGLE-3 head whose weights are the
+trained ones and whose greedy speculation emits the plain greedy tokens; a run interrupted
+after its first checkpoint and started again must end with the very weights of an uninterrupted
+run (resumable, deterministic). The training forward (TTT) must compute, at every unrolled step,
+the logits the inference proposer computes through its KV cache for the same context and drafts
+(training teaches exactly what inference runs).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from tests.proposers.test_draft_model import save_llama
+from tests.proposers.test_eagle_loader import eagle_checkpoint, eagle_proposer, write_checkpoint
+from verispec.cli import main
+from verispec.engine.llm import LLM
+from verispec.engine.model_runner import ModelRunner
+from verispec.models import load_model
+from verispec.models.eagle import eagle_state_dict, load_eagle_head
+from verispec.sampling_params import SamplingParams
+from verispec.train import TrainDraftConfig, train_draft
+from verispec.train import eagle3 as recipe
+
+VOCAB = 64
+trainer = importlib.import_module("verispec.train.train_draft")  # the module, not the function
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> str:
+    return save_llama(tmp_path_factory.mktemp("train_target"), num_layers=6)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> str:
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    with open(path, "w") as f:
+        for _ in range(12):
+            ids = [rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 8))]
+            f.write(json.dumps({"prompt_token_ids": ids}) + "\n")
+    return str(path)
+
+
+def _config(out, target_dir, prompts_file, **kw) -> TrainDraftConfig:
+    return TrainDraftConfig(**{**dict(
+        output_dir=str(out), model=target_dir, prompts=prompts_file, max_new_tokens=20,
+        temperature=0.0, draft_vocab_size=48, ttt_steps=2, epochs=4, batch_size=4, lr=3e-3,
+        warmup_steps=2, save_every=4, dtype="float32", max_num_seqs=4), **kw})
+
+
+def test_train_draft_learns_and_round_trips(tmp_path, target_dir, prompts_file):
+    out = tmp_path / "head"
+    summary = train_draft(_config(out, target_dir, prompts_file), log=lambda _: None)
+    assert summary["steps"] == 12 and summary["sequences"] == 12
+    state = torch.load(out / "trainer_state.pt", weights_only=False)
+    target = load_model(target_dir)
+    # the loss over all the data, before training (the initial head) and after
+    samples = [trainer.Sample(*s) for s in torch.load(out / "data.pt", weights_only=False)]
+    draft_ids = state["draft_ids"]
+    batch = trainer._collate(samples, 512, target.model.lm_head_weight.float()[draft_ids])
+    fresh = trainer.EagleHead(trainer._head_config(target.config, 48),
+                              target.model.embed_weight.float())
+    recipe.init_head(fresh, target.model.lm_head_weight, draft_ids, target.model.norm.weight)
+    trained = load_eagle_head(str(out), "eagle3", target.model, dtype=torch.float32)
+    with torch.no_grad():
+        before, _, acc_before = recipe.ttt_loss(fresh, *batch, 2)
+        after, _, acc_after = recipe.ttt_loss(trained, *batch, 2)
+    assert after < before - 0.2 and acc_after[0] > acc_before[0] + 0.1, (before, after, acc_before,
+                                                                      acc_after)
+    head = load_eagle_head(str(out), "eagle3", target.model)
+    assert head.eagle.draft_vocab_size == 48 and head.eagle.aux_layer_ids == (2, 3, 3)
+    saved = eagle_state_dict(head)
+    for name, param in (("fc.weight", state["params"][0]),
+                        ("lm_head.weight", state["params"][9])):
+        torch.testing.assert_close(saved[name], param)
+    # the trained head drafts in the engine; greedy output is the plain greedy output
+    prompts = [[5, 9, 14, 3], [40, 41, 7, 7, 12]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(target_dir, dtype="float32").generate(prompts, params)
+    llm = LLM(target_dir, dtype="float32", speculative_config={
+        "method": "eagle3", "model": str(out), "num_speculative_tokens": 3})
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert llm.spec.stats.num_drafts > 0
+
+
+def test_resume_gives_the_uninterrupted_result(tmp_path, target_dir, prompts_file,
+                                               monkeypatch):
+    whole = tmp_path / "whole"
+    train_draft(_config(whole, target_dir, prompts_file, epochs=2), log=lambda _: None)
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    shutil.copy(whole / "data.pt", cut / "data.pt")  # the same generated data, not generated again
+    calls = {"n": 0}
+    real = recipe.ttt_loss
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 6:  # after the checkpoint of step 4
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "ttt_loss", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(_config(cut, target_dir, prompts_file, epochs=2), log=lambda _: None)
+    assert torch.load(cut / "trainer_state.pt", weights_only=False)["step"] == 4
+    monkeypatch.setattr(trainer, "ttt_loss", real)
+    lines = []
+    train_draft(_config(cut, target_dir, prompts_file, epochs=2), log=lines.append)
+    assert any("resuming at step 4" in line for line in lines)
+    a = torch.load(whole / "trainer_state.pt", weights_only=False)
+    b = torch.load(cut / "trainer_state.pt", weights_only=False)
+    for x, y in zip(a["params"], b["params"]):
+        assert torch.equal(x, y)
+    # other settings in the same directory are refused
+    with pytest.raises(ValueError, match="other settings"):
+        train_draft(_config(cut, target_dir, prompts_file, epochs=2, lr=1e-3),
+                    log=lambda _: None)
+
+
+def test_training_forward_equals_inference(tmp_path):
+    """TTT step j's logits at position t = the proposer's logits for draft j + 1 after the
+    context 0..t + 1 with drafts x_{t+2} .. x_{t+1+j} fed back (float32)."""
+    target_dir = save_llama(tmp_path / "t", num_layers=6)
+    target = load_model(target_dir)
+    config, state = eagle_checkpoint("eagle3", target.config, seed=2, draft_vocab_size=40)
+    head_dir = write_checkpoint(tmp_path / "h", config, state)
+    head = load_eagle_head(head_dir, "eagle3", target.model)
+    tokens = [4, 19, 33, 7, 51, 26, 12, 9, 40, 2]
+    S, steps = len(tokens), 3
+    runner = ModelRunner(target.model, 1, 32)
+    runner.capture_layers = head.eagle.aux_layer_ids
+    runner.forward([0], [tokens], logits="none")
+    aux = runner.captured_hidden.rows  # [S, 3H]
+    # labels are irrelevant here: logits are compared, so any target_logits work
+    with torch.no_grad():
+        logits_by_step = _ttt_logits(head, torch.tensor([tokens]), aux[None], steps)
+    for t in (2, 5):
+        for j in range(steps):
+            if t + 1 + j >= S:
+                continue
+            proposer = eagle_proposer(head_dir, "eagle3", ModelRunner(target.model, 1, 32), 3)
+            # context: tokens 0 .. t + 1 (pairs 0 .. t), drafts: tokens t + 2 .. t + 1 + j
+            n = t + 2
+            logits, out = proposer._head_forward([0], [tokens[1:n]], aux[: n - 1], True)
+            for i in range(j):
+                logits, out = proposer._head_forward([0], [[tokens[n + i]]], out, False)
+            torch.testing.assert_close(logits[0], logits_by_step[j][0, t], atol=1e-4,
+                                       rtol=1e-4)
+
+
+def _ttt_logits(head, tokens, aux, steps):
+    """The head's logits at every TTT step, read through ``ttt_loss``'s own computation."""
+    captured = []
+    real = torch.nn.functional.log_softmax
+
+    def spy(x, dim=-1, **kw):
+        captured.append(x.detach().clone())
+        return real(x, dim=dim, **kw)
+
+    torch.nn.functional.log_softmax = spy
+    try:
+        V = head.eagle.draft_vocab_size
+        recipe.ttt_loss(head, tokens, aux, torch.zeros(1, tokens.shape[1], V),
+                        torch.tensor([tokens.shape[1]]), steps)
+    finally:
+        torch.nn.functional.log_softmax = real
+    return captured
+
+
+def test_cli_refuses_bad_flags(tmp_path, capsys):
+    assert main(["train-draft", "--output-dir", str(tmp_path / "x"), "--ttt-steps", "0"]) == 2
+    assert "ttt_steps must be an integer >= 1, got 0" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt key"}\n')
+    from verispec.train.data import load_prompt_file
+
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected"):
+        load_prompt_file(str(bad))

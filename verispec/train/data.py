@@ -1,0 +1,168 @@
+"""Training data for ``verispec train-draft``: the target's own generations and hidden states.
+
+A head learns to predict what the target says, so the responses come from the target itself:
+the engine generates a response to every prompt (a built-in set, or a JSONL file of
+``{"prompt": "..."}``, ``{"messages": [{"role": ..., "content": ...}, ...]}`` or
+``{"prompt_token_ids": [...]}`` lines), then one target forward over prompt + response records,
+per token, the residual streams entering the head's aux layers and the final-norm hidden state
+(the target's next-token distribution, the training label, is that state through the target's
+LM head).
+
+The built-in set is generated from templates and topics; it does not contain the prompts of
+``verispec bench --prompts free``, so that benchmark is held out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from verispec.engine.bench_prompts import FREE_PROMPTS
+from verispec.engine.bench_utils import progress
+
+_TEMPLATES = (
+    "Write a short story about {}.",
+    "Explain {} to a curious twelve-year-old.",
+    "What are the most important facts about {}?",
+    "Write a poem about {}.",
+    "Give three practical tips related to {}.",
+    "Describe {} in a few paragraphs.",
+    "What are common misconceptions about {}?",
+    "Write a dialogue between two friends discussing {}.",
+    "Summarise the history of {} briefly.",
+    "Why do people care about {}? Answer in a short essay.",
+)
+_TOPICS = (
+    "the moon", "volcanoes", "a lost umbrella", "honeybees", "the ocean at night",
+    "learning to cook", "a train journey", "the first day of school", "old libraries",
+    "climate and weather", "a friendly dragon", "the human heart", "electric cars",
+    "a small bakery", "winter in the mountains", "friendship", "the internet",
+    "ancient Egypt", "gardening", "a rainy afternoon", "the solar system", "chess",
+    "music and memory", "a detective in a quiet town", "recycling", "the Roman Empire",
+    "healthy sleep", "a robot in the kitchen", "rivers", "photography", "saving money",
+    "a city park", "penguins", "the printing press", "time management", "a haunted house",
+    "mathematics", "kindness", "the desert", "a space station", "bicycles", "forests",
+    "birthday parties", "coffee", "the brain", "a pirate ship", "languages", "earthquakes",
+)
+
+
+def builtin_prompts(seed: int = 0) -> list[str]:
+    """Every template x topic, shuffled (seeded), without the ``free`` bench prompts."""
+    prompts = [t.format(topic) for t, topic in itertools.product(_TEMPLATES, _TOPICS)]
+    held_out = set(FREE_PROMPTS)
+    prompts = [p for p in prompts if p not in held_out]
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+def load_prompt_file(path: str) -> list:
+    """Prompts of a JSONL file: ``{"prompt": str}`` (sent as one user message when the model
+    has a chat template), ``{"messages": [...]}`` chat messages or ``{"prompt_token_ids":
+    [...]}``; ValueError naming the file and line otherwise."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"prompts file {str(path)!r} does not exist")
+    prompts: list = []
+    with file.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+            record = record if isinstance(record, dict) else {}
+            text, messages = record.get("prompt"), record.get("messages")
+            ids = record.get("prompt_token_ids")
+            if isinstance(text, str) and text.strip() and messages is None:
+                prompts.append(text)
+            elif (isinstance(ids, list) and ids and text is None and messages is None
+                  and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                          for t in ids)):
+                prompts.append(list(ids))
+            elif (isinstance(messages, list) and messages and text is None
+                  and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                          and isinstance(m.get("content"), str) for m in messages)):
+                prompts.append(messages)
+            else:
+                raise ValueError(
+                    f'{path}:{number}: expected {{"prompt": "..."}}, {{"messages": [{{"role": '
+                    f'..., "content": ...}}, ...]}} or {{"prompt_token_ids": [...]}}, got '
+                    f"{line.strip()[:80]!r}")
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+@dataclass
+class Sample:
+    """One sequence of the target's: tokens and the hidden states the head trains on."""
+
+    token_ids: np.ndarray  # [S] int64: prompt, then the target's response
+    aux: torch.Tensor  # [S, len(aux_layers) * H] the residual streams entering the aux layers
+    final: torch.Tensor  # [S, H] final-norm hidden state (its LM head gives the target's p)
+
+
+def generate_samples(llm, prompts: list, aux_layers: tuple[int, ...], max_new_tokens: int,
+                     temperature: float, seed: int, batch_size: int) -> list[Sample]:
+    """Generate a response to every prompt with ``llm`` (an ``LLM``), then record the hidden
+    states of prompt + response with one target forward per batch (``capture_layers``)."""
+    from verispec.sampling_params import SamplingParams
+
+    chat = getattr(llm.tokenizer, "chat_template", None)
+    requests = [[{"role": "user", "content": p}] if isinstance(p, str) and chat else p
+                for p in prompts]
+    samples: list[Sample] = []
+    runner = llm.runner
+    H = llm.model_config.hidden_size
+    layers = tuple(aux_layers) + (llm.model_config.num_hidden_layers,)
+    bar = progress(total=len(requests), desc="generating", unit="prompt")
+    try:
+        for start in range(0, len(requests), batch_size):
+            chunk = requests[start:start + batch_size]
+            params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
+                                     seed=seed + start + i) for i in range(len(chunk))]
+            outputs = llm.generate(chunk, params)
+            sequences = [o.prompt_token_ids + o.token_ids for o in outputs if o.error is None]
+            sequences = [s[: llm.max_model_len] for s in sequences if len(s) >= 2]
+            runner.capture_layers = layers
+            try:
+                for s0 in range(0, len(sequences), llm.max_num_seqs):
+                    group = sequences[s0:s0 + llm.max_num_seqs]
+                    slots = list(range(len(group)))
+                    runner.forward(slots, group, logits="none")
+                    rows = runner.captured_hidden.rows
+                    for slot in slots:
+                        runner.kv_cache.free(slot)
+                    offset = 0
+                    for seq in group:
+                        part = rows[offset:offset + len(seq)]
+                        offset += len(seq)
+                        samples.append(Sample(np.asarray(seq, dtype=np.int64),
+                                              part[:, :-H].clone(), part[:, -H:].clone()))
+            finally:
+                runner.capture_layers = ()
+                runner.captured_hidden = None
+            bar.update(len(chunk))
+    finally:
+        bar.close()
+    return samples
+
+
+def select_draft_vocab(samples: list[Sample], vocab_size: int, draft_vocab_size: int,
+                       always: tuple[int, ...] = ()) -> torch.Tensor:
+    """The ``draft_vocab_size`` most frequent tokens of the samples (``always`` first, then by
+    count, ties by id), sorted: [draft_vocab_size] int64 target ids (EAGLE-3's d2t is
+    ``ids - arange``)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for s in samples:
+        counts += np.bincount(s.token_ids, minlength=vocab_size)
+    counts[list(always)] = counts.max() + 1
+    order = np.lexsort((np.arange(vocab_size), -counts))[:draft_vocab_size]
+    return torch.from_numpy(np.sort(order))

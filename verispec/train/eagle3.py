@@ -1,0 +1,130 @@
+"""The EAGLE-3 training recipe: training-time test (TTT) over a batch of the target's sequences.
+
+A head's inference (``verispec.proposers.eagle``) feeds it, at head position p, the token at
+p + 1 with the target's hidden state of p (the committed context), then its own output hidden
+state with each draft. Training unrolls the same thing over every position t of a sequence at
+once, ``num_steps`` times:
+
+    step 0:  input (x_{t+1}, fc(aux_t)) at RoPE position t           -> predicts x_{t+2}
+    step j:  input (x_{t+1+j}, out_{j-1}[t]) at RoPE position t + j  -> predicts x_{t+2+j}
+
+and step j's query at t attends to step 0's keys at positions <= t (the context, fed with the
+target's hidden states) and to the keys of steps 1..j at t alone (the drafts before it): exactly
+the rows a draft at position t + j sees in the head's KV cache. The label of a prediction is the
+target's own distribution there (its final-norm hidden state through its LM head, restricted to
+the draft vocabulary and renormalised); the loss is the cross-entropy of the head's distribution
+against it, step j weighted by ``0.8 ** j``; accuracy is argmax agreement.
+
+Plain torch with autograd (the inference matmul kernels have no backward); the parameters are
+the ``EagleHead``'s own, so a trained head is saved and loaded as any other.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from verispec.models.eagle import EagleHead
+from verispec.models.rope import apply_rope, rope_tables
+
+STEP_DECAY = 0.8
+
+
+def _rms(norm, x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight
+
+
+def init_head(head: EagleHead, target_lm_head: torch.Tensor, draft_ids: torch.Tensor,
+              target_norm: torch.Tensor, seed: int = 0) -> None:
+    """A fresh head: small random projections (fc near the identity on the last aux layer), unit
+    norms, the final norm and the LM head rows of the draft vocabulary copied from the target
+    (the head starts from the target's reading of a late hidden state)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in (head.fc_weight, head.attn.qkv_weight, head.attn.o_weight,
+                  head.mlp.gate_up_weight, head.mlp.down_weight):
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+        head.attn.o_weight.mul_(0.1)
+        head.mlp.down_weight.mul_(0.1)
+        # fc starts near the last aux layer's stream, so the head's first output reads like the
+        # target's own late hidden state (in scale and meaning) rather than noise
+        H = head.eagle.hidden_size
+        head.fc_weight.mul_(0.1)
+        head.fc_weight[:, -H:] += torch.eye(H)
+        for norm in (head.input_norm, head.hidden_norm, head.post_attn_norm):
+            norm.weight.fill_(1.0)
+        head.norm.weight.copy_(target_norm.float())
+        head.lm_head_weight.copy_(target_lm_head[draft_ids].float())
+        head.d2t.copy_(draft_ids - torch.arange(draft_ids.shape[0]))
+
+
+def trainable_parameters(head: EagleHead) -> list[torch.nn.Parameter]:
+    """Everything but the (shared, frozen) token embedding."""
+    params = [head.fc_weight, head.attn.qkv_weight, head.attn.o_weight, head.mlp.gate_up_weight,
+              head.mlp.down_weight, head.input_norm.weight, head.hidden_norm.weight,
+              head.post_attn_norm.weight, head.norm.weight, head.lm_head_weight]
+    return params + [p for p in (head.fc_bias,) if p is not None]
+
+
+def ttt_loss(
+    head: EagleHead,
+    token_ids: torch.Tensor,  # [B, S] int64, padded
+    aux: torch.Tensor,  # [B, S, D] the target's aux hidden states (D = fc input features)
+    target_logits: torch.Tensor,  # [B, S, V_draft] float32 target logits over the draft vocab
+    lengths: torch.Tensor,  # [B] int64 valid tokens per row
+    num_steps: int,
+) -> tuple[torch.Tensor, list[float], list[float]]:
+    """The TTT loss of one batch; returns (weighted loss, per-step loss, per-step accuracy)."""
+    B, S = token_ids.shape
+    c = head.config
+    hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    emb = F.embedding(token_ids, head.embed_weight).float()  # [B, S, H]
+    h = F.linear(aux.float(), head.fc_weight, head.fc_bias)  # [B, S, H]
+    cos, sin = rope_tables(c, S + num_steps)
+    positions = torch.arange(S)
+    valid_tokens = positions[None, :] < lengths[:, None]  # [B, S]
+    same = positions[:, None] == positions[None, :]
+    causal = positions[:, None] >= positions[None, :]
+    target_p = torch.softmax(target_logits, dim=-1)
+    target_best = target_logits.argmax(-1)
+    keys, values = [], []
+    total = torch.zeros(())
+    step_losses, step_accs = [], []
+    for j in range(num_steps):
+        shift = 1 + j  # step j at position t reads the token at t + 1 + j
+        if shift >= S:
+            break
+        token_emb = F.pad(emb[:, shift:], (0, 0, 0, shift))  # [B, S, H]
+        valid = F.pad(valid_tokens[:, shift:], (0, shift))  # [B, S] label at t + 1 + j exists
+        x = torch.cat([_rms(head.input_norm, token_emb), _rms(head.hidden_norm, h)], dim=-1)
+        qkv = F.linear(x, head.attn.qkv_weight)
+        q = qkv[..., : hq * d].view(B, S, hq, d)
+        k = qkv[..., hq * d: (hq + hkv) * d].view(B, S, hkv, d)
+        v = qkv[..., (hq + hkv) * d:].view(B, S, hkv, d)
+        rope_cos = cos[positions + j][None, :, None]  # [1, S, 1, d]: RoPE position t + j
+        rope_sin = sin[positions + j][None, :, None]
+        q, k = apply_rope(q, rope_cos, rope_sin), apply_rope(k, rope_cos, rope_sin)
+        keys.append(k)
+        values.append(v)
+        # step 0's keys causally, each later step's key at the query's own position
+        mask = torch.cat([causal] + [same] * j, dim=1)  # [S, S * (j + 1)]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), torch.cat(keys, 1).transpose(1, 2),
+            torch.cat(values, 1).transpose(1, 2), attn_mask=mask, scale=d ** -0.5,
+            enable_gqa=hq != hkv)  # [B, hq, S, d]
+        residual = h + F.linear(out.transpose(1, 2).reshape(B, S, hq * d), head.attn.o_weight)
+        y = _rms(head.post_attn_norm, residual)
+        gate, up = F.linear(y, head.mlp.gate_up_weight).chunk(2, dim=-1)
+        out_hidden = residual + F.linear(F.silu(gate) * up, head.mlp.down_weight)
+        logits = F.linear(_rms(head.norm, out_hidden), head.lm_head_weight)  # [B, S, V_draft]
+        p = F.pad(target_p[:, shift:], (0, 0, 0, shift))  # target's p at position t + 1 + j
+        best = F.pad(target_best[:, shift:], (0, shift))
+        num_valid = valid.sum().clamp_min(1)
+        loss = -(p * F.log_softmax(logits, dim=-1)).sum(-1)[valid].sum() / num_valid
+        total = total + STEP_DECAY ** j * loss
+        step_losses.append(float(loss.detach()))
+        step_accs.append(float(((logits.argmax(-1) == best) & valid).sum() / num_valid))
+        h = out_hidden
+    return total, step_losses, step_accs

@@ -1,0 +1,272 @@
+"""``verispec train-draft``: train an EAGLE-3 head for a target from the target's own generations.
+
+1. **Data**: the engine generates a response to every prompt (``verispec.train.data``), then one
+   target forward records the hidden states of prompt + response. Kept in
+   ``<output_dir>/data.pt``, so a resumed run does not generate again.
+2. **Draft vocabulary**: the ``draft_vocab_size`` most frequent tokens of the data (the target's
+   EOS tokens always among them); ``d2t`` maps them onto the target vocabulary.
+3. **Training**: AdamW with a linear warm-up and cosine decay (torch's schedulers) over
+   ``epochs`` passes of shuffled batches, the TTT loss of ``verispec.train.eagle3`` with
+   ``ttt_steps`` unrolled draft steps; a progress bar shows loss and step-0 accuracy.
+4. **Checkpoints**: every ``save_every`` optimizer steps and at the end, the head is written in
+   the layout vLLM and SGLang load (``config.json`` + ``model.safetensors``; ``method="eagle3"``,
+   ``model=<output_dir>``) and the training state to ``<output_dir>/trainer_state.pt``; the
+   same command with the same ``output_dir`` resumes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from verispec.engine.bench_utils import progress
+from verispec.models.config import ModelConfig
+from verispec.models.eagle import (
+    EAGLE3_ARCHITECTURE,
+    EagleConfig,
+    EagleHead,
+    default_aux_layer_ids,
+    save_eagle_head,
+)
+from verispec.train.data import (
+    Sample,
+    builtin_prompts,
+    generate_samples,
+    load_prompt_file,
+    select_draft_vocab,
+)
+from verispec.train.eagle3 import init_head, trainable_parameters, ttt_loss
+
+logger = logging.getLogger("verispec")
+STATE_FILE = "trainer_state.pt"
+DATA_FILE = "data.pt"
+
+
+@dataclass(frozen=True)
+class TrainDraftConfig:
+    """``verispec train-draft`` settings (one flag each)."""
+
+    output_dir: str
+    model: str | None = None  # the target (None: the bundled model)
+    prompts: str | None = None  # JSONL file; None: the built-in set
+    num_prompts: int | None = None  # use the first N prompts (default: all)
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # of the generated responses
+    draft_vocab_size: int = 8192
+    ttt_steps: int = 3
+    epochs: int = 3
+    batch_size: int = 8  # sequences per optimizer step
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    max_seq_len: int = 512
+    save_every: int = 100
+    seed: int = 0
+    dtype: str = "bfloat16"  # the target's, for generation and hidden states
+    device: str = "cpu"
+    max_num_seqs: int = 16  # generation batch
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "draft_vocab_size", "ttt_steps", "epochs", "batch_size",
+                     "max_seq_len", "save_every", "max_num_seqs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.num_prompts is not None and (not isinstance(self.num_prompts, int)
+                                             or self.num_prompts < 1):
+            raise ValueError(f"num_prompts must be an integer >= 1, got {self.num_prompts!r}")
+        if not (isinstance(self.lr, (int, float)) and 0 < self.lr < 1):
+            raise ValueError(f"lr must be a number in (0, 1), got {self.lr!r}")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if not self.output_dir:
+            raise ValueError("output_dir must name a directory to write the head to")
+        if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
+            raise ValueError(f"output_dir {self.output_dir!r} exists and is not a directory")
+
+
+def _head_config(target: ModelConfig, draft_vocab_size: int) -> EagleConfig:
+    """An EAGLE-3 head shaped like one of the target's layers."""
+    L = target.num_hidden_layers
+    hf = {"hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
+          "num_attention_heads": target.num_attention_heads,
+          "num_key_value_heads": target.num_key_value_heads, "head_dim": target.head_dim,
+          "rms_norm_eps": target.rms_norm_eps, "rope_theta": target.rope_theta,
+          "rope_scaling": dict(target.rope_scaling) or None,
+          "max_position_embeddings": target.max_position_embeddings,
+          "vocab_size": target.vocab_size, "num_hidden_layers": 1}
+    layer = ModelConfig.from_hf_dict(hf, EAGLE3_ARCHITECTURE)
+    return EagleConfig("eagle3", layer, target.vocab_size, draft_vocab_size,
+                       target.hidden_size, default_aux_layer_ids(L))
+
+
+def _batches(samples: list[Sample], batch_size: int, rng: random.Random) -> list[list[int]]:
+    """Shuffled batches of similar lengths (sorted within a shuffled pool, then shuffled)."""
+    order = list(range(len(samples)))
+    rng.shuffle(order)
+    pool = 16 * batch_size
+    batches = []
+    for start in range(0, len(order), pool):
+        chunk = sorted(order[start:start + pool], key=lambda i: len(samples[i].token_ids))
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def _collate(samples: list[Sample], max_len: int, draft_head: torch.Tensor):
+    """Padded [B, S] tokens, [B, S, D] aux, [B, S, V_draft] target logits, [B] lengths."""
+    lengths = torch.tensor([min(len(s.token_ids), max_len) for s in samples])
+    S = int(lengths.max())
+    B = len(samples)
+    tokens = torch.zeros(B, S, dtype=torch.int64)
+    aux = torch.zeros(B, S, samples[0].aux.shape[1])
+    final = torch.zeros(B, S, samples[0].final.shape[1])
+    for b, (s, n) in enumerate(zip(samples, lengths.tolist())):
+        tokens[b, :n] = torch.from_numpy(s.token_ids[:n])
+        aux[b, :n] = s.aux[:n].float()
+        final[b, :n] = s.final[:n].float()
+    return tokens, aux, final @ draft_head.T, lengths
+
+
+def _load_or_generate(cfg: TrainDraftConfig, llm, aux_layers) -> list[Sample]:
+    path = os.path.join(cfg.output_dir, DATA_FILE)
+    if os.path.isfile(path):
+        logger.info("train-draft: reusing the generated data in %s", path)
+        data = torch.load(path, weights_only=False)
+        return [Sample(*s) for s in data]
+    prompts = builtin_prompts(cfg.seed) if cfg.prompts is None else load_prompt_file(cfg.prompts)
+    prompts = prompts[: cfg.num_prompts]
+    samples = generate_samples(llm, prompts, aux_layers, cfg.max_new_tokens, cfg.temperature,
+                               cfg.seed, batch_size=cfg.max_num_seqs * 2)
+    torch.save([(s.token_ids, s.aux, s.final) for s in samples], path)
+    return samples
+
+
+def train_draft(cfg: TrainDraftConfig, log=print) -> dict:
+    """Generate data, train, write the head to ``cfg.output_dir``; returns a summary dict
+    (steps, losses, accuracies per TTT step, seconds)."""
+    from verispec.engine.llm import LLM
+
+    start_time = time.perf_counter()
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    llm = LLM(cfg.model, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs, device=cfg.device,
+              max_model_len=None)
+    target = llm.loaded.model
+    tc = llm.model_config
+    if cfg.draft_vocab_size > tc.vocab_size:
+        raise ValueError(f"draft_vocab_size={cfg.draft_vocab_size} exceeds the target's "
+                         f"vocab_size={tc.vocab_size}")
+    aux_layers = default_aux_layer_ids(tc.num_hidden_layers)
+    if min(aux_layers) < 0:
+        raise ValueError(f"the target has num_hidden_layers={tc.num_hidden_layers}; an EAGLE-3 "
+                         "head reads layers 2, L // 2 and L - 3, so it needs at least 3")
+    # a sequence trains every unrolled step: at least ttt_steps + 2 tokens
+    samples = [s for s in _load_or_generate(cfg, llm, aux_layers)
+               if len(s.token_ids) >= cfg.ttt_steps + 2]
+    if not samples:
+        raise ValueError("no training sequences were generated")
+    gen_seconds = time.perf_counter() - start_time
+    num_tokens = sum(len(s.token_ids) for s in samples)
+    log(f"train-draft: {len(samples)} sequences, {num_tokens} tokens "
+        f"({gen_seconds:.0f} s to generate and record)")
+
+    draft_ids = select_draft_vocab(samples, tc.vocab_size, cfg.draft_vocab_size,
+                                   tuple(llm.eos_token_ids))
+    eagle = _head_config(tc, cfg.draft_vocab_size)
+    embed = target.embed_weight.detach().float()
+    head = EagleHead(eagle, embed, dtype=torch.float32)
+    init_head(head, target.lm_head_weight.detach(), draft_ids, target.norm.weight.detach(),
+              cfg.seed)
+    draft_head = target.lm_head_weight.detach().float()[draft_ids]  # [V_draft, H] labels
+    params = trainable_parameters(head)
+    for p in params:
+        p.requires_grad_(True)
+    steps_per_epoch = math.ceil(len(samples) / cfg.batch_size)
+    total_steps = steps_per_epoch * cfg.epochs
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warmup = max(1, min(cfg.warmup_steps, total_steps // 4))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
+        (s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, total_steps))))))
+    step, history = 0, []
+    state_path = os.path.join(cfg.output_dir, STATE_FILE)
+    if os.path.isfile(state_path):
+        state = torch.load(state_path, weights_only=False)
+        if state["config"] != _resumable(cfg) or not torch.equal(state["draft_ids"], draft_ids):
+            raise ValueError(f"{state_path} was written by a run with other settings "
+                             f"{state['config']}; use another output_dir or the same flags")
+        with torch.no_grad():
+            for p, saved in zip(params, state["params"]):
+                p.copy_(saved)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, history = state["step"], state["history"]
+        log(f"train-draft: resuming at step {step} of {total_steps}")
+
+    def save() -> None:
+        save_eagle_head(head, cfg.output_dir)
+        torch.save({"config": _resumable(cfg), "draft_ids": draft_ids,
+                    "params": [p.detach().clone() for p in params],
+                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "step": step, "history": history},
+                   state_path + ".tmp")
+        os.replace(state_path + ".tmp", state_path)
+
+    bar = progress(total=total_steps, desc="train-draft", unit="step", disable=None)
+    bar.update(step)
+    epoch_batches: list[list[int]] = []
+    epoch = step // steps_per_epoch
+    if step < total_steps:  # the batches of an epoch are a function of (seed, epoch)
+        epoch_batches = _batches(samples, cfg.batch_size,
+                                 random.Random(cfg.seed + epoch))[step % steps_per_epoch:]
+    while step < total_steps:
+        if not epoch_batches:
+            epoch += 1
+            epoch_batches = _batches(samples, cfg.batch_size, random.Random(cfg.seed + epoch))
+        batch = [samples[i] for i in epoch_batches.pop(0)]
+        tokens, aux, target_logits, lengths = _collate(batch, cfg.max_seq_len, draft_head)
+        loss, losses, accs = ttt_loss(head, tokens, aux, target_logits, lengths, cfg.ttt_steps)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        history.append({"step": step, "loss": losses, "acc": accs})
+        bar.set_postfix(loss=f"{losses[0]:.3f}", acc=f"{accs[0]:.3f}",
+                        acc_last=f"{accs[-1]:.3f}")
+        bar.update(1)
+        if step % cfg.save_every == 0 or step == total_steps:
+            save()
+    bar.close()
+    if not os.path.isfile(os.path.join(cfg.output_dir, "model.safetensors")):
+        save()
+    recent = history[-max(1, steps_per_epoch):]
+    summary = {
+        "steps": step, "sequences": len(samples), "tokens": num_tokens,
+        "seconds": time.perf_counter() - start_time, "generate_seconds": gen_seconds,
+        "loss_per_step": np.mean([h["loss"] for h in recent], axis=0).tolist(),
+        "acc_per_step": np.mean([h["acc"] for h in recent], axis=0).tolist(),
+    }
+    with open(os.path.join(cfg.output_dir, "train_summary.json"), "w") as f:
+        json.dump({"config": asdict(cfg), **summary}, f, indent=2)
+    log(f"train-draft: {step} steps in {summary['seconds']:.0f} s; last epoch loss per TTT "
+        f"step {[round(x, 3) for x in summary['loss_per_step']]}, accuracy "
+        f"{[round(x, 3) for x in summary['acc_per_step']]}; head written to {cfg.output_dir}")
+    return summary
+
+
+def _resumable(cfg: TrainDraftConfig) -> dict:
+    """The settings a resumed run must share with the one that wrote the state."""
+    keep = ("model", "draft_vocab_size", "ttt_steps", "epochs", "batch_size", "lr",
+            "warmup_steps", "max_seq_len", "seed")
+    return {k: getattr(cfg, k) for k in keep}
