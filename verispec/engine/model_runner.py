@@ -31,6 +31,7 @@ import torch
 
 from verispec.engine.cuda_graphs import CUDAGraphRunner, StepInput
 from verispec.engine.kv_cache import KVCache
+from verispec.engine.state_cache import is_hybrid, make_cache
 from verispec.models import cpu_kernels
 from verispec.models.llama import AttentionMetadata, FlatBatch
 from verispec.models.rope import rope_tables
@@ -107,8 +108,9 @@ class ModelRunner:
                                else CPU_UPCAST_ROWS)
             model.set_cpu_matmuls(torch.get_num_threads(), upcast_rows=upcast_rows,
                                   batch_invariant=batch_invariant)
-        self.kv_cache = KVCache(self.config, num_slots, max_model_len, kv_cache_dtype,
-                                self.device)
+        # A hybrid (Mamba2 + attention) model also keeps recurrent state per slot and position.
+        self.kv_cache = make_cache(self.config, num_slots, max_model_len, kv_cache_dtype,
+                                   self.device, max_step_tokens=max_step_tokens)
         # Angles in float32, then rounded to the model dtype once (as HF does per forward).
         cos, sin = rope_tables(self.config, max_model_len)
         self.cos = cos.to(self.device, self.dtype)  # [max_model_len, head_dim]
@@ -117,6 +119,9 @@ class ModelRunner:
 
     def _init_flat(self, num_slots: int, max_step_tokens: int, kv_cache_dtype, enforce_eager: bool,
                    batch_invariant: bool) -> None:
+        if is_hybrid(self.config):
+            raise ValueError(f"{self.config.architecture} runs on the CPU path only "
+                             f"(device={self.device}, flat_layout=True is not supported)")
         self.ops = get_model_ops(self.device, batch_invariant)
         # Rows past max_model_len for the padding tokens of a fixed-shape step, and a scratch
         # slot for the padding rows of a bucket (kv_cache.KVCache).

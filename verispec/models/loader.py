@@ -142,7 +142,9 @@ def load_weights(model, config: ModelConfig, tensors: Iterator[tuple[str, torch.
     params = dict(model.named_parameters())
     filled = {name: 0 for name in params}
     for name, tensor in tensors:
-        target = _target(model, config, name)
+        # A model with its own checkpoint layout names its parameters (granite_hybrid).
+        target = (model.weight_target(name) if hasattr(model, "weight_target")
+                  else _target(model, config, name))
         if target is None:
             continue
         pname, rows = target

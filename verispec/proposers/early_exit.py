@@ -51,8 +51,8 @@ class EarlyExitProposer(ModelProposer):
     def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
         super().__init__(config, context)
         # Imported here: the engine imports the proposers package, not the other way round.
-        from verispec.engine.kv_cache import KVCache
         from verispec.engine.model_runner import ModelRunner
+        from verispec.engine.state_cache import make_cache
         from verispec.models.loader import LoadedModel
 
         ctx = self.context
@@ -84,9 +84,10 @@ class EarlyExitProposer(ModelProposer):
             # the N-layer cache (in the dtype the runner chose for its cache), so the
             # full-depth cache is never allocated.
             self.runner = ModelRunner(model, 0, ctx.max_model_len, ctx.device)
-            self.runner.kv_cache = KVCache(
+            self.runner.kv_cache = make_cache(
                 model.config, ctx.max_num_seqs, ctx.max_model_len, self.runner.kv_cache.k.dtype,
                 ctx.device, num_layers=num_layers, extra_rows=self.runner.kv_cache.extra_rows,
+                max_step_tokens=config.num_speculative_tokens + 1,  # a hybrid's state ring
             )
         self._init_buffers(self.runner.kv_cache.num_slots, model.config.vocab_size)
 

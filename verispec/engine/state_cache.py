@@ -1,0 +1,137 @@
+"""The cache of a hybrid (Mamba2 + attention) model: attention KV rows plus recurrent state per
+slot, rolled back by moving the slot's length (REFERENCE §6).
+
+``HybridCache`` is a ``KVCache`` (same lengths, ``advance`` / ``truncate`` / ``free``, the same
+per-layer ``k_layers`` / ``v_layers`` the model's forward takes) whose K/V cover the attention
+layers only; a Mamba2 layer's entry in ``k_layers`` and ``v_layers`` is its
+``MambaLayerState``: conv and SSM state for each slot at its last ``ring_size`` lengths, the
+state after L tokens at ring index ``L % ring_size`` (``verispec.models.granite_hybrid``).
+
+``ring_size = max_step_tokens + 1``: a verify step of k + 1 tokens from length b writes the states
+of lengths b + 1 .. b + k + 1, and b itself stays (an early-exit draft, which writes b + 1 .. b + k
+through its first layers, returns to b). After the step the engine commits
+``num_output_tokens = (token_ids != -1).sum()`` tokens and truncates to
+``b + num_output_tokens``: the state at index ``num_output_tokens - 1`` of the step's positions
+is the one the next step reads. No copy, no recomputation; the truncation is the rollback.
+
+Each slot tracks the oldest length whose state it still holds (``state_start_np``): a forward
+that keeps the state after every new token (the recurrent form) keeps the last ``ring_size``
+lengths; one that keeps only the last (a long prefill through the chunked scan) only that one.
+Truncating below it is a ValueError rather than a silent continuation from a wrong state.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from verispec.engine.kv_cache import KVCache
+from verispec.models.config import ModelConfig
+from verispec.models.granite_hybrid import HybridModelConfig
+from verispec.models.mamba2 import MambaLayerState, stores_every_position
+
+logger = logging.getLogger("verispec")
+
+
+def is_hybrid(config: ModelConfig) -> bool:
+    return isinstance(config, HybridModelConfig)
+
+
+def make_cache(config: ModelConfig, num_slots: int, max_model_len: int, dtype: torch.dtype,
+               device: torch.device | str = "cpu", num_layers: int | None = None,
+               extra_rows: int = 0, max_step_tokens: int = 1) -> KVCache:
+    """The cache for ``config``'s model: a ``HybridCache`` for a hybrid (``max_step_tokens``
+    sizes its state ring; no padding rows: it runs on the CPU path only), else a ``KVCache``."""
+    if is_hybrid(config):
+        return HybridCache(config, num_slots, max_model_len, dtype, device, num_layers,
+                           max_step_tokens)
+    return KVCache(config, num_slots, max_model_len, dtype, device, num_layers, extra_rows)
+
+
+class HybridCache(KVCache):
+    """K/V ``[num_attention_layers, num_slots, max_model_len, kv_heads, head_dim]`` and one
+    ``MambaLayerState`` per Mamba2 layer (of the first ``num_layers`` layers)."""
+
+    def __init__(
+        self,
+        config: HybridModelConfig,
+        num_slots: int,
+        max_model_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        num_layers: int | None = None,
+        max_step_tokens: int = 1,
+    ) -> None:
+        if max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens!r}")
+        self.num_slots = num_slots
+        self.max_model_len = max_model_len
+        self.num_layers = config.num_hidden_layers if num_layers is None else num_layers
+        self.extra_rows = 0
+        self.scratch_slot = None
+        self.ring_size = max_step_tokens + 1
+        types = config.layer_types[: self.num_layers]
+        num_attention = types.count("attention")
+        shape = (num_attention, num_slots, max_model_len, config.num_key_value_heads,
+                 config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        k_attention, v_attention = iter(self.k.unbind(0)), iter(self.v.unbind(0))
+        self.states: list[MambaLayerState] = []
+        self.k_layers, self.v_layers = [], []
+        for layer_type in types:
+            if layer_type == "attention":
+                self.k_layers.append(next(k_attention))
+                self.v_layers.append(next(v_attention))
+            else:
+                state = MambaLayerState.allocate(config, num_slots, self.ring_size, device)
+                self.states.append(state)
+                self.k_layers.append(state)
+                self.v_layers.append(state)
+        self.lengths_np = np.zeros(num_slots, dtype=np.int64)  # committed length per slot
+        self.state_start_np = np.zeros(num_slots, dtype=np.int64)  # oldest length with a state
+        if num_slots:
+            logger.info(
+                "recurrent state: %d Mamba2 layers x %d slots x %d positions (max_step_tokens "
+                "+ 1) = %d bytes (%.1f MiB; %d bytes per slot and position); attention KV cache "
+                "%d bytes", len(self.states), num_slots, self.ring_size, self.state_nbytes,
+                self.state_nbytes / 2**20, self.state_nbytes // (num_slots * self.ring_size),
+                super().nbytes)
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of the per-position recurrent states (every slot, every ring position)."""
+        return sum(s.nbytes for s in self.states)
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + self.state_nbytes
+
+    def advance(self, slots: list[int], num_tokens: list[int]) -> None:
+        for slot, n in zip(slots, num_tokens):
+            end = self.lengths_np[slot] + n
+            if stores_every_position(n):
+                oldest = max(self.state_start_np[slot], end - self.ring_size + 1)
+            else:
+                oldest = end
+            self.state_start_np[slot] = oldest
+            self.lengths_np[slot] = end
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Roll ``slot`` back to ``length`` tokens: its recurrent state is the one kept after
+        ``length`` tokens (a ValueError when that state is no longer held)."""
+        oldest = int(self.state_start_np[slot])
+        if 0 < length < oldest and length <= self.lengths_np[slot]:
+            raise ValueError(
+                f"cannot truncate slot {slot} to {length}: its recurrent state is kept for "
+                f"lengths {oldest}..{self.lengths_np[slot]} only (ring of {self.ring_size} "
+                "positions = max_step_tokens + 1)")
+        super().truncate(slot, length)
+        if length == 0:
+            self.state_start_np[slot] = 0
+
+    def free(self, slot: int) -> None:
+        super().free(slot)
+        self.state_start_np[slot] = 0

@@ -1,0 +1,295 @@
+"""A Mamba2 + attention hybrid in torch: HF ``GraniteMoeHybridForCausalLM`` in its dense
+configurations (IBM Granite 4.0 H: granite-4.0-h-350m, granite-4.0-h-1b; ``num_local_experts=0``).
+
+Each decoder layer is RMSNorm -> mixer (a Mamba2 layer or grouped-query attention) -> residual add
+scaled by ``residual_multiplier`` -> RMSNorm -> SwiGLU MLP -> scaled residual add. The embedding
+is scaled by ``embedding_multiplier``, attention scores by ``attention_multiplier`` (not
+1/sqrt(head_dim)), the logits divided by ``logits_scaling``. Attention uses no positional
+embedding (Granite 4.0 H: ``position_embedding_type`` "nope") unless the config says "rope".
+
+The Mamba2 layer, its two forms (recurrent for decode and verify, chunked scan for long
+prefills) and its per-slot state ring are in ``verispec.models.mamba2``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.models.config import ModelConfig
+from verispec.models.llama import MLP, AttentionMetadata, RMSNorm, _param, linear
+from verispec.models.llama import Attention as LlamaAttention
+from verispec.models.mamba2 import HybridStep, Mamba2Mixer
+
+LAYER_TYPES = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention",
+               "full_attention": "attention"}  # HF spellings (transformers 4 and 5) -> ours
+POSITION_EMBEDDING_TYPES = (None, "nope", "rope")
+
+
+def _json_float(value: Any, field: str) -> float:
+    """A float of config.json; transformers 5 writes infinity as ``{"__float__": "Infinity"}``."""
+    if isinstance(value, dict) and "__float__" in value:
+        value = value["__float__"]
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{field} holds {value!r}, not a number") from None
+
+
+@dataclass(frozen=True)
+class HybridModelConfig(ModelConfig):
+    """ModelConfig of a Llama-family decoder plus the Mamba2 and Granite fields.
+
+    ``intermediate_size`` is the dense MLP's (HF ``shared_intermediate_size``).
+    """
+
+    layer_types: tuple[str, ...] = ()  # per layer: "mamba" | "attention"
+    mamba_n_heads: int = 0
+    mamba_d_head: int = 0
+    mamba_d_state: int = 0
+    mamba_n_groups: int = 1
+    mamba_d_conv: int = 4
+    mamba_chunk_size: int = 256
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    use_rope: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"num_hidden_layers={self.num_hidden_layers}")
+        if self.mamba_n_heads % self.mamba_n_groups:
+            raise ValueError(f"mamba_n_heads ({self.mamba_n_heads}) must be a multiple of "
+                             f"mamba_n_groups ({self.mamba_n_groups})")
+        for name in ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_d_conv",
+                     "mamba_chunk_size"):
+            if "mamba" in self.layer_types and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+
+    @property
+    def mamba_intermediate_size(self) -> int:
+        return self.mamba_n_heads * self.mamba_d_head
+
+    @property
+    def mamba_conv_dim(self) -> int:  # channels of the conv: x, B and C
+        return self.mamba_intermediate_size + 2 * self.mamba_n_groups * self.mamba_d_state
+
+    @property
+    def mamba_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "mamba"]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "attention"]
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], architecture: str, **flags: Any
+                     ) -> HybridModelConfig:
+        """Read a GraniteMoeHybrid ``config.json``; MoE configurations are refused."""
+        experts = hf.get("num_local_experts", 0) or 0
+        if experts:
+            raise ValueError(
+                f"num_local_experts={experts}: only dense {architecture} configurations "
+                "(num_local_experts=0, e.g. granite-4.0-h-350m, granite-4.0-h-1b) are supported")
+        raw_types = hf.get("layer_types") or hf.get("layers_block_type")
+        if not isinstance(raw_types, list):
+            raise ValueError(f"{architecture} config needs layer_types (a list of 'mamba' / "
+                             f"'attention' per layer), got {raw_types!r}")
+        unknown = sorted({t for t in raw_types if t not in LAYER_TYPES}, key=str)
+        if unknown:
+            raise ValueError(f"layer_types holds {unknown!r}; supported: {sorted(LAYER_TYPES)}")
+        position = hf.get("position_embedding_type")
+        if position not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(f"position_embedding_type {position!r} is not supported; "
+                             f"supported: {POSITION_EMBEDDING_TYPES}")
+        hidden = hf["hidden_size"]
+        n_heads = hf.get("mamba_n_heads", 128)
+        d_head = hf.get("mamba_d_head", "auto")
+        expand = hf.get("mamba_expand", 2)
+        if d_head == "auto":
+            d_head = expand * hidden // n_heads
+        if d_head * n_heads != expand * hidden:
+            raise ValueError(f"mamba_d_head ({d_head}) * mamba_n_heads ({n_heads}) must equal "
+                             f"mamba_expand ({expand}) * hidden_size ({hidden})")
+        limit = [_json_float(v, "time_step_limit")
+                 for v in (hf.get("time_step_limit") or (0.0, float("inf")))]
+        if len(limit) != 2 or not 0.0 <= limit[0] <= limit[1]:
+            raise ValueError(f"time_step_limit must be [min, max] with 0 <= min <= max, got "
+                             f"{hf.get('time_step_limit')!r}")
+        base = ModelConfig.from_hf_dict(
+            {**hf, "intermediate_size": hf.get("shared_intermediate_size", 1024)}, architecture,
+            **flags)
+        return cls(
+            **{f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)},
+            layer_types=tuple(LAYER_TYPES[t] for t in raw_types),
+            mamba_n_heads=n_heads,
+            mamba_d_head=d_head,
+            mamba_d_state=hf.get("mamba_d_state", 256),
+            mamba_n_groups=hf.get("mamba_n_groups", 1),
+            mamba_d_conv=hf.get("mamba_d_conv", 4),
+            mamba_chunk_size=hf.get("mamba_chunk_size", 256),
+            mamba_conv_bias=bool(hf.get("mamba_conv_bias", True)),
+            mamba_proj_bias=bool(hf.get("mamba_proj_bias", False)),
+            time_step_limit=(float(limit[0]), float(limit[1])),
+            embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+            attention_multiplier=float(hf.get("attention_multiplier", 1.0)),
+            logits_scaling=float(hf.get("logits_scaling", 1.0)),
+            use_rope=position == "rope",
+        )
+
+
+class HybridAttention(LlamaAttention):
+    """Llama's grouped-query attention over the KV cache, scores scaled by
+    ``attention_multiplier``."""
+
+    def __init__(self, config: HybridModelConfig, dtype: torch.dtype) -> None:
+        super().__init__(config, dtype)
+        self.scale = config.attention_multiplier
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, config: HybridModelConfig, layer_type: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mamba = Mamba2Mixer(config, dtype) if layer_type == "mamba" else None
+        self.attn = HybridAttention(config, dtype) if layer_type == "attention" else None
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype)
+        self.residual_multiplier = config.residual_multiplier
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, step: HybridStep | None,
+                k_cache, v_cache) -> torch.Tensor:
+        h = self.input_norm(x)
+        if self.mamba is not None:
+            h = self.mamba(h, step, k_cache)
+        else:
+            h = self.attn(h, meta, k_cache, v_cache)
+        x = x + h * self.residual_multiplier
+        return x + self.mlp(self.post_attn_norm(x)) * self.residual_multiplier
+
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_HF_MAMBA_PARAM = re.compile(r"^model\.layers\.(\d+)\.(mamba\..+)$")
+_HF_MODULES = {  # HF module inside a layer -> ours
+    "input_layernorm": "input_norm",
+    "post_attention_layernorm": "post_attn_norm",
+    "shared_mlp.input_linear": "mlp.gate_up",
+    "shared_mlp.output_linear": "mlp.down",
+    "self_attn.o_proj": "attn.o",
+    "mamba.in_proj": "mamba.in_proj",
+    "mamba.conv1d": "mamba.conv",
+    "mamba.out_proj": "mamba.out_proj",
+}
+_HF_MAMBA_PARAMS = {"mamba.dt_bias": "mamba.dt_bias", "mamba.A_log": "mamba.A_log",
+                    "mamba.D": "mamba.D", "mamba.norm.weight": "mamba.norm_weight"}
+
+
+class GraniteHybridForCausalLM(nn.Module):
+    """The hybrid decoder plus LM head, with the runner-facing interface of
+    ``LlamaForCausalLM``: ``forward`` returns final-norm hidden states, ``compute_logits`` the
+    float32 logits of the rows asked for.
+
+    ``k_caches[i]`` / ``v_caches[i]`` are layer i's K and V tensors for an attention layer and
+    its ``MambaLayerState`` (both) for a Mamba2 layer (``verispec.engine.state_cache``)."""
+
+    def __init__(self, config: HybridModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.matmul_splits, self.upcast_rows, self.batch_invariant = 1, 0, False
+        self.embed_weight = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, t, dtype)
+                                    for t in config.layer_types)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head_weight = (
+            self.embed_weight if config.tie_word_embeddings
+            else _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, S] int64 (padding columns hold any valid id)
+        meta: AttentionMetadata,
+        k_caches: list,  # per layer: K [num_slots, max_model_len, hkv, d] | MambaLayerState
+        v_caches: list,  # per layer: V [num_slots, max_model_len, hkv, d] | MambaLayerState
+        num_layers: int | None = None,
+        capture_layers: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run the first ``num_layers`` layers (all by default; fewer = early exit: only those
+        layers' KV rows and states are written), then the final norm. Returns [B, S, hidden];
+        with ``capture_layers`` also the residual stream entering each listed layer."""
+        B, S = input_ids.shape
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        step = None
+        if any(layer.mamba is not None for layer in layers):
+            step = HybridStep.from_metadata(meta, B, S)
+        if not self.config.use_rope and any(layer.attn is not None for layer in layers):
+            # No positional embedding: rotate by angle 0 (x * 1 + swapped * 0 == x exactly).
+            meta = dataclasses.replace(meta, cos=torch.ones_like(meta.cos),
+                                       sin=torch.zeros_like(meta.sin))
+        x = F.embedding(input_ids, self.embed_weight) * self.config.embedding_multiplier
+        captured: dict[int, torch.Tensor] = {}
+        for i, (layer, k_cache, v_cache) in enumerate(zip(layers, k_caches, v_caches)):
+            if i in capture_layers:
+                captured[i] = x
+            x = layer(x, meta, step, k_cache, v_cache)
+        if not capture_layers:
+            return self.norm(x)
+        return self.norm(x), [captured[i] for i in capture_layers]
+
+    def compute_logits(self, hidden: torch.Tensor, ops=None) -> torch.Tensor:
+        """[..., hidden] -> [..., vocab_size] float32 logits, divided by ``logits_scaling``."""
+        if ops is not None:
+            raise ValueError(f"{self.config.architecture} runs on the CPU path only (no flat "
+                             "GPU layout yet)")
+        logits = linear(hidden, self.lm_head_weight, None, self.matmul_splits, self.upcast_rows,
+                        self.batch_invariant)
+        return logits.float() / self.config.logits_scaling
+
+    def set_cpu_matmuls(self, splits: int, upcast_rows: int = 0,
+                        batch_invariant: bool = False) -> None:
+        """As ``LlamaForCausalLM.set_cpu_matmuls``: every projection of every layer."""
+        for module in self.modules():
+            if hasattr(module, "batch_invariant"):
+                module.matmul_splits = splits
+                module.upcast_rows = upcast_rows
+                module.batch_invariant = batch_invariant
+
+    def weight_target(self, name: str) -> tuple[str, slice | None] | None:
+        """Our parameter and its rows for HF checkpoint tensor ``name`` (None: not ours)."""
+        if name == "model.embed_tokens.weight":
+            return "embed_weight", None
+        if name == "model.norm.weight":
+            return "norm.weight", None
+        if name == "lm_head.weight":
+            return None if self.config.tie_word_embeddings else ("lm_head_weight", None)
+        m = _HF_MAMBA_PARAM.match(name)
+        if m and m.group(2) in _HF_MAMBA_PARAMS:
+            return f"layers.{m.group(1)}.{_HF_MAMBA_PARAMS[m.group(2)]}", None
+        m = _HF_LAYER.match(name)
+        if not m:
+            return None
+        layer, module, kind = m.groups()
+        prefix = f"layers.{layer}."
+        if module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            q, kv = self.config.q_size, self.config.kv_size
+            bounds = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}[module[-6]]
+            return f"{prefix}attn.qkv_{kind}", slice(*bounds)
+        ours = _HF_MODULES.get(module)
+        if ours is None:
+            return None
+        if ours.endswith("norm"):
+            return f"{prefix}{ours}.{kind}", None
+        return f"{prefix}{ours}_{kind}", None

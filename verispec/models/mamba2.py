@@ -1,0 +1,400 @@
+"""The Mamba2 layer of the hybrid models (``verispec.models.granite_hybrid``) in torch, and its
+recurrent state per request slot.
+
+The Mamba2 mixer (per token t, head h, head dim p, state n; ``A = -exp(A_log)``)::
+
+    z, xBC, dt  = in_proj(x_t)                  gate, conv input, one step size per head
+    x, B, C     = silu(causal_conv1d(xBC))      depthwise conv over the last d_conv inputs
+    dt          = clamp(softplus(dt + dt_bias), time_step_limit)
+    h_t         = exp(dt * A) * h_{t-1} + dt * x_t (outer) B_t        [heads, head_dim, d_state]
+    y_t         = C_t . h_t + D * x_t
+    out         = out_proj(rmsnorm_grouped(y * silu(z)) * norm_weight)
+
+Two forms compute it, chosen per request by its own number of new tokens in the forward (so a
+request's result never depends on its batch, REFERENCE §12):
+
+- **recurrent** (at most ``MAX_RECURRENT_TOKENS`` new tokens: decode, a verify step of k + 1 <= 33
+  tokens, short prompts): the update above one token at a time, the state after every token
+  written to the request's state ring (below); a verify step of k + 1 tokens runs exactly the
+  ops of k + 1 one-token steps, so greedy speculation emits the plain greedy tokens bit for bit;
+- **chunked** (longer prefills): the chunked scan of Mamba2 (state space duality): within a
+  chunk of ``mamba_chunk_size`` tokens the output is a masked (C B^T * decay) matrix times
+  ``dt * x`` plus the decayed chunk-start state read by C; the state is carried from chunk to
+  chunk. Only the final state is kept.
+
+Recurrent state per request slot (``MambaLayerState``, REFERENCE §6): the conv state (the last
+d_conv - 1 conv inputs) and the SSM state, kept for the last ``ring_size`` lengths of the slot in
+a ring indexed by ``length % ring_size``. The state after a slot's first L tokens is at ring index
+``L % ring_size``. A verify step of k + 1 tokens from length b writes the states after every
+position (lengths b + 1 .. b + k + 1); committing ``num_output_tokens`` tokens then leaves the
+slot at length ``b + num_output_tokens`` and the next step reads the state at that length (index
+``num_output_tokens - 1`` of the step's positions), so rollback is moving the length back, as for
+the attention KV cache. Which lengths a slot still holds is the cache's to track
+(``verispec.engine.state_cache``); a forward from length 0 starts from zero states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.models.llama import AttentionMetadata, _param, linear
+
+if TYPE_CHECKING:
+    from verispec.models.granite_hybrid import HybridModelConfig
+
+# A request feeding at most this many new tokens in a forward runs the recurrent form (33: a
+# verify step of k + 1 tokens with k <= 32, SpeculativeConfig's cap); more run the chunked scan.
+MAX_RECURRENT_TOKENS = 33
+
+
+# Elementwise transcendental ops (exp, softplus, silu, rsqrt) run on buffers padded to a multiple
+# of this many elements: torch's CPU loops compute full vectors with SLEEF and a remainder with
+# the scalar libm function, which can differ in the last bit, so without padding a value's bits
+# would depend on how many tokens share its tensor (a decode step against a verify step).
+POINTWISE_ALIGN = 64
+
+
+def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for an elementwise ``fn``, every element through the vectorised loop."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    if n % POINTWISE_ALIGN:
+        flat = F.pad(flat, (0, POINTWISE_ALIGN - n % POINTWISE_ALIGN))
+    return fn(flat.contiguous())[:n].view(x.shape)
+
+
+def stores_every_position(num_new_tokens: int) -> bool:
+    """Whether a forward feeding a request ``num_new_tokens`` tokens writes the state after each
+    of them (recurrent form) or only after the last (chunked scan)."""
+    return num_new_tokens <= MAX_RECURRENT_TOKENS
+
+
+@dataclass
+class MambaLayerState:
+    """One Mamba2 layer's recurrent state for every slot, for the last ``ring_size`` lengths of
+    each slot: the state after a slot's first L tokens lives at ring index ``L % ring_size``."""
+
+    conv: torch.Tensor  # [num_slots, ring_size, conv_dim, d_conv - 1] float32: last conv inputs
+    ssm: torch.Tensor  # [num_slots, ring_size, heads, head_dim, d_state] float32
+
+    @classmethod
+    def allocate(cls, config: HybridModelConfig, num_slots: int, ring_size: int,
+                 device: torch.device | str) -> MambaLayerState:
+        c = config
+        return cls(
+            torch.zeros(num_slots, ring_size, c.mamba_conv_dim, c.mamba_d_conv - 1,
+                        dtype=torch.float32, device=device),
+            torch.zeros(num_slots, ring_size, c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state,
+                        dtype=torch.float32, device=device),
+        )
+
+    @property
+    def ring_size(self) -> int:
+        return self.conv.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return (self.conv.numel() * self.conv.element_size()
+                + self.ssm.numel() * self.ssm.element_size())
+
+    def read(self, slots: np.ndarray, lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conv [G, conv_dim, d_conv - 1] and SSM [G, heads, head_dim, d_state] states after
+        ``lengths[g]`` tokens of ``slots[g]`` (zeros for length 0): views of the ring for one
+        request (read-only for the caller), copies for several."""
+        if slots.size == 1 and lengths[0] > 0:
+            entry = (int(slots[0]), int(lengths[0] % self.ring_size))
+            return self.conv[entry][None], self.ssm[entry][None]
+        index = (torch.from_numpy(slots), torch.from_numpy(lengths % self.ring_size))
+        conv, ssm = self.conv[index], self.ssm[index]
+        empty = lengths == 0
+        if empty.any():
+            rows = torch.from_numpy(np.flatnonzero(empty))
+            conv[rows], ssm[rows] = 0.0, 0.0
+        return conv, ssm
+
+    def read_conv(self, slots: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
+        """The conv states alone (see ``read``)."""
+        if slots.size == 1 and lengths[0] > 0:
+            return self.conv[int(slots[0]), int(lengths[0] % self.ring_size)][None]
+        conv = self.conv[torch.from_numpy(slots), torch.from_numpy(lengths % self.ring_size)]
+        conv[torch.from_numpy(lengths == 0)] = 0.0
+        return conv
+
+    def write(self, slots: np.ndarray, lengths: np.ndarray, conv: torch.Tensor,
+              ssm: torch.Tensor) -> None:
+        """Store the states after ``lengths[g]`` tokens of ``slots[g]``."""
+        self.write_conv(slots, lengths, conv)
+        self.write_ssm(slots, lengths, ssm)
+
+    def write_conv(self, slots: np.ndarray, lengths: np.ndarray, conv: torch.Tensor) -> None:
+        index = (torch.from_numpy(slots), torch.from_numpy(lengths % self.ring_size))
+        self.conv.index_put_(index, conv)
+
+    def write_ssm(self, slots: np.ndarray, lengths: np.ndarray, ssm: torch.Tensor) -> None:
+        index = (torch.from_numpy(slots), torch.from_numpy(lengths % self.ring_size))
+        self.ssm.index_put_(index, ssm)
+
+
+@dataclass
+class HybridStep:
+    """Per-request facts of one forward (host arrays), read once from its AttentionMetadata:
+    request b feeds ``counts[b]`` tokens to ``slots[b]``, which held ``starts[b]`` tokens."""
+
+    slots: np.ndarray  # [B] int64
+    starts: np.ndarray  # [B] int64
+    counts: np.ndarray  # [B] int64
+
+    @classmethod
+    def from_metadata(cls, meta: AttentionMetadata, batch_size: int, width: int) -> HybridStep:
+        """The runner lays request b's valid tokens out first in row b of a [B, width] batch;
+        ``write_slots`` / ``write_positions`` hold the slot and position of each valid token."""
+        slots_all = meta.write_slots.cpu().numpy()
+        positions = meta.write_positions.cpu().numpy()
+        if meta.valid_index is None:
+            counts = np.full(batch_size, width, dtype=np.int64)
+        else:
+            rows = meta.valid_index.cpu().numpy() // width
+            counts = np.bincount(rows, minlength=batch_size).astype(np.int64)
+        first = np.zeros(batch_size, dtype=np.int64)
+        np.cumsum(counts[:-1], out=first[1:])
+        return cls(slots_all[first], positions[first], counts)
+
+
+def ssm_state_update(
+    ssm_ring: torch.Tensor,  # [num_slots, ring_size, heads, head_dim, d_state] float32, updated
+    slots: torch.Tensor,  # [G] int64
+    starts: torch.Tensor,  # [G] int64: each request's length before the step
+    counts: torch.Tensor,  # [G] int64 >= 1: its new tokens (S = counts.max())
+    x: torch.Tensor,  # [S, G, heads, head_dim] float32, token-major
+    dtB: torch.Tensor,  # [S, G, heads, d_state] float32: dt * B (groups expanded to heads)
+    decay: torch.Tensor,  # [S, G, heads] float32: exp(dt * A)
+    C: torch.Tensor,  # [S, G, heads, d_state] float32
+) -> torch.Tensor:
+    """The multi-token SSM state update of a decode or verify step, on CPU tensors (the torch
+    twin; the Triton kernel ``verispec.ops.triton_ssm.ssm_state_update`` has the same
+    signature).
+
+    For each request g, from the state after ``starts[g]`` tokens (ring entry
+    ``starts[g] % ring_size``, zeros when ``starts[g] == 0``), token s < counts[g]::
+
+        h = h * decay[s, g] + x[s, g] (outer) dtB[s, g]     stored at ring entry starts + s + 1
+        y[s, g] = C[s, g] . h                                (over d_state)
+
+    Returns y [S, G, heads, head_dim] float32 (zeros for the padding tokens s >= counts[g]).
+    Per (request, head) the products have a fixed shape, so a request's bits do not depend on
+    G; one request writes each new state straight into its ring entry, several into a new
+    tensor scattered afterwards. ``y`` as a row vector times the transposed state: ~8x faster
+    here than ``h @ C``.
+    """
+    S, G, H, P = x.shape
+    N = dtB.shape[-1]
+    ring_size = ssm_ring.shape[1]
+    slots_np, starts_np, counts_np = slots.numpy(), starts.numpy(), counts.numpy()
+    if G == 1 and starts_np[0] > 0:
+        ssm = ssm_ring[int(slots_np[0]), int(starts_np[0] % ring_size)][None]
+    else:
+        ssm = ssm_ring[slots, starts % ring_size]
+        ssm[starts == 0] = 0.0
+    ys = torch.empty(S, G * H, 1, P, dtype=torch.float32, device=x.device)
+    for s in range(S):
+        if G == 1:
+            new_ssm = ssm_ring[int(slots_np[0]), int((starts_np[0] + s + 1) % ring_size)][None]
+        else:
+            new_ssm = torch.empty_like(ssm)
+        torch.mul(ssm, decay[s, :, :, None, None], out=new_ssm)
+        flat = new_ssm.view(G * H, P, N)
+        flat.baddbmm_(x[s].view(G * H, P, 1), dtB[s].view(G * H, 1, N))
+        torch.bmm(C[s].view(G * H, 1, N), flat.transpose(1, 2), out=ys[s])
+        if G > 1:
+            active = counts_np > s
+            live = torch.from_numpy(np.flatnonzero(active))
+            if not active.all():  # padding tokens leave the state alone and output zeros
+                idle = torch.from_numpy(np.flatnonzero(~active))
+                new_ssm[idle] = ssm[idle]
+                ys[s].view(G, H, P)[idle] = 0.0
+            lengths = torch.from_numpy((starts_np[live.numpy()] + s + 1) % ring_size)
+            ssm_ring.index_put_((slots[live], lengths), new_ssm[live])
+        ssm = new_ssm
+    return ys.view(S, G, H, P)
+
+
+def chunk_scan(
+    x: torch.Tensor,  # [n, heads, head_dim] float32
+    dt: torch.Tensor,  # [n, heads] float32 (after softplus and clamp)
+    A: torch.Tensor,  # [heads] float32, negative
+    B: torch.Tensor,  # [n, heads, d_state] float32 (groups expanded to heads)
+    C: torch.Tensor,  # [n, heads, d_state] float32
+    D: torch.Tensor,  # [heads] float32
+    state: torch.Tensor,  # [heads, head_dim, d_state] float32: the state before token 0
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSM over n tokens of one request, ``chunk_size`` at a time. Returns y [n, heads,
+    head_dim] and the state after the last token [heads, head_dim, d_state], both float32.
+
+    Within a chunk, with ``a_i = dt_i * A`` (log decay of step i) and ``seg[t, s] = a_{s+1} + .. +
+    a_t`` (s <= t)::
+
+        y_t     = sum_{s <= t} exp(seg[t, s]) (C_t . B_s) dt_s x_s     (the chunk's own tokens)
+                + exp(a_0 + .. + a_t) C_t . h_start                     (the state it starts from)
+                + D x_t
+        h_end   = exp(a_0 + .. + a_last) h_start + sum_s exp(seg[last, s]) dt_s x_s (outer) B_s
+
+    ``seg`` is a cumulative sum of masked steps (no difference of two long sums, which would
+    cancel), set to -inf above the diagonal so exp gives the causal mask.
+    """
+    outputs = []
+    for begin in range(0, x.shape[0], chunk_size):
+        xc, dtc = x[begin:begin + chunk_size], dt[begin:begin + chunk_size]
+        q = xc.shape[0]
+        log_decay = (dtc * A).T  # [heads, q]
+        strict = torch.ones(q, q, dtype=torch.bool).tril(-1)  # [t, s]: s < t
+        steps = log_decay[:, :, None].expand(-1, q, q).masked_fill(~strict, 0.0)
+        seg = steps.cumsum(dim=1).masked_fill(~strict.logical_or(torch.eye(q, dtype=torch.bool)),
+                                              float("-inf"))  # [heads, t, s]
+        Bc = B[begin:begin + chunk_size].transpose(0, 1)  # [heads, q, d_state]
+        Cc = C[begin:begin + chunk_size].transpose(0, 1)
+        xdt = (xc * dtc[..., None]).transpose(0, 1)  # [heads, q, head_dim]
+        scores = torch.bmm(Cc, Bc.transpose(1, 2)) * seg.exp()  # [heads, t, s]
+        y = torch.bmm(scores, xdt)  # [heads, q, head_dim]
+        from_start = log_decay.cumsum(dim=1)  # [heads, q]: a_0 + .. + a_t
+        y += from_start.exp()[..., None] * torch.bmm(Cc, state.transpose(1, 2))
+        to_end = seg[:, -1, :].exp()  # [heads, q]: exp(a_{s+1} + .. + a_last)
+        state = (from_start[:, -1].exp()[:, None, None] * state
+                 + torch.bmm((xdt * to_end[..., None]).transpose(1, 2), Bc))
+        outputs.append(y.transpose(0, 1) + xc * D[:, None])
+    return torch.cat(outputs), state
+
+
+class Mamba2Mixer(nn.Module):
+    """The Mamba2 layer (module docstring); parameters in HF's shapes."""
+
+    def __init__(self, config: HybridModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.head_dim, self.d_state = c.mamba_n_heads, c.mamba_d_head, \
+            c.mamba_d_state
+        self.num_groups, self.d_conv = c.mamba_n_groups, c.mamba_d_conv
+        self.intermediate_size, self.conv_dim = c.mamba_intermediate_size, c.mamba_conv_dim
+        self.chunk_size, self.time_step_limit = c.mamba_chunk_size, c.time_step_limit
+        self.eps = c.rms_norm_eps
+        proj = self.intermediate_size + self.conv_dim + self.num_heads  # z | xBC | dt
+        self.in_proj_weight = _param(proj, c.hidden_size, dtype=dtype)
+        self.in_proj_bias = _param(proj, dtype=dtype) if c.mamba_proj_bias else None
+        self.conv_weight = _param(self.conv_dim, 1, self.d_conv, dtype=dtype)
+        self.conv_bias = _param(self.conv_dim, dtype=dtype) if c.mamba_conv_bias else None
+        self.dt_bias = _param(self.num_heads, dtype=dtype)
+        self.A_log = _param(self.num_heads, dtype=dtype)
+        self.D = _param(self.num_heads, dtype=dtype)
+        self.norm_weight = _param(self.intermediate_size, dtype=dtype)
+        self.out_proj_weight = _param(c.hidden_size, self.intermediate_size, dtype=dtype)
+        self.out_proj_bias = _param(c.hidden_size, dtype=dtype) if c.mamba_proj_bias else None
+        self.matmul_splits, self.upcast_rows, self.batch_invariant = 1, 0, False
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        return linear(x, weight, bias, self.matmul_splits, self.upcast_rows, self.batch_invariant)
+
+    def _heads(self, BC: torch.Tensor) -> torch.Tensor:
+        """[..., groups * d_state] -> [..., heads, d_state] (each group serves heads / groups)."""
+        grouped = BC.view(*BC.shape[:-1], self.num_groups, 1, self.d_state)
+        per_group = self.num_heads // self.num_groups
+        return grouped.expand(*BC.shape[:-1], self.num_groups, per_group, self.d_state).reshape(
+            *BC.shape[:-1], self.num_heads, self.d_state)
+
+    def _split_xBC(self, xBC: torch.Tensor):
+        size = self.num_groups * self.d_state
+        return xBC.split([self.intermediate_size, size, size], dim=-1)
+
+    def _dt(self, dt: torch.Tensor) -> torch.Tensor:
+        lo, hi = self.time_step_limit
+        return pointwise(F.softplus, dt.float() + self.dt_bias.float()).clamp(min=lo, max=hi)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, S, hidden]
+        step: HybridStep,
+        state: MambaLayerState,
+    ) -> torch.Tensor:
+        B, S, _ = x.shape
+        proj = self._linear(x, self.in_proj_weight, self.in_proj_bias)
+        z, xBC, dt = proj.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        y = torch.zeros(B, S, self.intermediate_size, dtype=torch.float32, device=x.device)
+        recurrent = np.array([stores_every_position(int(n)) for n in step.counts])
+        if recurrent.any():
+            self._recurrent(np.flatnonzero(recurrent), step, xBC, dt, y, state)
+        for b in np.flatnonzero(~recurrent).tolist():
+            self._chunked(b, step, xBC, dt, y, state)
+        # Gated RMSNorm over groups of intermediate_size / groups channels, in float32.
+        gated = (y * pointwise(F.silu, z.float())).view(B, S, self.num_groups, -1)
+        gated = gated * pointwise(torch.rsqrt, gated.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (self.norm_weight.float() * gated.view(B, S, -1)).to(x.dtype)
+        return self._linear(out, self.out_proj_weight, self.out_proj_bias)
+
+    def _recurrent(self, rows: np.ndarray, step: HybridStep, xBC: torch.Tensor, dt: torch.Tensor,
+                   y: torch.Tensor, state: MambaLayerState) -> None:
+        """Requests ``rows`` one token at a time; the state after each token into the ring.
+
+        Everything that does not depend on the SSM state (the conv, whose inputs are all known,
+        dt, the decays, dt * B) is computed for all the step's tokens at once with elementwise
+        ops, so a token's bits do not depend on how many tokens share the step; only the state
+        update and its read-out run token by token."""
+        slots, starts, counts = step.slots[rows], step.starts[rows], step.counts[rows]
+        G, S = rows.size, int(counts.max())
+        H, P, K = self.num_heads, self.head_dim, self.d_conv
+        index = torch.from_numpy(rows)
+        conv = state.read_conv(slots, starts)  # [G, conv_dim, d_conv - 1]
+        # The conv inputs: the d_conv - 1 before the step, then the step's own.
+        ext = torch.cat((conv, xBC[index, :S].float().transpose(1, 2)), dim=-1)
+        weight = self.conv_weight.float().view(self.conv_dim, K)
+        conv_out = ext[..., :S] * weight[:, :1]  # w_0 x_{t-K+1} + .. + w_{K-1} x_t, in order
+        for j in range(1, K):
+            conv_out = conv_out + ext[..., j:j + S] * weight[:, j:j + 1]
+        if self.conv_bias is not None:
+            conv_out = conv_out + self.conv_bias.float()[:, None]
+        xs, Bs, Cs = self._split_xBC(pointwise(F.silu, conv_out).transpose(1, 2))
+        xs = xs.reshape(G, S, H, P)
+        steps = self._dt(dt[index, :S])  # [G, S, heads]
+        decay = pointwise(torch.exp, steps * -torch.exp(self.A_log.float()))
+        dtB = steps[..., None] * self._heads(Bs)  # [G, S, heads, d_state]
+        # Token-major contiguous operands: token s is a contiguous [G * H, ...] block, so the
+        # update's matrix products take the same path at every step.
+        ys = ssm_state_update(
+            state.ssm, torch.from_numpy(slots), torch.from_numpy(starts),
+            torch.from_numpy(counts), xs.transpose(0, 1).contiguous(),
+            dtB.transpose(0, 1).contiguous(), decay.transpose(0, 1).contiguous(),
+            self._heads(Cs).transpose(0, 1).contiguous())  # [S, G, H, P]
+        # Conv states after each token (the last d_conv - 1 inputs), the ring's last lengths.
+        keep = [(g, s) for g in range(G) for s in range(max(0, int(counts[g]) - state.ring_size),
+                                                         int(counts[g]))]
+        g_index = np.array([g for g, _ in keep], dtype=np.int64)
+        s_index = np.array([s for _, s in keep], dtype=np.int64)
+        windows = ext.unfold(2, K - 1, 1)  # [G, conv_dim, S + 1, d_conv - 1]: after 0 .. S
+        state.write_conv(slots[g_index], starts[g_index] + s_index + 1,
+                         windows[torch.from_numpy(g_index), :, torch.from_numpy(s_index + 1)])
+        y[index, :S] = (ys.transpose(0, 1) + xs * self.D.float()[:, None]).reshape(
+            G, S, self.intermediate_size)
+
+    def _chunked(self, b: int, step: HybridStep, xBC: torch.Tensor, dt: torch.Tensor,
+                 y: torch.Tensor, state: MambaLayerState) -> None:
+        """Request ``b`` (one long feed) through the chunked scan; only its final state kept."""
+        n = int(step.counts[b])
+        slots, starts = step.slots[b:b + 1], step.starts[b:b + 1]
+        conv, ssm = state.read(slots, starts)
+        # The conv over [previous d_conv - 1 inputs, the n new ones], no padding.
+        inputs = torch.cat((conv[0], xBC[b, :n].float().T), dim=-1)  # [conv_dim, d_conv-1+n]
+        conv_out = F.conv1d(inputs[None], self.conv_weight.float(),
+                            None if self.conv_bias is None else self.conv_bias.float(),
+                            groups=self.conv_dim)[0].T  # [n, conv_dim]
+        xs, Bs, Cs = self._split_xBC(F.silu(conv_out))
+        ys, final = chunk_scan(
+            xs.reshape(n, self.num_heads, self.head_dim), self._dt(dt[b, :n]),
+            -torch.exp(self.A_log.float()), self._heads(Bs), self._heads(Cs), self.D.float(),
+            ssm[0], self.chunk_size)
+        state.write(slots, starts + n, inputs[None, :, inputs.shape[1] - (self.d_conv - 1):],
+                    final[None])
+        y[b, :n] = ys.reshape(n, self.intermediate_size)
