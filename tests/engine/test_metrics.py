@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
 import pytest
@@ -56,7 +57,14 @@ def test_logger_intervals(caplog):
     step.observe(2, 1)
     log.observe(step)
     assert log.maybe_log(now=log.interval_start + 1.0) is None
-    with caplog.at_level("INFO", logger="verispec.metrics"):
-        line = log.maybe_log(now=log.interval_start + 10.0)
+    # the "verispec" logger prints to stderr itself and does not propagate (verispec.log), so
+    # the capture listens on it directly
+    logger = logging.getLogger("verispec.metrics")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("INFO", logger="verispec.metrics"):
+            line = log.maybe_log(now=log.interval_start + 10.0)
+    finally:
+        logger.removeHandler(caplog.handler)
     assert line is not None and "Accepted: 1 tokens" in line and line in caplog.text
     assert log.interval.num_drafts == 0 and log.total.num_drafts == 1
