@@ -410,7 +410,7 @@ def test_drafting_ahead_matches_drafting_after_the_commit(llama_dir, method):
             torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-4, atol=1e-6)
         drafts = a.draft_token_ids.view(len(requests), k).tolist()
         outputs = torch.full((len(requests), k + 1), -1, dtype=torch.int32)
-        for i, r in enumerate(requests):
+        for i in range(len(requests)):
             accepted = (0, k, rng.randint(0, k))[(step + i) % 3]
             tokens = drafts[i][:accepted] + [rng.randrange(VOCAB)]
             outputs[i, :len(tokens)] = torch.tensor(tokens)
