@@ -27,7 +27,10 @@ import pytest
 import torch
 
 from tests.engine.test_spec_decode import _two_sample_p
-from tests.models.test_granite_hybrid import save_hybrid
+from tests.models.test_granite_hybrid import (
+    one_thread,  # noqa: F401 (autouse fixture)
+    save_hybrid,
+)
 from tests.proposers.test_draft_model import save_llama
 from verispec import LLM, SamplingParams
 
@@ -37,16 +40,6 @@ MAX_MODEL_LEN = 128
 P_VALUE_THRESHOLD = 1e-6
 # Drafts per step (cut to what fits): steps with zero drafts follow steps with drafts.
 DRAFT_SCHEDULE = (3, 3, 0, 2, 0, 0, 3, 1, 3, 0)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: threads only add waiting (on this shared 2-core machine two threads made
-    these tests ten times slower); the setting is restored afterwards."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.test_granite_hybrid import save_hybrid
+from tests.models.test_granite_hybrid import (
+    one_thread,  # noqa: F401 (autouse fixture)
+    save_hybrid,
+)
 from verispec.engine.model_runner import ModelRunner
 from verispec.engine.state_cache import HybridCache, make_cache
 from verispec.models.granite_hybrid import HybridModelConfig
@@ -25,16 +28,6 @@ HF_CONFIG = {
     "layer_types": ["mamba", "attention", "mamba", "mamba"], "mamba_n_heads": 4,
     "mamba_d_state": 8, "mamba_n_groups": 2, "mamba_d_conv": 4, "mamba_expand": 2,
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: threads only add waiting (on this shared 2-core machine two threads made
-    these tests ten times slower); the setting is restored afterwards."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 def cache(max_step_tokens: int = 2, num_slots: int = 2) -> HybridCache:
