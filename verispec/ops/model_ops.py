@@ -176,14 +176,13 @@ class ModelOps:
     name: str
     rms_norm: Callable[..., torch.Tensor]
     rope_cache_attention: Callable[..., torch.Tensor]
-    silu_mul: Callable[..., torch.Tensor]
     linear: Callable[..., torch.Tensor]
     linear_silu_mul: Callable[..., torch.Tensor]
     argmax: Callable[..., torch.Tensor]
 
 
-TORCH_MODEL_OPS = ModelOps("torch", rms_norm, rope_cache_attention, silu_mul, linear,
-                           linear_silu_mul, argmax)
+TORCH_MODEL_OPS = ModelOps("torch", rms_norm, rope_cache_attention, linear, linear_silu_mul,
+                           argmax)
 
 
 @functools.cache
@@ -195,7 +194,7 @@ def triton_model_ops(batch_invariant: bool = True) -> ModelOps:
     if batch_invariant:
         return ModelOps(
             "triton", triton_model.rms_norm, triton_model.rope_cache_attention,
-            triton_model.silu_mul, triton_model.linear, triton_model.linear_silu_mul,
+            triton_model.linear, triton_model.linear_silu_mul,
             triton_model.argmax)
 
     def cublas_linear_silu_mul(x, weight, bias=None):
@@ -203,7 +202,7 @@ def triton_model_ops(batch_invariant: bool = True) -> ModelOps:
 
     return ModelOps(
         "triton", triton_model.rms_norm, triton_model.rope_cache_attention,
-        triton_model.silu_mul, linear, cublas_linear_silu_mul, triton_model.argmax)
+        linear, cublas_linear_silu_mul, triton_model.argmax)
 
 
 def get_model_ops(device: torch.device | str, batch_invariant: bool = True) -> ModelOps:
