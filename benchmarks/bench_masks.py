@@ -59,18 +59,20 @@ def call(op, inputs, masks):
     return op(
         inputs["target_logits"], inputs["draft_token_ids"], inputs["cu_num_draft_tokens"], None,
         inputs["temperature"], *masks, inputs["seeds"], inputs["positions"], K,
+        check_draft_ids=False,
     )
 
 
 @contextlib.contextmanager
 def narrow_mask_search(triton_ops):
-    """The mask search in narrow programs whatever the batch size (for the comparison)."""
-    saved = triton_ops._MASK_WIDE_WARPS
-    triton_ops._MASK_WIDE_WARPS = triton_ops._MASK_WARPS
+    """The mask search in narrow programs whatever the batch size (for the comparison; plans
+    made afresh, since a plan keeps the width it was made with)."""
+    saved = triton_ops._MASK_WIDE_WARPS, triton_ops._PLANS
+    triton_ops._MASK_WIDE_WARPS, triton_ops._PLANS = triton_ops._MASK_WARPS, {}
     try:
         yield
     finally:
-        triton_ops._MASK_WIDE_WARPS = saved
+        triton_ops._MASK_WIDE_WARPS, triton_ops._PLANS = saved
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
-"""Per-kernel GPU times (torch.profiler) and host-side launch cost of the Triton rejection op,
-for both launch plans, beside a plain read of the same logits (what the statistics pass should
-approach).
+"""Per-kernel GPU times (torch.profiler) and host cost of the Triton rejection op, beside a plain
+read of the same logits (what the statistics launch should approach) and the host cost of one
+launch of a tiny Triton kernel through Triton's own launcher.
 
     python benchmarks/profile_rejection.py
 """
@@ -34,7 +34,7 @@ def _read(x_ptr, out_ptr, V, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * tl.num_programs(1) + c, tl.sum(x, 0))
 
 
-def host_us(fn, n=200):
+def host_us(fn, n=500):
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
@@ -46,40 +46,37 @@ def host_us(fn, n=200):
     return host
 
 
-dev = torch.device("cuda")
-x = torch.zeros(16, device=dev)
-print(f"host us per launch, tiny kernel: {host_us(lambda: _tiny[(1,)](x, 16, BLOCK=16)):.1f}")
-for B in (1, 8, 32, 256):
-    s = make_inputs(B, 151936, dev, 0)
-    for q in (True, False):
-        def op(s=s, q=q):
-            return call(triton_ops.rejection_sample, s, q)
+def main() -> None:
+    dev = torch.device("cuda")
+    x = torch.zeros(16, device=dev)
+    print(f"host us per launch, tiny kernel: {host_us(lambda: _tiny[(1,)](x, 16, BLOCK=16)):.1f}")
+    for B in (1, 8, 32, 256):
+        s = make_inputs(B, 151936, dev, 0)
+        for q in (True, False):
+            print(f"B={B} draft_probs={q} host us per op call: "
+                  f"{host_us(lambda s=s, q=q: call(triton_ops.rejection_sample, s, q)):.1f}")
+        out = torch.empty(B * 5, 38, device=dev)
 
-        print(f"B={B} q={q} host us per op call: {host_us(op):.1f}")
-    out = torch.empty(B * 5, 38, device=dev)
-    def g(s=s, out=out, B=B):
-        return _read[(B * 5, 38)](s["target_logits"], out, 151936, BLOCK=4096, num_warps=8)
+        def read(s=s, out=out, B=B):
+            return _read[(B * 5, 38)](s["target_logits"], out, 151936, BLOCK=4096, num_warps=8)
 
-    for _ in range(3):
-        g()
-    torch.cuda.synchronize()
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    st.record()
-    for _ in range(20):
-        g()
-    en.record()
-    en.synchronize()
-    print(f"B={B} plain read kernel of the logits: {st.elapsed_time(en) / 20 * 1e3:.1f} us")
-    # both launch plans for each rule: three launches, and the one-launch kernel (plus the
-    # fill that zeroes its counters); the default is one launch for the one-hot rule
-    for q in (True, False):
-        for fused in (False, True):
+        for _ in range(3):
+            read()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            read()
+        end.record()
+        end.synchronize()
+        print(f"B={B} plain read kernel of the logits: {start.elapsed_time(end) / 20 * 1e3:.1f} us")
+        for q in (True, False):
             with torch.profiler.profile(
                     activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(10):
-                    call(triton_ops.rejection_sample, s, q, fused=fused)
+                    call(triton_ops.rejection_sample, s, q)
                 torch.cuda.synchronize()
-            print(f"--- B={B} draft_probs={q} {'one launch' if fused else 'three launches'}")
+            print(f"--- B={B} draft_probs={q}")
             total = 0.0
             for e in prof.key_averages():
                 if e.device_time_total > 0:
@@ -87,3 +84,7 @@ for B in (1, 8, 32, 256):
                     print(f"  {e.key[:40]:<40} {e.device_time_total / e.count:9.1f} us x "
                           f"{e.count}")
             print(f"  {'sum of kernel times per call':<40} {total:9.1f} us")
+
+
+if __name__ == "__main__":
+    main()

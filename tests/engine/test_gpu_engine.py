@@ -121,3 +121,29 @@ def test_measured_costs_and_synthetic_mode(dirs):
     assert 2.2 < llm.spec.stats.mean_acceptance_length < 2.8
     # every step drafted ahead but the first and those after a request finished (3 at most)
     assert taken[0] is False and len(taken) > 10 and taken.count(False) <= 4
+
+
+def _compiled_variants() -> int:
+    """Kernel variants Triton has compiled so far for the samplers' launches."""
+    from verispec.ops import triton_kernels_rows
+
+    device = torch.cuda.current_device()
+    return sum(len(kernel.device_caches[device][0]) for kernel in
+               (triton_kernels_rows._rows_kernel, triton_kernels_rows._finish_kernel))
+
+
+@pytest.mark.parametrize("spec", [None, "synthetic"])
+def test_no_kernel_compiles_mid_generation(dirs, spec):
+    """The samplers are warmed up at start-up for every graph bucket: a batch that shrinks as its
+    requests finish (batch sizes 8 down to 1, greedy and sampled, with and without
+    speculation) compiles no kernel variant while it generates."""
+    config = None if spec is None else {
+        "method": "draft_model", "model": dirs[1], "num_speculative_tokens": 3,
+        "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.5}
+    llm = LLM(dirs[0], device="cuda", max_num_seqs=8, speculative_config=config)
+    before = _compiled_variants()
+    for temperature in (0.0, 0.8):
+        params = [SamplingParams(max_tokens=4 + 5 * i, ignore_eos=True, temperature=temperature,
+                                 seed=i) for i in range(8)]
+        llm.generate(PROMPTS, params)
+    assert _compiled_variants() == before

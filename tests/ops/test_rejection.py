@@ -217,3 +217,19 @@ def test_bad_shapes_raise(device):
             torch.zeros(1, dtype=torch.int64, device=device),
             torch.zeros(1, dtype=torch.int64, device=device), 1,
         )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_minus_one_draft_is_no_draft_here(temperature, device):
+    """Regression (issue 26): a draft of -1 crashed the torch op and was read as token V - 1 by
+    the Triton op. It ends the request's drafts: its row is sampled as the bonus row (here the
+    row's argmax, 5), and drafts after it are ignored."""
+    assert run([[1, -1, 3]], [[1, 5, 3]], [4], temperature, device) == [[1, 5, -1, -1]]
+    assert run([[-1, 2]], [[7, 2]], [4], temperature, device) == [[7, -1, -1]]
+
+
+@pytest.mark.parametrize("bad", [-2, V, 10 * V])
+def test_draft_ids_outside_the_vocabulary_raise(bad, device):
+    """One ValueError naming the field and the value, whichever backend runs the op."""
+    with pytest.raises(ValueError, match=f"draft_token_ids must lie in .*{bad}"):
+        run([[1, bad]], [[1, 2]], [4], 1.0, device)

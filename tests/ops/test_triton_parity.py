@@ -78,31 +78,14 @@ def make_batch(num_drafts, vocab_size, device, *, seed=0, dtype=torch.float32, s
 
 
 def _run_both(batch, *, draft_probs=True, top_k=None, top_p=None, min_p=None, rates=None,
-              all_greedy=False, chunk_size=None, race_chunk_size=None, max_num_draft_tokens=K,
-              **plan):
-    """(torch twin, Triton) outputs; ``plan``: the Triton launch plan (fused, lag, row_order,
-    and ``tail``: how many of the last requests, or rows in the row-ordered kernel, have their
-    one-hot race split over helper programs). ``row_order`` applies to the one-hot rule only."""
+              all_greedy=False, max_num_draft_tokens=K):
+    """(torch twin, Triton) outputs of one batch."""
     args = (
         batch["target_logits"], batch["draft_token_ids"], batch["cu_num_draft_tokens"],
         batch["draft_probs"] if draft_probs else None, batch["temperature"], top_k, top_p, min_p,
         batch["seeds"], batch["positions"], max_num_draft_tokens, rates, all_greedy,
     )
-    expected = rejection.rejection_sample(*args)
-    plan = dict(plan)
-    if draft_probs:
-        plan.pop("row_order", None)
-        plan.pop("chunks_per_program", None)
-    tail = plan.pop("tail", None)
-    saved = triton_ops._TAIL, triton_ops._ROW_TAIL
-    if tail is not None:
-        triton_ops._TAIL = triton_ops._ROW_TAIL = tail
-    try:
-        actual = triton_ops.rejection_sample(*args, chunk_size=chunk_size,
-                                             race_chunk_size=race_chunk_size, **plan)
-    finally:
-        triton_ops._TAIL, triton_ops._ROW_TAIL = saved
-    return expected, actual
+    return rejection.rejection_sample(*args), triton_ops.rejection_sample(*args)
 
 
 def _assert_same(expected, actual):
@@ -122,110 +105,99 @@ def _coverage(token_ids, num_drafts):
 NUM_DRAFTS = [4, 0, 3, 4, 1, 2, 4, 0, 4, 3, 4, 1]
 
 
-@pytest.mark.parametrize(
-    "rule, cpu_vocab_size, chunk_size",
-    [("full", 300, 128), ("one_hot", 37, None), ("synthetic", 100, None),
-     ("one_hot", 300, 128), ("full", 37, None)],
-)
-def test_rejection_parity_rules(rule, cpu_vocab_size, chunk_size, device):
+@pytest.mark.parametrize("rule, cpu_vocab_size",
+                         [("full", 300), ("one_hot", 37), ("synthetic", 100), ("one_hot", 300),
+                          ("full", 37)])
+def test_rejection_parity_rules(rule, cpu_vocab_size, device):
     vocab_size = _vocab_size(device, cpu_vocab_size)
-    if device.type == "cuda":
-        chunk_size = None
     batch = make_batch(NUM_DRAFTS, vocab_size, device, seed=cpu_vocab_size)
     rates = None
     if rule == "synthetic":
         rates = torch.tensor([0.9, 0.6, 0.5, 0.3], device=device)
-    expected, actual = _run_both(batch, draft_probs=rule == "full", rates=rates,
-                                 chunk_size=chunk_size)
+    expected, actual = _run_both(batch, draft_probs=rule == "full", rates=rates)
     _assert_same(expected, actual)
     assert all(_coverage(expected, NUM_DRAFTS)), "the batch must reach every path"
 
 
-# Launch plans: the three launches; the request-ordered one-launch kernel
-# (triton_kernels_fused) with the race of a request right after its statistics (lag 0), or 1 or
-# 3 requests later, and under the one-hot rule the deciding program racing (tail 0), helper
-# programs racing for every request of these batches (the default tail of 32 requests), or for
-# the last 5; the row-ordered one-hot kernel (triton_kernels_rows, the full rule takes the
-# request-ordered one there) with every row racing in its last statistics program (tail 0) or
-# the last 7 rows in helpers, and with 2 or 3 chunks of a row per statistics program (the
-# vocabulary's chunks no multiple of 3: the last program reads its row's last chunk again).
-PLANS = [dict(fused=False), dict(fused=True, lag=0, tail=0, row_order=False),
-         dict(fused=True, lag=1, row_order=False), dict(fused=True, lag=3, tail=5, row_order=False),
-         dict(fused=True, row_order=True, tail=0), dict(fused=True, row_order=True, tail=7),
-         dict(fused=True, row_order=True, tail=7, chunks_per_program=2),
-         dict(fused=True, row_order=True, tail=0, chunks_per_program=3)]
+@pytest.fixture(params=[1, 2], ids=["one-chunk-programs", "two-chunk-programs"])
+def group(request, monkeypatch):
+    """Both statistics-program widths of the rows kernel: one chunk of a row per program (below
+    batch 64) and two (from it on; forced here for any batch, plans made afresh). The
+    vocabularies below are no multiple of two chunks, so a last program reads its row's last
+    chunk twice."""
+    monkeypatch.setattr(triton_ops, "_PLANS", {})
+    if request.param == 2:
+        monkeypatch.setattr(triton_ops, "_GROUP_BATCH", 1)
+        monkeypatch.setattr(triton_ops, "_GROUP_BATCH_SYNTHETIC", 1)
+    return request.param
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
 @pytest.mark.parametrize("rule", ["full", "one_hot", "synthetic"])
-def test_rejection_parity_launch_plans(rule, plan, device):
-    """Every rule through every launch plan, greedy and random requests mixed, a vocabulary that
-    is no multiple of either chunk."""
+def test_rejection_parity_groups(rule, group, device):
+    """Every rule with one and two chunks per statistics program, greedy and random requests
+    mixed, a vocabulary that is no multiple of the chunk."""
     vocab_size = 150 if device.type == "cpu" else 151936 - 7
     # at V ~ 150 000 a boosted draft needs a larger boost to pass often
     batch = make_batch(NUM_DRAFTS, vocab_size, device, seed=51,
                        boost=5.0 if device.type == "cpu" else 14.0)
     rates = torch.tensor([0.9, 0.6, 0.5, 0.3], device=device) if rule == "synthetic" else None
-    expected, actual = _run_both(batch, draft_probs=rule == "full", rates=rates,
-                                 chunk_size=64 if device.type == "cpu" else None,
-                                 race_chunk_size=32 if device.type == "cpu" else None, **plan)
+    expected, actual = _run_both(batch, draft_probs=rule == "full", rates=rates)
     _assert_same(expected, actual)
     assert all(_coverage(expected, NUM_DRAFTS)), "the batch must reach every path"
 
 
-@pytest.mark.parametrize("row_order, chunks_per_program", [(False, None), (True, 1), (True, 2)])
-@pytest.mark.parametrize("tail", [0, 3, 16])
-def test_one_hot_counters_reset_between_launches(tail, row_order, chunks_per_program, device,
-                                                 monkeypatch):
-    """The one-launch one-hot kernels zero no counters before they run: each request's deciding
-    program resets its own (each row's last program its row counter, the last publisher of a
-    request its state word), the last helper of a request its flag and counter (of a tail
-    row: the row's counter and its own).
-    Back-to-back launches (a grown buffer among them) stay exact and leave every counter at
-    zero."""
+def test_counters_reset_between_launches(device, monkeypatch):
+    """No launch zeroes a counter before it runs: each row's deciding program resets its row
+    counter, the finishing launch the early words and race counters. Back-to-back launches of
+    every rule and of growing shapes (the scratch grows among them) stay exact and leave every
+    counter at zero."""
     vocab_size = 150 if device.type == "cpu" else 151936 - 7
-    monkeypatch.setattr(triton_ops, "_COUNTERS", {})
-    monkeypatch.setattr(triton_ops, "_OUTGROWN", [])
-    small = triton_ops._self_resetting_counters(device, 1)
-    small.resize_(2)  # pretend an earlier launch needed only two: the next one must grow it
+    monkeypatch.setattr(triton_ops, "_PLANS", {})
+    monkeypatch.setattr(triton_ops, "_SCRATCH", {})
+    # scratch smaller than any launch needs, as if earlier launches had been tiny
+    probe = torch.empty(1, device=device)
+    tiny = tuple(torch.zeros(2, dtype=dtype, device=probe.device)
+                 for dtype in (torch.float32, torch.int32, torch.int32))
+    triton_ops._SCRATCH[(probe.device, triton_ops._stream(probe))] = tiny
+    grown = {tiny[2].data_ptr()}
     for seed, num_drafts in [(71, NUM_DRAFTS[:2]), (72, NUM_DRAFTS), (73, NUM_DRAFTS[:5]),
-                             (74, NUM_DRAFTS)]:
+                             (74, NUM_DRAFTS * 2)]:
         batch = make_batch(num_drafts, vocab_size, device, seed=seed,
                            boost=5.0 if device.type == "cpu" else 14.0)
-        expected, actual = _run_both(batch, draft_probs=False, fused=True,
-                                     chunk_size=64 if device.type == "cpu" else None, tail=tail,
-                                     row_order=row_order, chunks_per_program=chunks_per_program)
-        _assert_same(expected, actual)
-    assert triton_ops._OUTGROWN and triton_ops._OUTGROWN[0] is small
-    (counters,) = triton_ops._COUNTERS.values()
-    assert counters.numel() >= len(NUM_DRAFTS)
-    assert int(counters.abs().sum()) == 0
+        for draft_probs in (False, True):
+            _assert_same(*_run_both(batch, draft_probs=draft_probs))
+        (buffers,) = triton_ops._SCRATCH.values()
+        grown.add(buffers[2].data_ptr())
+        assert int(buffers[2].abs().sum()) == 0
+    assert len(grown) > 1, "the counters should have grown"
+    assert int(tiny[2].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("rule", ["one_hot", "synthetic"])
-def test_row_order_reads_no_row_after_a_known_rejection(rule, device, monkeypatch):
-    """The row-ordered kernel reads no logits of a row that follows its request's first
-    rejection once that rejection is published (synthetic rates: of any row but the final one).
-    Under the interpreter the programs run one after another in id order, so every rejection is
-    published before the next row's programs start, and the rows read are exactly the rows
-    needed: one per output token. (On a GPU which rows are skipped depends on timing; the
-    tokens never do.)"""
+def test_reads_no_row_after_a_known_rejection(rule, device, monkeypatch):
+    """The rows kernel reads no logits of a row that follows its request's first rejection once
+    that rejection is known (synthetic rates: of any row but the final one). Under the
+    interpreter the programs run one after another in id order, so every rejection is known
+    before the next row's programs start, and the rows read are exactly the rows needed: one
+    per output token. (On a GPU which rows are skipped depends on timing; the tokens never
+    do.)"""
     if device.type != "cpu":
         pytest.skip("program order is deterministic only under the interpreter")
     from verispec.ops import triton_kernels_rows
 
+    monkeypatch.setattr(triton_ops, "_PLANS", {})
+    num_chunks = -(-150 // triton_ops.chunk_size(150))
     rows_read = []
-    stats = triton_kernels_rows._row_chunk_stats
+    stats = triton_kernels_rows._chunk_stats
 
     def counting(*args):
-        rows_read.append(int(args[12]))  # the row
+        rows_read.append(int(args[4]) // num_chunks)  # the row's first partial / NUM_CHUNKS
         return stats(*args)
 
-    monkeypatch.setattr(triton_kernels_rows, "_row_chunk_stats", counting)
+    monkeypatch.setattr(triton_kernels_rows, "_chunk_stats", counting)
     batch = make_batch(NUM_DRAFTS, 150, device, seed=51, boost=5.0)
     rates = torch.tensor([0.9, 0.6, 0.5, 0.3]) if rule == "synthetic" else None
-    expected, actual = _run_both(batch, draft_probs=False, rates=rates, chunk_size=64,
-                                 fused=True, row_order=True, tail=0)
+    expected, actual = _run_both(batch, draft_probs=False, rates=rates)
     _assert_same(expected, actual)
     num_out = (expected != -1).sum(1)
     assert int(num_out.sum()) < sum(n + 1 for n in NUM_DRAFTS)  # some rows can be skipped
@@ -235,8 +207,7 @@ def test_row_order_reads_no_row_after_a_known_rejection(rule, device, monkeypatc
     if rule == "synthetic":  # only the final row of each request
         needed = [int(cu[r]) + r + int(num_out[r]) - 1 for r in range(len(NUM_DRAFTS))]
     assert sorted(set(rows_read)) == sorted(needed)
-    chunks_per_row = -(-150 // min(64, sampling.SAMPLING_BLOCK))
-    assert len(rows_read) == chunks_per_row * len(needed)  # every chunk of them, once
+    assert len(rows_read) == num_chunks * len(needed)  # every chunk of them, once
 
 
 def _forced_batch(device, vocab_size, num_drafts, first_rejections, temperatures):
@@ -257,8 +228,7 @@ def _forced_batch(device, vocab_size, num_drafts, first_rejections, temperatures
     return batch
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
-def test_rejection_parity_every_first_rejection(plan, device):
+def test_rejection_parity_every_first_rejection(group, device):
     """One-hot and full rule, k varying per request (0..4 drafts), the first rejection at every
     position and all drafts accepted, for greedy and random requests; the output length must
     be exactly the forced one."""
@@ -274,7 +244,7 @@ def test_rejection_parity_every_first_rejection(plan, device):
     batch = _forced_batch(device, vocab_size, num_drafts, first_rejections, (0.0,))
     batch["temperature"] = torch.tensor(temperatures, device=device)
     for draft_probs in (False, True):
-        expected, actual = _run_both(batch, draft_probs=draft_probs, **plan)
+        expected, actual = _run_both(batch, draft_probs=draft_probs)
         _assert_same(expected, actual)
         assert (expected != -1).sum(1).cpu().tolist() == [j + 1 for j in first_rejections]
 
@@ -286,14 +256,16 @@ def test_rejection_parity_low_precision_logits(dtype, device):
         _assert_same(*_run_both(batch, draft_probs=draft_probs))
 
 
-@pytest.mark.parametrize("chunk_size, race_chunk_size", [(16, None), (64, 16)])
-def test_rejection_parity_chunk_sizes(chunk_size, race_chunk_size, device):
-    """The chunked statistics and race combine: many chunks, a partial last chunk, race chunks
-    smaller than the statistics chunks."""
-    batch = make_batch(NUM_DRAFTS[:6], 150, device, seed=chunk_size)
-    expected, actual = _run_both(batch, draft_probs=chunk_size != 64, chunk_size=chunk_size,
-                                 race_chunk_size=race_chunk_size)
-    _assert_same(expected, actual)
+@pytest.mark.parametrize("block", [16, 64])
+def test_rejection_parity_block_sizes(block, device, monkeypatch):
+    """Chunks and race blocks of other sizes: many chunks and blocks with a partial last one
+    (16), or a row of 150 tokens in three blocks (64)."""
+    if device.type != "cpu":
+        pytest.skip("the block size is part of the sampling semantics; the GPU keeps 4096")
+    monkeypatch.setattr(sampling, "SAMPLING_BLOCK", block)
+    batch = make_batch(NUM_DRAFTS[:6], 150, device, seed=block)
+    for draft_probs in (True, False):
+        _assert_same(*_run_both(batch, draft_probs=draft_probs))
 
 
 def test_rejection_parity_all_greedy(device):
@@ -326,6 +298,7 @@ def _masks(batch_size, vocab_size, device):
 def test_rejection_parity_masks(which, draft_probs, wide, device, monkeypatch):
     """Both mask-search programs: the wide one (these few rows fit one per SM) and, forced,
     the narrow one that larger batches get (on a GPU: another tile, so another sum order)."""
+    monkeypatch.setattr(triton_ops, "_PLANS", {})
     if not wide:
         monkeypatch.setattr(triton_ops, "_MASK_WIDE_WARPS", triton_ops._MASK_WARPS)
     vocab_size = _vocab_size(device, 100)
@@ -375,8 +348,7 @@ def test_adversarial_q_equals_p_empty_residual(device):
     _assert_same(expected, actual)
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
-def test_adversarial_one_hot_empty_residual(plan, device):
+def test_adversarial_one_hot_empty_residual(group, device):
     """One-hot rule, synthetic rates that reject every draft, drafts whose target probability
     is exactly 1 in float32 (every other token underflows): the residual p without the draft is
     empty and the recovered token falls back to p (here the draft itself)."""
@@ -387,7 +359,7 @@ def test_adversarial_one_hot_empty_residual(plan, device):
     rows = (torch.arange(int(cu[-1])) + torch.repeat_interleave(torch.arange(len(n)), n))
     logits[rows.to(logits.device), batch["draft_token_ids"]] = 300.0
     rates = torch.zeros(K, device=device)
-    expected, actual = _run_both(batch, draft_probs=False, rates=rates, **plan)
+    expected, actual = _run_both(batch, draft_probs=False, rates=rates)
     _assert_same(expected, actual)
     random = (batch["temperature"] > 0).cpu() & (n > 0)
     first = batch["draft_token_ids"].cpu()[cu[:-1].clamp_max(int(cu[-1]) - 1)]
@@ -470,28 +442,35 @@ def test_sample_draft_parity(device):
     torch.testing.assert_close(q_t, q, rtol=1e-5, atol=1e-7)
 
 
-def test_launch_cache_argument_map():
-    """A launch after the first skips Triton's argument binding and passes the compiled kernel
-    its arguments by the map made at the first: constexprs given, constexprs left at their
-    defaults, and the runtime arguments in order."""
+def test_launch_argument_template():
+    """A plan's launch after the first skips Triton's argument binding: it hands the compiled
+    kernel the full argument list, constexprs in place, the arguments the plan fixes filled in
+    once, and the call's own arguments in the kernel's order in the remaining slots."""
     import inspect
 
-    from verispec.ops.triton_kernels_rows import _rows_kernel
+    from verispec.ops.triton_kernels_rows import _finish_kernel
 
-    params = list(inspect.signature(_rows_kernel.fn).parameters.values())
+    params = list(inspect.signature(_finish_kernel.fn).parameters.values())
     names = [p.name for p in params]
-    assert names == list(_rows_kernel.arg_names)
+    assert names == list(_finish_kernel.arg_names)
     constexpr = [n for n in names if n.isupper()]  # the kernels' naming: constexprs in capitals
     assert constexpr == [p.name for p in params if triton_ops._is_constexpr(p)]
-    given = {p.name: 7 for p in params if p.name in constexpr and p.default is p.empty}
-    positions = dict(zip(names, triton_ops._arg_positions(_rows_kernel, given)))
-    assert positions["ROWS"] == (True, 7)
-    assert positions["GROUP"] == (True, 1)  # left at its default
-    assert [n for n in names if not positions[n][0]] == [n for n in names if n not in constexpr]
+    runtime = [n for n in names if n not in constexpr]
+    static = {n: f"static {n}" for n in runtime[1::2]}
+    launch = triton_ops._Launch(_finish_kernel, (1,), 4, {n: 7 for n in constexpr}, **static)
+    template = dict(zip(names, launch.template))
+    assert all(template[n] == 7 for n in constexpr)
+    assert all(template[n] == static[n] for n in static)
+    assert [names[i] for i in launch.slots] == [n for n in runtime if n not in static]
+    assert [names[i] for i in launch.runtime] == runtime
+    with pytest.raises(AssertionError, match="no arguments"):
+        triton_ops._Launch(_finish_kernel, (1,), 4, {n: 7 for n in constexpr}, not_an_argument=1)
+    with pytest.raises(KeyError):  # every constexpr must be given
+        triton_ops._Launch(_finish_kernel, (1,), 4, {})
 
 
 def test_backend_registry_and_signatures():
-    """The backend carries the twins' signatures (extra keyword-only tuning knobs aside)."""
+    """The backend carries the twins' signatures, keyword-only arguments included."""
     import inspect
 
     from verispec.ops.backend import load_backend
@@ -501,11 +480,39 @@ def test_backend_registry_and_signatures():
     for name, twin in [("rejection_sample", rejection.rejection_sample),
                        ("sample", sampling.sample), ("sample_draft", sampling.sample_draft),
                        ("processed_probs", sampling.processed_probs)]:
-        ours = inspect.signature(getattr(backend, name)).parameters
-        theirs = inspect.signature(twin).parameters
-        positional = [p for p in ours.values() if p.kind != p.KEYWORD_ONLY]
-        assert [p.name for p in positional] == list(theirs)
-        assert [p.default for p in positional] == [p.default for p in theirs.values()]
+        ours = inspect.signature(getattr(backend, name)).parameters.values()
+        theirs = inspect.signature(twin).parameters.values()
+        assert [(p.name, p.kind, p.default) for p in ours] == [
+            (p.name, p.kind, p.default) for p in theirs]
+
+
+def test_one_plan_per_batch_size(device, monkeypatch):
+    """A plan serves every draft count of its batch size (the rows are laid out for k + 1 per
+    request): steps whose drafts differ make no new plan (and compile nothing) and stay exact,
+    including after a step with more drafts than the one that made the plan."""
+    vocab_size = 150 if device.type == "cpu" else 151936 - 7
+    monkeypatch.setattr(triton_ops, "_PLANS", {})
+    for seed, num_drafts in enumerate([[1, 0, 2, 1], [4, 4, 4, 4], [0, 3, 0, 1], [2, 4, 1, 3]]):
+        batch = make_batch(num_drafts, vocab_size, device, seed=80 + seed,
+                           boost=5.0 if device.type == "cpu" else 14.0)
+        for draft_probs in (False, True):
+            _assert_same(*_run_both(batch, draft_probs=draft_probs))
+    assert len(triton_ops._PLANS) == 2  # the one-hot and the full rule, batch size 4
+
+
+def test_row_counts_checked_on_every_call(device):
+    """Once a plan exists, a call whose row counts disagree still raises, naming the input."""
+    batch = make_batch([2, 1], 37, device, seed=3)
+    args = [batch["target_logits"], batch["draft_token_ids"], batch["cu_num_draft_tokens"],
+            batch["draft_probs"], batch["temperature"], None, None, None, batch["seeds"],
+            batch["positions"], 2]
+    triton_ops.rejection_sample(*args)
+    with pytest.raises(ValueError, match="target_logits"):
+        triton_ops.rejection_sample(args[0][:-1], *args[1:])
+    with pytest.raises(ValueError, match="draft_probs"):
+        triton_ops.rejection_sample(*args[:3], args[3][:-1], *args[4:])
+    with pytest.raises(ValueError, match="max_num_draft_tokens = 1"):
+        triton_ops.rejection_sample(*args[:-1], 1)
 
 
 def test_input_checks(device):
@@ -525,53 +532,52 @@ def test_input_checks(device):
             args["target_logits"], args["draft_token_ids"], args["cu_num_draft_tokens"],
             args["draft_probs"].double(), args["temperature"], None, None, None,
             args["seeds"], args["positions"], 2)
-    for bad in (0, 1.5, True):
-        with pytest.raises(ValueError, match=f"chunks_per_program .*got {bad!r}"):
-            triton_ops.rejection_sample(
-                args["target_logits"], args["draft_token_ids"], args["cu_num_draft_tokens"],
-                None, args["temperature"], None, None, None, args["seeds"], args["positions"],
-                2, chunks_per_program=bad)
 
 
-def test_knobs_that_cannot_apply_raise(device):
-    """A one-launch knob given where three launches run, ``lag`` with rows in order and
-    ``chunks_per_program`` with the request-ordered kernel: one clear error each, never a value
-    silently dropped."""
-    batch = make_batch([2, 1, 2], 40, device, seed=3)
+@pytest.mark.parametrize("draft_probs", [False, True])
+def test_no_draft_here(draft_probs, device):
+    """A draft id of -1 ends its request's drafts: the row of the first -1 is sampled as the
+    bonus row would be, on both backends, and later drafts are never read."""
+    vocab_size = _vocab_size(device, 150)
+    num_drafts = [4, 4, 3, 4, 2, 4, 1, 4]
+    batch = make_batch(num_drafts, vocab_size, device, seed=81)
+    drafts = batch["draft_token_ids"].clone()
+    cu = batch["cu_num_draft_tokens"].cpu()
+    cut = [1, 0, 2, 3, 1, 4, 0, 2]  # index of the first -1 (= n_r: none)
+    for r, first in enumerate(cut):
+        drafts[int(cu[r]) + first:int(cu[r + 1])] = -1
+    drafts[int(cu[0]) + 2] = 7  # a draft after a -1: ignored
+    batch["draft_token_ids"] = drafts
+    expected, actual = _run_both(batch, draft_probs=draft_probs)
+    _assert_same(expected, actual)
+    assert ((expected != -1).sum(1).cpu() <= torch.tensor(cut) + 1).all()
+    # the same as the same requests with their drafts cut there
+    short = [min(n, c) for n, c in zip(num_drafts, cut)]
+    keep = torch.cat([torch.arange(int(cu[r]), int(cu[r]) + n) for r, n in enumerate(short)])
+    rows = torch.cat([torch.arange(int(cu[r]) + r, int(cu[r]) + r + n + 1)
+                      for r, n in enumerate(short)])
+    cut_batch = dict(batch, target_logits=batch["target_logits"][rows.to(device)],
+                     draft_token_ids=drafts[keep.to(device)], draft_probs=batch["draft_probs"][
+                         keep.to(device)],
+                     cu_num_draft_tokens=torch.tensor([0] + short).cumsum(0).to(device))
+    _assert_same(expected, _run_both(cut_batch, draft_probs=draft_probs)[0])
 
-    def run(draft_probs=None, top_k=None, all_greedy=False, **knobs):
-        return triton_ops.rejection_sample(
-            batch["target_logits"], batch["draft_token_ids"], batch["cu_num_draft_tokens"],
-            draft_probs, batch["temperature"], top_k, None, None, batch["seeds"],
-            batch["positions"], 2, None, all_greedy, **knobs)
 
-    top_k = torch.full((3,), 5, dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match="fused=True cannot apply: sampling masks"):
-        run(top_k=top_k, fused=True)
-    with pytest.raises(ValueError, match="lag=1 applies to the one-launch kernels only: "
-                                         "all_greedy"):
-        run(all_greedy=True, lag=1)
-    with pytest.raises(ValueError, match="chunks_per_program=2 applies to the one-launch "
-                                         "kernels only: the three launches"):
-        run(draft_probs=batch["draft_probs"], chunks_per_program=2)
-    with pytest.raises(ValueError, match="num_warps=4 .*fused=False"):
-        run(fused=False, num_warps=4)
-    with pytest.raises(ValueError, match="row_order=True applies"):
-        run(top_k=top_k, row_order=True)
-    with pytest.raises(ValueError, match="chunks_per_program=2 applies to rows in order only"):
-        run(row_order=False, chunks_per_program=2)
-    with pytest.raises(ValueError, match="lag=1 applies to the request-ordered kernel only"):
-        run(row_order=True, lag=1)
-    # what a plan honours passes: row_order=False anywhere, each knob on its own kernel
-    expected = rejection.rejection_sample(
-        batch["target_logits"], batch["draft_token_ids"], batch["cu_num_draft_tokens"], None,
-        batch["temperature"], top_k, None, None, batch["seeds"], batch["positions"], 2)
-    assert torch.equal(run(top_k=top_k, row_order=False), expected)
-    plain = rejection.rejection_sample(
-        batch["target_logits"], batch["draft_token_ids"], batch["cu_num_draft_tokens"], None,
-        batch["temperature"], None, None, None, batch["seeds"], batch["positions"], 2)
-    for knobs in (dict(row_order=True, chunks_per_program=2), dict(row_order=False, lag=1)):
-        assert torch.equal(run(**knobs), plain)
+@pytest.mark.parametrize("bad", [-2, 37, 1 << 40])
+def test_draft_ids_out_of_range_raise(bad, device):
+    """A draft id outside [-1, V) is one ValueError naming the field and the value, on both
+    backends; ``check_draft_ids=False`` skips the check (the engine's drafts are in range)."""
+    batch = make_batch([2, 1], 37, device)
+    drafts = batch["draft_token_ids"].clone()
+    drafts[1] = bad
+    args = (batch["target_logits"], drafts, batch["cu_num_draft_tokens"], None,
+            batch["temperature"], None, None, None, batch["seeds"], batch["positions"], 2)
+    for op in (rejection.rejection_sample, triton_ops.rejection_sample):
+        with pytest.raises(ValueError, match=f"draft_token_ids must lie in \\[0, 37\\).*{bad}"):
+            op(*args)
+    ok = (batch["target_logits"], batch["draft_token_ids"]) + args[2:]
+    assert torch.equal(triton_ops.rejection_sample(*ok, check_draft_ids=False),
+                       rejection.rejection_sample(*ok, check_draft_ids=False))
 
 
 @pytest.mark.gpu
@@ -607,23 +613,22 @@ def test_cuda_graph_replay_matches_eager(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunks_per_program", [1, 2])
 @pytest.mark.parametrize("batch_size", [32, 64])
-def test_row_order_many_launches(batch_size, chunks_per_program, device, monkeypatch):
-    """The row-ordered kernel, launch after launch on one GPU at the sizes where its skips race
-    its decisions (rows read or skipped depend on timing; the tokens must not): 40 launches with
-    fresh seeds, each == the torch twin, and every synchronisation word back at zero after."""
+def test_many_launches(batch_size, device, monkeypatch):
+    """Launch after launch on one GPU at the sizes where skipped rows race the rows' decisions
+    (which rows are read depends on timing; the tokens must not), with one (B = 32) and two
+    (B = 64) chunks per statistics program: 40 launches with fresh seeds, each == the torch
+    twin, and every counter back at zero after."""
     if device.type != "cuda":
         pytest.skip("the races between programs need a GPU")
-    monkeypatch.setattr(triton_ops, "_COUNTERS", {})
+    monkeypatch.setattr(triton_ops, "_PLANS", {})
+    monkeypatch.setattr(triton_ops, "_SCRATCH", {})
     batch = make_batch([K] * batch_size, 151936, device, seed=batch_size,
                        temperatures=(1.0, 1.0, 1.0, 0.0), boost=14.0)
     gen = torch.Generator().manual_seed(7)
-    for _ in range(40):
+    for launch in range(40):
         batch["seeds"] = torch.randint(-(2**62), 2**62, (batch_size,), generator=gen).to(device)
         batch["positions"] = torch.randint(0, 10_000, (batch_size,), generator=gen).to(device)
-        expected, actual = _run_both(batch, draft_probs=False, fused=True, row_order=True,
-                                     chunks_per_program=chunks_per_program)
-        _assert_same(expected, actual)
-    (counters,) = triton_ops._COUNTERS.values()
-    assert int(counters.abs().sum()) == 0
+        _assert_same(*_run_both(batch, draft_probs=launch % 2 == 1))
+    (buffers,) = triton_ops._SCRATCH.values()
+    assert int(buffers[2].abs().sum()) == 0

@@ -14,7 +14,6 @@ Runs on the ``device`` fixture: ``VERISPEC_TEST_DEVICE=cuda`` runs it on the GPU
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -227,11 +226,9 @@ def test_two_level_race_follows_processed_target(case, device, monkeypatch):
     _assert_case_passes(case, device, "blocks of 16")
 
 
-def _assert_case_passes(case, device, label: str, **kwargs) -> None:
-    """Run ``case`` (``kwargs``: for the backend's ``rejection_sample``) and require every
-    output position's p-value above the threshold."""
-    counts = run_case(case, device, rejection_sample=functools.partial(
-        ops.rejection_sample, **kwargs) if kwargs else None)
+def _assert_case_passes(case, device, label: str) -> None:
+    """Run ``case`` and require every output position's p-value above the threshold."""
+    counts = run_case(case, device)
     values = p_values(case, counts)
     record(f"{case.name}, {label}", NUM_REQUESTS, values)
     for col, value in enumerate(values):
@@ -241,37 +238,25 @@ def _assert_case_passes(case, device, label: str, **kwargs) -> None:
         )
 
 
-# One-hot rule without masks on the Triton backend, both one-launch kernels (the batches of
-# ``run_case`` take the row-ordered one by default): every race split over helper programs
-# (``triton_ops`` gives them only to the last rows, or requests, of a grid), over one block and
-# over blocks of 32 tokens; and the request-ordered kernel with its default tail.
-HELPER_CASE_NAMES = {"onehot_T0.5", "onehot_T1.5", "onehot_p_nearly_one_hot"}
-HELPER_CASES = [c for c in ONEHOT_CASES if c.name in HELPER_CASE_NAMES]
-assert len(HELPER_CASES) == len(HELPER_CASE_NAMES)
+# The Triton backend's plans: the batches of ``run_case`` (25 000 requests) read two chunks of a
+# row per statistics program; these cases run again with one chunk per program (the plan below
+# batch 64), under both rules, with and without masks.
+GROUP_CASE_NAMES = {"full_T1.0", "full_all_masks_T0.8", "q_equals_p", "onehot_T0.5",
+                    "onehot_top_k_top_p", "onehot_p_nearly_one_hot"}
+GROUP_CASES = [c for c in FULL_CASES + ONEHOT_CASES if c.name in GROUP_CASE_NAMES]
+assert len(GROUP_CASES) == len(GROUP_CASE_NAMES)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("row_order", [True, False], ids=["rows", "requests"])
-@pytest.mark.parametrize("block", [None, 32], ids=["one-block", "blocks-of-32"])
-@pytest.mark.parametrize("case", HELPER_CASES, ids=lambda c: c.name)
-def test_helper_races_follow_processed_target(case, block, row_order, device, monkeypatch):
+@pytest.mark.parametrize("case", GROUP_CASES, ids=lambda c: c.name)
+def test_one_chunk_programs_follow_processed_target(case, device, monkeypatch):
     if backend.default_backend_name(device) != "triton":
-        pytest.skip("helper programs belong to the Triton backend (a CUDA device)")
+        pytest.skip("statistics programs belong to the Triton backend (a CUDA device)")
     from verispec.ops import triton_ops
 
-    monkeypatch.setattr(triton_ops, "_TAIL", 1 << 30)
-    monkeypatch.setattr(triton_ops, "_ROW_TAIL", 1 << 30)
-    if block is not None:
-        monkeypatch.setattr(sampling, "SAMPLING_BLOCK", block)
-    _assert_case_passes(case, device, f"helper races, blocks of {block or 'V'}, "
-                        f"{'rows' if row_order else 'requests'} in order", row_order=row_order)
-
-
-@pytest.mark.parametrize("case", HELPER_CASES, ids=lambda c: c.name)
-def test_request_ordered_kernel_follows_processed_target(case, device):
-    if backend.default_backend_name(device) != "triton":
-        pytest.skip("the request-ordered one-launch kernel belongs to the Triton backend")
-    _assert_case_passes(case, device, "requests in order", row_order=False)
+    monkeypatch.setattr(triton_ops, "_PLANS", {})
+    monkeypatch.setattr(triton_ops, "_GROUP_BATCH", 1 << 30)
+    _assert_case_passes(case, device, "one chunk per statistics program")
 
 
 @pytest.mark.parametrize("draft_temperature", [1.0, 0.0])

@@ -7,6 +7,7 @@ tokens per request through the same ``_commit`` (stop conditions checked token b
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from verispec import ops
 from verispec.config import SpeculativeConfig
 from verispec.engine import inputs
+from verispec.engine.cuda_graphs import batch_buckets
 from verispec.engine.model_runner import ModelRunner
 from verispec.engine.request import Request, RequestOutput
 from verispec.engine.scheduler import Scheduler
@@ -25,6 +27,8 @@ from verispec.models.loader import load_model, parse_dtype
 from verispec.sample.logprobs import token_logprobs
 from verispec.sample.sampler import Sampler, SamplingTensors, draw_seed
 from verispec.sampling_params import SamplingParams
+
+logger = logging.getLogger("verispec")
 
 DEFAULT_MAX_MODEL_LEN = 2048
 # bfloat16 halves the bytes a decode step reads; verification of several tokens then costs
@@ -146,6 +150,7 @@ class LLM:
             self.spec.capture()
         if self.runner.graphs is not None:
             self.runner.graphs.log_summary("target")
+        self._warm_up_samplers()
         self._next_request_id = 0
         self.num_steps = 0  # engine steps run (prefill and decode)
         self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
@@ -236,6 +241,31 @@ class LLM:
             )
             self._sampling_cache = (key, tensors)
         return self._sampling_cache[1]
+
+    def _warm_up_samplers(self) -> None:
+        """On CUDA, run the sampler (and the rejection sampler, with speculation) once on dummy
+        batches of every graph bucket size, greedy and random, so that their kernels are
+        compiled and their launch plans made before the first request: a kernel variant first
+        met mid-generation (a batch that shrank past a threshold of the launch plan) costs
+        0.3-0.6 s of compilation inside a step. Top-k / top-p / min-p variants still compile on
+        first use."""
+        if self.device.type != "cuda":
+            return
+        start = time.perf_counter()
+        vocab_size = self.model_config.vocab_size
+        sizes = batch_buckets(self.max_num_seqs)  # the graph buckets (also when eager)
+        for size in sizes:
+            positions = ops.to_device([1] * size, self.device)
+            logits = torch.zeros((size, vocab_size), dtype=torch.float32, device=self.device)
+            for temperature in (0.0, 1.0):
+                sampling = SamplingTensors.from_params(
+                    [SamplingParams(temperature=temperature)] * size, [0] * size, self.device)
+                self.sampler(logits, sampling, positions)
+                if self.spec is not None:
+                    self.spec.warm_up(sampling, positions)
+        torch.cuda.synchronize(self.device)
+        logger.info("samplers warmed up for batch sizes %s in %.1f s", sizes,
+                    time.perf_counter() - start)
 
     def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[int]:
         # The sampled token of request r occupies position num_tokens (prompt included).

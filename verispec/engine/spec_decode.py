@@ -155,6 +155,7 @@ class SpeculativeDecoder:
         )
         self.proposer = build_proposer(config, context)
         self.rejection_sampler = RejectionSampler(config, runner.device)
+        self.rejection_sampler_vocab_size = vocab_size
         self.sampler = Sampler()  # steps in which nobody drafted
         self.adaptive = not config.is_synthetic
         self.costs = verify_costs(runner.device, runner.dtype, self.k)
@@ -186,6 +187,24 @@ class SpeculativeDecoder:
             self.costs = costs
             logger.info("speculative step cost measured on the device: %.2f decode steps",
                         costs[-1])
+
+    def warm_up(self, sampling: SamplingTensors, positions: torch.Tensor) -> None:
+        """Verify a dummy batch (``len(positions)`` requests of k drafts each, the proposer's
+        rule) once, so the rejection sampler's kernels and launch plan for that batch size
+        exist before a step needs them (``LLM._warm_up_samplers``)."""
+        batch_size, device = positions.shape[0], self.runner.device
+        num_drafts = batch_size * self.k
+        vocab_size = self.rejection_sampler_vocab_size
+        logits = torch.zeros((num_drafts + batch_size, vocab_size), dtype=torch.float32,
+                             device=device)
+        draft_probs = None
+        if self.proposer.uses_draft_probs:
+            draft_probs = torch.full((num_drafts, vocab_size), 1.0 / vocab_size,
+                                     dtype=torch.float32, device=device)
+        self.rejection_sampler(
+            logits, torch.zeros(num_drafts, dtype=torch.int64, device=device),
+            ops.to_device(np.arange(0, num_drafts + 1, self.k), device), draft_probs,
+            sampling, positions)
 
     @property
     def stats(self) -> SpecDecodingStats:

@@ -11,7 +11,10 @@ target distribution of verify row i and q_i the proposer's distribution:
     greedy target  (temperature 0):      accept d_i  iff  d_i == argmax p_i;  emit argmax
     synthetic      (rates given):        accept d_i  iff  u_i < c_i;  emit as the row's own rule
 
-A residual that is all zero (p = q up to rounding) falls back to p. Only the first rejected
+A draft id of -1 means "no draft here": the request's drafts end at its first -1, and the row
+of that -1 is sampled as its bonus row would be (p, sample stream). Any other id outside
+[0, V) is a ValueError (``check_draft_ids``). A residual that is all zero (p = q up to
+rounding) falls back to p. Only the first rejected
 position is sampled (O(B V) noise, not O(B k V)); when all drafts pass the bonus token is sampled
 from the bonus row. ``u_i`` comes from the acceptance stream at the draft's position, the recovered
 token from the residual stream, the bonus from the sample stream (REFERENCE §4), so a request's
@@ -42,6 +45,8 @@ def rejection_sample(
     max_num_draft_tokens: int,
     synthetic_conditional_rates: torch.Tensor | None = None,
     all_greedy: bool = False,
+    *,
+    check_draft_ids: bool = True,
 ) -> torch.Tensor:
     """Verify the drafts of a batch and return each request's output tokens.
 
@@ -49,7 +54,8 @@ def rejection_sample(
     ----------
     target_logits : [num_draft_tokens + B, V] float32 / bfloat16 / float16
         Request r's rows are its n_r verify rows followed by its bonus row.
-    draft_token_ids : [num_draft_tokens] int32 / int64, all requests' drafts concatenated.
+    draft_token_ids : [num_draft_tokens] int32 / int64, all requests' drafts concatenated; -1
+        ends a request's drafts ("no draft here": its row is sampled as the bonus row).
     cu_num_draft_tokens : [B + 1] int32 / int64, leading 0; request r owns ``[cu[r], cu[r+1])``.
     draft_probs : [num_draft_tokens, V] float32 or None
         q for each draft (full rule); None selects the one-hot rule (greedy or n-gram drafts).
@@ -65,6 +71,9 @@ def rejection_sample(
     synthetic_conditional_rates : [>= max_num_draft_tokens] float32 or None
         Conditional acceptance rates c_i; given, acceptance ignores p and q (benchmarking only).
     all_greedy : the caller's host-side knowledge that every request is greedy (skips the noise).
+    check_draft_ids : raise ``ValueError`` for a draft id outside [-1, V). The check reads the
+        ids on the host (a sync on a GPU); callers whose drafts are in range by construction
+        (the engine's proposers) turn it off. Skipped while a CUDA graph is being captured.
 
     Returns
     -------
@@ -77,6 +86,8 @@ def rejection_sample(
     batch_size = cu_num_draft_tokens.shape[0] - 1
     width = max_num_draft_tokens + 1
     _check_inputs(target_logits, draft_token_ids, draft_probs, batch_size, num_draft_tokens)
+    if check_draft_ids:
+        check_draft_token_ids(draft_token_ids, target_logits.shape[1])
 
     cu = cu_num_draft_tokens.to(torch.int64)
     num_drafts = cu[1:] - cu[:-1]  # [B]
@@ -85,6 +96,11 @@ def rejection_sample(
     # Request and in-request index of each draft token; output_size avoids a host sync.
     draft_req = torch.repeat_interleave(req_ids, num_drafts, output_size=num_draft_tokens)
     draft_index = torch.arange(num_draft_tokens, device=device) - cu[draft_req]
+    # a request's drafts end at its first -1 ("no draft here"): n_r counts those before it
+    present = torch.ones(batch_size, width, dtype=torch.int64, device=device)
+    present[draft_req, draft_index] = (draft_ids >= 0).to(torch.int64)
+    num_present = torch.minimum(torch.cumprod(present, dim=1).sum(1), num_drafts)  # [B]
+    safe_ids = draft_ids.clamp_min(0)  # -1 is never gathered as token V - 1
     verify_rows = torch.arange(num_draft_tokens, device=device) + draft_req  # [N]
     row_req = torch.repeat_interleave(
         req_ids, num_drafts + 1, output_size=num_draft_tokens + batch_size
@@ -111,19 +127,20 @@ def rejection_sample(
     if synthetic_conditional_rates is not None:
         accepted = u < synthetic_conditional_rates.to(torch.float32)[draft_index]
     elif probs is not None:
-        p_d = probs[verify_rows, draft_ids]
+        p_d = probs[verify_rows, safe_ids]
         if draft_probs is not None:
             # u * q(d) < p(d); q(d) = 0 cannot come from a sampled draft: reject it.
-            q_d = draft_probs[torch.arange(num_draft_tokens, device=device), draft_ids]
+            q_d = draft_probs[torch.arange(num_draft_tokens, device=device), safe_ids]
             accept_random = (u * q_d < p_d) & (q_d > 0)
         else:
             accept_random = u < p_d  # p(d) = 0 never passes: u > 0
         accepted = torch.where(greedy[draft_req], accepted, accept_random)
+    accepted = accepted & (draft_ids >= 0)
 
     accepted_pad = torch.zeros(batch_size, width, dtype=torch.int64, device=device)
     accepted_pad[draft_req, draft_index] = accepted.to(torch.int64)
     num_accepted = torch.cumprod(accepted_pad, dim=1).sum(1)  # [B], <= n_r
-    rejected = num_accepted < num_drafts  # [B]
+    rejected = num_accepted < num_present  # [B]; at a -1 row no draft was rejected: bonus
 
     # --- the one token sampled per request: recovered at the first rejection, else bonus ---
     final_rows = cu[:-1] + req_ids + num_accepted  # verify row of draft num_accepted, or bonus row
@@ -136,7 +153,7 @@ def rejection_sample(
             if draft_probs is not None:
                 residual = torch.clamp_min(p - draft_probs[first_rejected], 0.0)
             else:
-                residual = p.scatter(1, draft_ids[first_rejected][:, None], 0.0)
+                residual = p.scatter(1, safe_ids[first_rejected][:, None], 0.0)
             has_residual = residual.sum(-1, keepdim=True) > 0  # else p = q: sample from p
             use_residual = rejected[:, None] & has_residual
             weights = torch.where(use_residual, residual, p)
@@ -178,6 +195,21 @@ def _check_inputs(
             f"draft_probs must be [num_draft_tokens, V] = [{num_draft_tokens}, "
             f"{target_logits.shape[1]}] float32, got {tuple(draft_probs.shape)} {draft_probs.dtype}"
         )
+
+
+def check_draft_token_ids(draft_token_ids: torch.Tensor, vocab_size: int) -> None:
+    """``ValueError`` unless every draft id lies in [-1, V) (-1: no draft here). One read of
+    the ids' extremes on the host; skipped while a CUDA graph is being captured."""
+    if draft_token_ids.numel() == 0:
+        return
+    if draft_token_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    low, high = torch.stack(torch.aminmax(draft_token_ids)).tolist()
+    if low < -1 or high >= vocab_size:
+        bad = low if low < -1 else high
+        raise ValueError(
+            f"draft_token_ids must lie in [0, {vocab_size}) (or be -1: no draft here), got "
+            f"{bad}")
 
 
 def num_output_tokens(token_ids: torch.Tensor) -> torch.Tensor:

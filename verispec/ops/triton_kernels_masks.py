@@ -61,15 +61,14 @@ def _mask_stats_kernel(
     TILE: tl.constexpr, NO_DRAFTS: tl.constexpr,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
 ):
-    """Grid (B, max_num_draft_tokens + 1): row i of request r."""
+    """Grid (B, max_num_draft_tokens + 1): row i of request r, one program per row."""
     req = tl.program_id(0)
-    index_in_request = tl.program_id(1)
     draft_start, num_drafts = _request_span(cu_ptr, req, NO_DRAFTS)
-    if index_in_request <= num_drafts:
+    if tl.program_id(1) <= num_drafts:
         _row_thresholds(logits_ptr, logits_stride, temperature_ptr, top_k_ptr, top_p_ptr,
                         min_p_ptr, row_stats_ptr, vocab_size, req,
-                        draft_start + req + index_in_request,
-                        TILE, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+                        draft_start + req + tl.program_id(1), TILE, HAS_TOP_K, HAS_TOP_P,
+                        HAS_MIN_P)
 
 
 @_helper
@@ -154,14 +153,10 @@ def _row_thresholds(logits_ptr, logits_stride, temperature_ptr, top_k_ptr, top_p
             p = _processed(z, z_max, s, kth, tau, s_p, 0.0, 1.0, HAS_TOP_K, HAS_TOP_P, False)
             s3 += tl.sum(tl.where(p < floor, 0.0, p), axis=0)
 
-    out = row_stats_ptr + row * 8
-    tl.store(out, z_max)
-    tl.store(out + 1, s)
-    tl.store(out + 2, kth)
-    tl.store(out + 3, tau)
-    tl.store(out + 4, s_p)
-    tl.store(out + 5, floor)
-    tl.store(out + 6, s3)
+    i = tl.arange(0, 8)
+    stats = tl.where(i == 0, z_max, tl.where(i == 1, s, tl.where(i == 2, kth, tl.where(
+        i == 3, tau, tl.where(i == 4, s_p, tl.where(i == 5, floor, s3))))))
+    tl.store(row_stats_ptr + row * 8 + i, stats, mask=i < 7)
 
 
 @triton.jit
@@ -190,11 +185,7 @@ def _probs_kernel(
                      mask=c < NUM_CHUNKS, other=0.0)
         m = tl.max(pm, axis=0)
         s = tl.sum(ps * tl.exp(pm - tl.where(m == float("-inf"), 0.0, m)), axis=0)
-        kth = 0.0
-        tau = 0.0
-        s_p = 1.0
-        floor = 0.0
-        s3 = 1.0
+        kth, tau, s_p, floor, s3 = 0.0, 0.0, 1.0, 0.0, 1.0
     z, valid = _load_z(logits_ptr, row.to(tl.int64) * logits_stride, chunk * CHUNK, vocab_size,
                        t_eff, CHUNK)
     p = _processed(z, m, s, kth, tau, s_p, floor, s3, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
