@@ -144,7 +144,12 @@ SWEEP = [(16, 16, 4, 8), (16, 32, 4, 6), (16, 64, 4, 4), (16, 128, 4, 4), (32, 3
          # 64 features per step: the same sum if the tensor cores add 16-feature slices in
          # order whatever block_k (same_bits says whether they do)
          (128, 256, 8, 3, 64), (128, 128, 8, 4, 64), (128, 128, 4, 4, 64), (64, 256, 8, 3, 64),
-         (256, 128, 8, 3, 64), (64, 128, 4, 5, 64)]
+         (256, 128, 8, 3, 64), (64, 128, 4, 5, 64),
+         # the same tiles loaded by the tensor-memory accelerator (Hopper)
+         (16, 32, 4, 6, 128, True), (64, 32, 4, 6, 128, True), (64, 64, 4, 4, 128, True),
+         (64, 128, 4, 4, 128, True), (128, 128, 8, 3, 128, True), (128, 256, 8, 2, 128, True),
+         (128, 128, 8, 4, 64, True), (128, 256, 8, 3, 64, True), (256, 128, 8, 3, 64, True),
+         (128, 128, 4, 4, 64, True), (64, 256, 8, 3, 64, True), (64, 128, 4, 5, 64, True)]
 
 
 def sweep_rows(config: ModelConfig, bandwidth: float, device,
@@ -218,17 +223,24 @@ def linear_rows(config: ModelConfig, bandwidth: float, device) -> tuple[list[dic
     return rows, invariant
 
 
-def kernel_shares(model, device) -> list[dict]:
-    """Kernels of one eager decode step at B = 1 (flat layout), by total GPU time."""
+def kernel_shares(model, device, batch_size: int = 1, tokens: int = 1) -> list[dict]:
+    """Kernels of one eager step of ``tokens`` new tokens for each of ``batch_size`` requests
+    (flat layout; 1: decode, K + 1: verify) after 32 prompt tokens each, by total GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner = ModelRunner(model, 1, 512, device, enforce_eager=True)
-    runner.forward([0], [list(range(32))], logits="none")
+    runner = ModelRunner(model, batch_size, 512, device, max_step_tokens=max(tokens, K + 1),
+                         enforce_eager=True)
+    slots = list(range(batch_size))
+    for slot in slots:
+        runner.forward([slot], [list(range(32))], logits="none")
+    logits = "all" if tokens > 1 else "last"
     for _ in range(3):
-        runner.forward([0], [[5]])
+        runner.forward(slots, [[5] * tokens] * batch_size, logits=logits)
+        for slot in slots:
+            runner.kv_cache.truncate(slot, 32)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        runner.forward([0], [[7]])
+        runner.forward(slots, [[7] * tokens] * batch_size, logits=logits)
         torch.cuda.synchronize()
     totals, counts = defaultdict(float), defaultdict(int)
     for e in prof.events():
@@ -260,6 +272,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="what to measure (default: all)")
     parser.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 16, 64, 128, 256],
                         help="row counts of the tile sweep")
+    parser.add_argument("--kernel-batch", type=int, default=1,
+                        help="requests of the step whose kernels are listed")
+    parser.add_argument("--kernel-tokens", type=int, default=1,
+                        help="new tokens per request of that step (K + 1: a verify step)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     make_config, default_layers = SHAPES[args.shape]
@@ -284,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         sweep = sweep_rows(config, bandwidth, device, args.sweep_rows)
         print_rows(sweep)
     if "kernels" in args.parts:
-        kernels = kernel_shares(model, device)
+        kernels = kernel_shares(model, device, args.kernel_batch, args.kernel_tokens)
         print_rows(kernels[:25] + kernels[-1:])
     print(json.dumps(dict(benchmark="profile_gpu_step", device=torch.cuda.get_device_name(),
                           copy_bandwidth_tb_s=bandwidth / 1e12, weight_gb=weight_bytes / 1e9,

@@ -11,6 +11,8 @@ orders.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -188,7 +190,8 @@ def test_argmax_matches_torch_with_ties_and_nan(device, dtype):
 
 
 def test_linear_rows_do_not_depend_on_the_batch(device):
-    """Row 0 of a one-row product equals row 0 of a 70-row product (another tile), bit for bit."""
+    """Row 0 of a one-row product equals row 0 of a 70-row product (another tile, its loads
+    by the tensor-memory accelerator or by the threads), bit for bit."""
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     g = torch.Generator().manual_seed(5)
     x = torch.randn(70, 1024, generator=g).to(device, dtype)
@@ -196,25 +199,31 @@ def test_linear_rows_do_not_depend_on_the_batch(device):
     tiles = triton_model.LINEAR_TILES[x.element_size()]
     few_rows = triton_model.LINEAR_FEW_ROWS.get(x.element_size())
     full = triton_model.linear(x, w, config=tiles[0])  # the largest tile
+    # every tile also with its loads by the tensor-memory accelerator (Hopper; the interpreter)
+    tma = tuple(dataclasses.replace(t, tma=not t.tma) for t in tiles)
     for row in (0, 65):
-        for tile in tiles[1:] + ((few_rows[2],) if few_rows else ()):
+        for tile in tiles[1:] + tma + ((few_rows[2],) if few_rows else ()):
             alone = triton_model.linear(x[row:row + 1], w, config=tile)
             assert torch.equal(alone[0], full[row]), tile
     assert torch.equal(triton_model.linear(x, w)[65], full[65])  # the tile linear_config picks
 
 
-def test_linear_tiles_follow_the_shape_with_one_block_k():
-    """Llama-3.1-8B shapes: the tiles the H100 measurements picked; one block_k per dtype (the
-    only part of a tile that orders a row's sum)."""
+def test_linear_tiles_follow_the_shape():
+    """Llama-3.1-8B shapes: the tiles the H100 measurements picked; bulk-copy loads from 17 rows
+    (bfloat16); float32 keeps one block_k (only the tensor cores add a step's 16-feature slices
+    in order, which makes bfloat16's 64 and 128 the same sum)."""
     cfg = triton_model.linear_config
     bf16 = torch.bfloat16
     assert (cfg(1, 6144, bf16).block_m, cfg(1, 6144, bf16).block_n) == (16, 32)  # qkv
     assert (cfg(64, 6144, bf16).block_m, cfg(64, 6144, bf16).block_n) == (64, 64)
     assert cfg(1, 4096, bf16).block_n == 32 and cfg(64, 4096, bf16).block_n == 32  # o, down
     assert cfg(1, 28672, bf16).block_n == 128 and cfg(1, 28672, bf16).block_m == 64
-    assert cfg(256, 28672, bf16).block_m == 128 and cfg(256, 4096, bf16).block_m == 64
-    for itemsize, tiles in triton_model.LINEAR_TILES.items():
-        assert len({t.block_k for t in tiles}) == 1, itemsize
+    assert cfg(256, 28672, bf16).block_m == 256 and cfg(128, 28672, bf16).block_m == 128
+    assert cfg(256, 6144, bf16).block_m == 128 and cfg(256, 4096, bf16).block_m == 64
+    assert not cfg(16, 28672, bf16).tma and cfg(17, 28672, bf16).tma
+    assert not cfg(256, 4096, torch.float32).tma
+    assert len({t.block_k for t in triton_model.LINEAR_TILES[4]}) == 1
+    assert {t.block_k for t in triton_model.LINEAR_TILES[2]} <= {64, 128}
 
 
 def test_model_ops_choice():

@@ -29,11 +29,16 @@ result does not depend on its batch (REFERENCE §12):
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from verispec.ops.triton_kernels import INTERPRET
 
 ATTENTION_BLOCK_Q = 16  # query rows per program (tl.dot needs >= 16)
 ATTENTION_BLOCK_KV = 64  # keys per step of the online softmax (part of the reduction order)
@@ -295,27 +300,35 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
 
 @dataclass(frozen=True)
 class LinearConfig:
-    """Tiles of ``_linear_kernel``. Only ``block_k`` fixes a row's reduction order (each output is
-    summed over ``block_k`` features per step, in order, by the tensor cores in 16-feature
-    slices); the tile of rows and outputs changes which products run together, never the sum of
-    one output. So the tile may follow the shape of the product, and a row's result is the same
-    whatever the number of rows."""
+    """Tiles of ``_linear_kernel``. A row's reduction order is fixed by the features summed per
+    step: each output is summed over ``block_k`` features per step, in order. On the tensor
+    cores (bfloat16, float16) a step adds its 16-feature slices into the accumulator one after
+    the other, so ``block_k`` 64 and 128 give the same sum too (bit-identical on the GPU:
+    tests/ops/test_model_ops.py, ``same_bits`` in benchmarks/profile_gpu_step.py); float32 keeps
+    one ``block_k``. The tile of rows and outputs changes which products run together, never the
+    sum of one output. So the tile may follow the shape of the product, and a row's result is
+    the same whatever the number of rows."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     block_k: int = 128
+    # x and W tiles loaded by the Hopper tensor-memory accelerator (bulk copies into shared
+    # memory, out-of-range elements zero) instead of per-thread loads; the same sums. Where the
+    # device or the strides do not allow it, the same tile runs with per-thread loads.
+    tma: bool = False
 
 
 # Candidate tiles, largest first, per element size (float32 takes half the features per step
 # to fit shared memory). ``linear_config`` takes the first that gives the product at least
-# LINEAR_MIN_PROGRAMS programs, so that enough of them stream the weight; row tiles of 128 only
-# from 65 rows. Measured on an H100 over the Llama-3.1-8B shapes at 1, 64, 128 and 256 rows
-# (benchmarks/profile_gpu_step.py), this rule picks the fastest unsplit tile in every case.
+# LINEAR_MIN_PROGRAMS programs, so that enough of them stream the weight; a row tile of 128 or
+# 256 only for more than half its rows. Measured on an H100 over the Llama-3.1-8B shapes at 1,
+# 16, 64 and 256 rows (``--parts sweep`` of benchmarks/profile_gpu_step.py), this rule (with
+# the two tables below) picks a tile within 2.2 % of the fastest in all 20 cases.
 LINEAR_TILES = {
-    2: (LinearConfig(128, 128, 8, 3), LinearConfig(64, 128, 4, 4), LinearConfig(64, 64, 4, 4),
-        LinearConfig(64, 32, 4, 6)),
+    2: (LinearConfig(256, 128, 8, 3, 64), LinearConfig(128, 128, 8, 3),
+        LinearConfig(64, 128, 4, 4), LinearConfig(64, 64, 4, 4), LinearConfig(64, 32, 4, 6)),
     4: (LinearConfig(128, 128, 8, 2, 64), LinearConfig(64, 128, 4, 3, 64),
         LinearConfig(64, 64, 4, 3, 64), LinearConfig(64, 32, 4, 4, 64)),
 }
@@ -324,47 +337,74 @@ LINEAR_MIN_PROGRAMS = 96
 # stream their weight faster in row tiles of 16 and output tiles of 32 (H100: Llama-3.1-8B qkv
 # 21.0 -> 20.1 us, Llama-3.2-1B down 18.9 -> 18.0 us); wider products keep the tiles above.
 LINEAR_FEW_ROWS = {2: (16, 8192, LinearConfig(16, 32, 4, 6))}  # itemsize: rows, outputs, tile
+# Loads by the tensor-memory accelerator from this many rows on (bfloat16 / float16 on Hopper).
+# H100, Llama-3.1-8B shapes at 256 rows, best tile each way: qkv 32.9 -> 30.2 us, o 21.3 ->
+# 18.7, gate_up 125.2 -> 117.9, down 66.6 -> 55.5, LM head 523.5 -> 493.0; at 64 rows within
+# 3 % either way; at 1 and 16 rows up to 6 % slower.
+LINEAR_TMA_MIN_ROWS = {2: 17}
 
 
 def linear_config(num_rows: int, num_outputs: int, dtype: torch.dtype) -> LinearConfig:
-    """The tile of a [num_rows, K] x [num_outputs, K].T product (see ``LINEAR_TILES`` and
-    ``LINEAR_FEW_ROWS``)."""
+    """The tile of a [num_rows, K] x [num_outputs, K].T product (see ``LINEAR_TILES``,
+    ``LINEAR_FEW_ROWS`` and ``LINEAR_TMA_MIN_ROWS``)."""
     few = LINEAR_FEW_ROWS.get(dtype.itemsize)
     if few is not None and num_rows <= few[0] and num_outputs <= few[1]:
         return few[2]
     tiles = LINEAR_TILES[dtype.itemsize]
+    chosen = tiles[-1]
     for config in tiles:
-        if config.block_m > 64 and num_rows <= 64:
+        if config.block_m > 64 and num_rows <= config.block_m // 2:
             continue
         programs = triton.cdiv(num_rows, config.block_m) * triton.cdiv(num_outputs,
                                                                         config.block_n)
         if programs >= LINEAR_MIN_PROGRAMS:
-            return config
-    return tiles[-1]
+            chosen = config
+            break
+    if num_rows >= LINEAR_TMA_MIN_ROWS.get(dtype.itemsize, num_rows + 1):
+        return _with_tma(chosen)
+    return chosen
+
+
+@functools.cache
+def _with_tma(config: LinearConfig) -> LinearConfig:
+    return dataclasses.replace(config, tma=True)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                   TMA: tl.constexpr):
+    """Grid (row tiles, output tiles). With ``TMA``, ``x_ptr`` and ``w_ptr`` are tensor
+    descriptors of x [M, K] and W [N (GATED: 2N), K] with blocks [BLOCK_M, BLOCK_K] and
+    [BLOCK_N, BLOCK_K]."""
     pid_m = tl.program_id(0)  # row tiles vary fastest: programs that run together share a
     pid_n = tl.program_id(1)  # weight tile, so the weight is read from memory about once
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-    up_rows = w_rows + N * stride_wn  # GATED: weight rows N + n are output n's up projection
+    if not TMA:
+        x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+        up_rows = w_rows + N * stride_wn  # GATED: weight rows N + n: output n's up projection
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):  # a fixed order of BLOCK_K steps: the row's sum
         kk = k0 + rk
-        x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         w_mask = (rn[:, None] < N) & (kk[None, :] < K)
-        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+        if TMA:
+            x = x_ptr.load([pid_m * BLOCK_M, k0])
+            w = w_ptr.load([pid_n * BLOCK_N, k0])  # rows past N: outputs not stored
+        else:
+            x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                        other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         if GATED:
-            u = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0)
+            if TMA:
+                u = w_ptr.load([N + pid_n * BLOCK_N, k0])
+            else:
+                u = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0)
             acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
@@ -412,9 +452,28 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     cfg = config or linear_config(M, weight.shape[0], x.dtype)
     block_n = max(16, cfg.block_n // 2) if gated else cfg.block_n
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, block_n))
+    x_arg, w_arg = x2, weight
+    tma = cfg.tma and _tma_ok(x2) and _tma_ok(weight)
+    if tma:
+        x_arg = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [cfg.block_m, cfg.block_k])
+        w_arg = TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1],
+                                 [block_n, cfg.block_k])
     _linear_kernel[grid](
-        x2, weight, weight if bias is None else bias, out, M, N, K, x2.stride(0),
+        x_arg, w_arg, weight if bias is None else bias, out, M, N, K, x2.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, GATED=gated,
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-        PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PRECISION=_precision(x.dtype), TMA=tma, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out.view(*x.shape[:-1], N)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Whether the tensor-memory accelerator can load tiles of the 2-D ``t``: a Hopper or later
+    GPU (or Triton's interpreter), 16-byte aligned base and row stride."""
+    if t.device.type == "cuda":
+        if torch.cuda.get_device_capability(t.device)[0] < 9:
+            return False
+    elif not INTERPRET:
+        return False
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
