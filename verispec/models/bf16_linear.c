@@ -11,11 +11,11 @@
  * float32, the lane with its low half cleared is w[k + 1]. So the weights stream from memory at
  * 2 bytes each and widen with one shift and one mask per 16 weights, against the input widened
  * and split once per call into its even and odd elements. Each weight row is read from memory
- * once for all input rows (GROUP rows per pass, the next passes find it in L1), so a verify
- * step's few rows cost little more than one. OpenMP threads (torch's own runtime) take the
- * output features 16 at a time as they come free (a dynamic schedule: on a shared CPU a thread
- * the OS preempts takes fewer, instead of the whole step waiting for its fixed half). Which
- * thread sums an output never changes how it is summed.
+ * once for all input rows (GROUP rows per pass, the next passes find it in L1 or L2), so a
+ * verify step's few rows cost little more than one. OpenMP threads (torch's own runtime) take
+ * the output features in blocks of N_BLOCK as they come free (a dynamic schedule: on a shared
+ * CPU a thread the OS preempts takes fewer, instead of the whole step waiting for its fixed
+ * half). Which thread sums an output never changes how it is summed.
  *
  * Batch invariance (REFERENCE §12): y[m, n] is summed in the same order whatever the number of
  * rows M and wherever row m falls in a group: four float32 chains over 32 weights at a time
@@ -32,6 +32,12 @@
 #include "cpu_kernels.h"
 
 #define GROUP 2 /* input rows per pass over a weight row (4 chains each: 8 of 16 registers) */
+/* Output features per block: a thread takes a block, and for each group of input rows computes
+ * every feature of it, so that the group's inputs stay in L1 while the block's weight rows
+ * (in L2) are reused by every group; input rows are read from L2 once per block instead of
+ * once per feature. One thread, the bundled model's four matrices of a layer x 30, 40 rows:
+ * float32 167 -> 115 ms (MKL's sgemm: 96), bfloat16 167 -> 140 ms; one row unchanged. */
+#define N_BLOCK 32
 
 /* out[g] = sum_k x_g[k] w[k] for the `rows` (1..GROUP, a constant after inlining) input rows
  * whose even / odd elements start at xe / xo (row stride `half`); x holds the whole rows (for
@@ -105,16 +111,18 @@ int bf16_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
             xe[m * half + u] = widen1(x[m * k_size + 2 * u]);
             xo[m * half + u] = widen1(x[m * k_size + 2 * u + 1]);
         }
-#pragma omp parallel for schedule(dynamic, 16) num_threads(num_threads)
-    for (int64_t n = 0; n < n_size; n++) {
-        const uint16_t *wr = w + n * k_size;
-        float b = bias ? widen1(bias[n]) : 0.0f;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t n0 = 0; n0 < n_size; n0 += N_BLOCK) {
+        int64_t n1 = n0 + N_BLOCK < n_size ? n0 + N_BLOCK : n_size;
         for (int64_t m = 0; m < m_size; m += GROUP) {
             int rows = m_size - m < GROUP ? (int)(m_size - m) : GROUP;
-            float out[GROUP];
-            group_rows(wr, xe + m * half, xo + m * half, x + m * k_size, half, k_size, rows,
-                       out);
-            for (int g = 0; g < rows; g++) y[(m + g) * n_size + n] = round_bf16(out[g] + b);
+            for (int64_t n = n0; n < n1; n++) {
+                float b = bias ? widen1(bias[n]) : 0.0f;
+                float out[GROUP];
+                group_rows(w + n * k_size, xe + m * half, xo + m * half, x + m * k_size, half,
+                           k_size, rows, out);
+                for (int g = 0; g < rows; g++) y[(m + g) * n_size + n] = round_bf16(out[g] + b);
+            }
         }
     }
     free(xe);
@@ -156,15 +164,17 @@ static void f32_group_rows(const float *w, const float *x, int64_t k_size, int r
 
 void f32_linear(const float *x, const float *w, const float *bias, float *y, int64_t m_size,
                 int64_t n_size, int64_t k_size, int num_threads) {
-#pragma omp parallel for schedule(dynamic, 16) num_threads(num_threads)
-    for (int64_t n = 0; n < n_size; n++) {
-        const float *wr = w + n * k_size;
-        float b = bias ? bias[n] : 0.0f;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t n0 = 0; n0 < n_size; n0 += N_BLOCK) {
+        int64_t n1 = n0 + N_BLOCK < n_size ? n0 + N_BLOCK : n_size;
         for (int64_t m = 0; m < m_size; m += F32_GROUP) {
             int rows = m_size - m < F32_GROUP ? (int)(m_size - m) : F32_GROUP;
-            float out[F32_GROUP];
-            f32_group_rows(wr, x + m * k_size, k_size, rows, out);
-            for (int g = 0; g < rows; g++) y[(m + g) * n_size + n] = out[g] + b;
+            for (int64_t n = n0; n < n1; n++) {
+                float out[F32_GROUP];
+                f32_group_rows(w + n * k_size, x + m * k_size, k_size, rows, out);
+                for (int g = 0; g < rows; g++)
+                    y[(m + g) * n_size + n] = out[g] + (bias ? bias[n] : 0.0f);
+            }
         }
     }
 }
