@@ -147,3 +147,11 @@ def test_no_kernel_compiles_mid_generation(dirs, spec):
                                  seed=i) for i in range(8)]
         llm.generate(PROMPTS, params)
     assert _compiled_variants() == before
+
+
+def test_head_dim_below_16_is_one_clear_error(tmp_path):
+    """The GPU attention kernel multiplies 16 features at a time: a model with head_dim 8 is
+    refused at construction, naming head_dim (not a Triton compile error at the first step)."""
+    path = save_llama(tmp_path, num_layers=1, vocab_size=VOCAB, hidden_size=32)  # 4 heads of 8
+    with pytest.raises(ValueError, match="head_dim=8"):
+        LLM(path, device="cuda", max_num_seqs=2)

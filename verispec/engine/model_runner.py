@@ -122,6 +122,10 @@ class ModelRunner:
         if is_hybrid(self.config):
             raise ValueError(f"{self.config.architecture} runs on the CPU path only "
                              f"(device={self.device}, flat_layout=True is not supported)")
+        if self.device.type == "cuda" and self.config.head_dim < 16:
+            raise ValueError(
+                f"head_dim={self.config.head_dim}: the GPU attention kernel needs head_dim >= 16 "
+                f"(tensor-core products of 16 features); run this model with device='cpu'")
         self.ops = get_model_ops(self.device, batch_invariant)
         # Rows past max_model_len for the padding tokens of a fixed-shape step, and a scratch
         # slot for the padding rows of a bucket (kv_cache.KVCache).
