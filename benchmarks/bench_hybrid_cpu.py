@@ -10,8 +10,9 @@ Batch 1, greedy, a random prompt of ``--prompt-len`` tokens.
   new tokens (prefill and the first token cancel out); ours (``LLM.generate``) and HF
   ``generate`` on the same model and dtype, alternated ``--repeats`` times, medians;
 - verify cost: a forward over k + 1 = 4 new tokens over a one-token forward, both from the same
-  committed context (rolled back after each), medians of ``--repeats`` alternated pairs; also the
-  early-exit draft forward (first layer, final norm, LM head) over a one-token forward (c);
+  committed context (rolled back after each), medians of 3 x ``--repeats`` alternated pairs taken
+  in the rounds of the generate calls; also the early-exit draft forward (first layer, final
+  norm, LM head) over a one-token forward (c);
 - synthetic speculation (k = 3, mean acceptance length 2.5, early-exit drafter of 1 layer):
   measured decode speedup over the plain engine, beside the prediction
   ``L / (k c + v)`` with the measured mean acceptance length L, draft cost c and verify cost v
@@ -143,9 +144,35 @@ def main() -> None:
         return llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n,
                                                    ignore_eos=True))
 
+    runner = spec.runner  # its state ring holds k + 2 lengths: a 4-token feed rolls back
+    one, four, draft = [], [], []
+    in_matmuls = {"one": [], "four": []}  # time inside the weight matmul kernels per forward
+
+    def forwards() -> None:
+        """Verify and draft forwards from one committed context (100 tokens), rolled back after
+        each; the slot is freed afterwards for the engine's next request."""
+        runner.forward([0], [prompt + prompt[:36]])
+        length = runner.kv_cache.length(0)
+        with matmul_timer() as matmul_s:
+            for _ in range(3):
+                for sink, feed, layers, name in ((one, prompt[:1], None, "one"),
+                                                 (four, prompt[:4], None, "four"),
+                                                 (draft, prompt[:1], 1, None)):
+                    logits = "all" if len(feed) > 1 else "last"  # a verify step reads every row
+                    before = matmul_s[0]
+                    sink.append(timed(lambda f=feed, n=layers, lg=logits: runner.forward(
+                        [0], [f], logits=lg, num_layers=n)))
+                    if name is not None:
+                        in_matmuls[name].append(matmul_s[0] - before)
+                    runner.kv_cache.truncate(0, length)
+        runner.kv_cache.free(0)
+
     hf_call(2), ours(plain, 2), ours(spec, 2)  # warm-up
     times: dict[str, list[float]] = {k: [] for k in
                                       ("hf_T", "hf_1", "plain_T", "plain_1", "spec_T", "spec_1")}
+    # The forwards run in the same rounds as the generate calls: on a shared machine whose
+    # memory bandwidth drifts, the costs in the prediction and the measured speedup then come
+    # from the same stretch of time.
     for _ in range(args.repeats):
         times["hf_T"].append(timed(lambda: hf_call(args.tokens)))
         times["hf_1"].append(timed(lambda: hf_call(1)))
@@ -153,26 +180,8 @@ def main() -> None:
         times["plain_1"].append(timed(lambda: ours(plain, 1)))
         times["spec_T"].append(timed(lambda: ours(spec, args.tokens)))
         times["spec_1"].append(timed(lambda: ours(spec, 1)))
+        forwards()
     stats = spec.get_metrics()["spec_decoding"]
-
-    # Verify and draft forwards from one committed context, rolled back after each.
-    runner = spec.runner  # its state ring holds k + 2 lengths: a 4-token feed rolls back
-    runner.forward([0], [prompt + prompt[:36]])  # 100 tokens, then rolled back to this
-    length = runner.kv_cache.length(0)
-    one, four, draft = [], [], []
-    in_matmuls = {"one": [], "four": []}  # time inside the weight matmul kernels per forward
-    with matmul_timer() as matmul_s:
-        for _ in range(3 * args.repeats):
-            for sink, feed, layers, name in ((one, prompt[:1], None, "one"),
-                                             (four, prompt[:4], None, "four"),
-                                             (draft, prompt[:1], 1, None)):
-                logits = "all" if len(feed) > 1 else "last"  # a verify step reads every row
-                before = matmul_s[0]
-                sink.append(timed(lambda f=feed, n=layers, lg=logits: runner.forward(
-                    [0], [f], logits=lg, num_layers=n)))
-                if name is not None:
-                    in_matmuls[name].append(matmul_s[0] - before)
-                runner.kv_cache.truncate(0, length)
     verify_cost = statistics.median(four) / statistics.median(one)
     draft_cost = statistics.median(draft) / statistics.median(one)
     matmul_ms = {k: statistics.median(v) * 1e3 for k, v in in_matmuls.items()}

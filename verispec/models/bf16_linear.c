@@ -164,11 +164,14 @@ static void f32_group_rows(const float *w, const float *x, int64_t k_size, int r
 
 void f32_linear(const float *x, const float *w, const float *bias, float *y, int64_t m_size,
                 int64_t n_size, int64_t k_size, int num_threads) {
+    /* Rows of more than 1024 floats two at a time: four of them do not fit L1 beside the
+     * weight stream (a step of four rows over the hybrid model's matrices 48.7 -> 46.1 ms). */
+    int group = k_size > 1024 ? 2 : F32_GROUP;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t n0 = 0; n0 < n_size; n0 += N_BLOCK) {
         int64_t n1 = n0 + N_BLOCK < n_size ? n0 + N_BLOCK : n_size;
-        for (int64_t m = 0; m < m_size; m += F32_GROUP) {
-            int rows = m_size - m < F32_GROUP ? (int)(m_size - m) : F32_GROUP;
+        for (int64_t m = 0; m < m_size; m += group) {
+            int rows = m_size - m < group ? (int)(m_size - m) : group;
             for (int64_t n = n0; n < n1; n++) {
                 float out[F32_GROUP];
                 f32_group_rows(w + n * k_size, x + m * k_size, k_size, rows, out);

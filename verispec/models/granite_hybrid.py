@@ -256,7 +256,9 @@ class GraniteHybridForCausalLM(nn.Module):
                              "GPU layout yet)")
         logits = linear(hidden, self.lm_head_weight, None, self.matmul_splits, self.upcast_rows,
                         self.batch_invariant)
-        return logits.float() / self.config.logits_scaling
+        # In place: the product is a new tensor, and a second [rows, vocab_size] one would cost a
+        # fresh allocation (page faults) per step.
+        return logits.float().div_(self.config.logits_scaling)
 
     def set_cpu_matmuls(self, splits: int, upcast_rows: int = 0,
                         batch_invariant: bool = False) -> None:

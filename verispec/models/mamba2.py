@@ -69,18 +69,22 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     return fn(flat.contiguous())[:n].view(x.shape)
 
 
-def stores_every_position(num_new_tokens: int) -> bool:
+def stores_every_position(num_new_tokens: int | np.ndarray) -> bool | np.ndarray:
     """Whether a forward feeding a request ``num_new_tokens`` tokens writes the state after each
-    of them (recurrent form) or only after the last (chunked scan)."""
+    of them (recurrent form) or only after the last (chunked scan); elementwise for an array."""
     return num_new_tokens <= MAX_RECURRENT_TOKENS
 
 
 @dataclass
 class MambaLayerState:
     """One Mamba2 layer's recurrent state for every slot, for the last ``ring_size`` lengths of
-    each slot: the state after a slot's first L tokens lives at ring index ``L % ring_size``."""
+    each slot: the state after a slot's first L tokens lives at ring index ``L % ring_size``.
 
-    conv: torch.Tensor  # [num_slots, ring_size, conv_dim, d_conv - 1] float32: last conv inputs
+    The conv state is token-major (one contiguous row of conv inputs per token), so the conv of a
+    step runs over contiguous channels and the state after each of its tokens is a window of
+    rows of the step's inputs, stored without a gather."""
+
+    conv: torch.Tensor  # [num_slots, ring_size, d_conv - 1, conv_dim] float32: last conv inputs
     ssm: torch.Tensor  # [num_slots, ring_size, heads, head_dim, d_state] float32
 
     @classmethod
@@ -88,7 +92,7 @@ class MambaLayerState:
                  device: torch.device | str) -> MambaLayerState:
         c = config
         return cls(
-            torch.zeros(num_slots, ring_size, c.mamba_conv_dim, c.mamba_d_conv - 1,
+            torch.zeros(num_slots, ring_size, c.mamba_d_conv - 1, c.mamba_conv_dim,
                         dtype=torch.float32, device=device),
             torch.zeros(num_slots, ring_size, c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state,
                         dtype=torch.float32, device=device),
@@ -104,7 +108,7 @@ class MambaLayerState:
                 + self.ssm.numel() * self.ssm.element_size())
 
     def read(self, slots: np.ndarray, lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """The conv [G, conv_dim, d_conv - 1] and SSM [G, heads, head_dim, d_state] states after
+        """The conv [G, d_conv - 1, conv_dim] and SSM [G, heads, head_dim, d_state] states after
         ``lengths[g]`` tokens of ``slots[g]`` (zeros for length 0): views of the ring for one
         request (read-only for the caller), copies for several."""
         if slots.size == 1 and lengths[0] > 0:
@@ -133,6 +137,8 @@ class MambaLayerState:
         self.write_ssm(slots, lengths, ssm)
 
     def write_conv(self, slots: np.ndarray, lengths: np.ndarray, conv: torch.Tensor) -> None:
+        """``conv`` [n, d_conv - 1, conv_dim]: the conv states after ``lengths[i]`` tokens of
+        ``slots[i]``."""
         index = (torch.from_numpy(slots), torch.from_numpy(lengths % self.ring_size))
         self.conv.index_put_(index, conv)
 
@@ -188,38 +194,55 @@ def ssm_state_update(
 
     Returns y [S, G, heads, head_dim] float32 (zeros for the padding tokens s >= counts[g]).
     Per (request, head) the products have a fixed shape, so a request's bits do not depend on
-    G; one request writes each new state straight into its ring entry, several into a new
-    tensor scattered afterwards. ``y`` as a row vector times the transposed state: ~8x faster
-    here than ``h @ C``.
+    G; one request writes each new state straight into its ring entry, several into one of two
+    scratch states (the state before the token is in the other) scattered into the ring. ``y``
+    as a row vector times the transposed state: ~8x faster here than ``h @ C``.
     """
     S, G, H, P = x.shape
     N = dtB.shape[-1]
     ring_size = ssm_ring.shape[1]
     slots_np, starts_np, counts_np = slots.numpy(), starts.numpy(), counts.numpy()
-    if G == 1 and starts_np[0] > 0:
-        ssm = ssm_ring[int(slots_np[0]), int(starts_np[0] % ring_size)][None]
-    else:
-        ssm = ssm_ring[slots, starts % ring_size]
-        ssm[starts == 0] = 0.0
+    # Token s's operands and output as [G * H, ...] blocks, viewed once.
+    xs = x.view(S, G * H, P, 1).unbind(0)
+    dtBs = dtB.view(S, G * H, 1, N).unbind(0)
+    decays = decay.view(S, G * H, 1, 1).unbind(0)
+    Cs = C.view(S, G * H, 1, N).unbind(0)
     ys = torch.empty(S, G * H, 1, P, dtype=torch.float32, device=x.device)
+    y_rows = ys.unbind(0)
+    if G == 1:  # each new state straight into its ring entry
+        entries = ssm_ring[int(slots_np[0])].view(ring_size, H, P, N).unbind(0)
+        start = int(starts_np[0])
+        ssm = entries[start % ring_size] if start > 0 else x.new_zeros(H, P, N)
+        for s in range(S):
+            new_ssm = entries[(start + s + 1) % ring_size]
+            torch.mul(ssm, decays[s], out=new_ssm)
+            new_ssm.baddbmm_(xs[s], dtBs[s])
+            torch.bmm(Cs[s], new_ssm.transpose(1, 2), out=y_rows[s])
+            ssm = new_ssm
+        return ys.view(S, G, H, P)
+    ssm = ssm_ring[slots, starts % ring_size]
+    ssm[starts == 0] = 0.0
+    ssm = ssm.view(G * H, P, N)
+    buffers = torch.empty(2, G * H, P, N, dtype=torch.float32, device=x.device).unbind(0)
     for s in range(S):
-        if G == 1:
-            new_ssm = ssm_ring[int(slots_np[0]), int((starts_np[0] + s + 1) % ring_size)][None]
-        else:
-            new_ssm = torch.empty_like(ssm)
-        torch.mul(ssm, decay[s, :, :, None, None], out=new_ssm)
-        flat = new_ssm.view(G * H, P, N)
-        flat.baddbmm_(x[s].view(G * H, P, 1), dtB[s].view(G * H, 1, N))
-        torch.bmm(C[s].view(G * H, 1, N), flat.transpose(1, 2), out=ys[s])
-        if G > 1:
-            active = counts_np > s
-            live = torch.from_numpy(np.flatnonzero(active))
-            if not active.all():  # padding tokens leave the state alone and output zeros
-                idle = torch.from_numpy(np.flatnonzero(~active))
-                new_ssm[idle] = ssm[idle]
-                ys[s].view(G, H, P)[idle] = 0.0
-            lengths = torch.from_numpy((starts_np[live.numpy()] + s + 1) % ring_size)
-            ssm_ring.index_put_((slots[live], lengths), new_ssm[live])
+        new_ssm = buffers[s % 2]  # the state before token s is in the other one
+        torch.mul(ssm, decays[s], out=new_ssm)
+        new_ssm.baddbmm_(xs[s], dtBs[s])
+        torch.bmm(Cs[s], new_ssm.transpose(1, 2), out=y_rows[s])
+        per_request = new_ssm.view(G, H, P, N)
+        active = counts_np > s
+        if active.all():
+            live = slots
+            lengths = (starts + s + 1) % ring_size
+        else:  # padding tokens leave the state alone and output zeros
+            idle = torch.from_numpy(np.flatnonzero(~active))
+            per_request[idle] = ssm.view(G, H, P, N)[idle]
+            y_rows[s].view(G, H, P)[idle] = 0.0
+            rows = np.flatnonzero(active)
+            live = slots[torch.from_numpy(rows)]
+            lengths = torch.from_numpy((starts_np[rows] + s + 1) % ring_size)
+            per_request = per_request[torch.from_numpy(rows)]
+        ssm_ring.index_put_((live, lengths), per_request)
         ssm = new_ssm
     return ys.view(S, G, H, P)
 
@@ -324,7 +347,7 @@ class Mamba2Mixer(nn.Module):
         proj = self._linear(x, self.in_proj_weight, self.in_proj_bias)
         z, xBC, dt = proj.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         y = torch.zeros(B, S, self.intermediate_size, dtype=torch.float32, device=x.device)
-        recurrent = np.array([stores_every_position(int(n)) for n in step.counts])
+        recurrent = stores_every_position(step.counts)
         if recurrent.any():
             self._recurrent(np.flatnonzero(recurrent), step, xBC, dt, y, state)
         for b in np.flatnonzero(~recurrent).tolist():
@@ -346,17 +369,17 @@ class Mamba2Mixer(nn.Module):
         slots, starts, counts = step.slots[rows], step.starts[rows], step.counts[rows]
         G, S = rows.size, int(counts.max())
         H, P, K = self.num_heads, self.head_dim, self.d_conv
-        index = torch.from_numpy(rows)
-        conv = state.read_conv(slots, starts)  # [G, conv_dim, d_conv - 1]
-        # The conv inputs: the d_conv - 1 before the step, then the step's own.
-        ext = torch.cat((conv, xBC[index, :S].float().transpose(1, 2)), dim=-1)
+        every_row = G == xBC.shape[0]
+        index = slice(None) if every_row else torch.from_numpy(rows)
+        # The conv inputs, token-major: the d_conv - 1 before the step, then the step's own.
+        ext = torch.cat((state.read_conv(slots, starts), xBC[index, :S].float()), dim=1)
         weight = self.conv_weight.float().view(self.conv_dim, K)
-        conv_out = ext[..., :S] * weight[:, :1]  # w_0 x_{t-K+1} + .. + w_{K-1} x_t, in order
+        conv_out = ext[:, :S] * weight[:, 0]  # w_0 x_{t-K+1} + .. + w_{K-1} x_t, in order
         for j in range(1, K):
-            conv_out = conv_out + ext[..., j:j + S] * weight[:, j:j + 1]
+            conv_out = conv_out + ext[:, j:j + S] * weight[:, j]
         if self.conv_bias is not None:
-            conv_out = conv_out + self.conv_bias.float()[:, None]
-        xs, Bs, Cs = self._split_xBC(pointwise(F.silu, conv_out).transpose(1, 2))
+            conv_out = conv_out + self.conv_bias.float()
+        xs, Bs, Cs = self._split_xBC(pointwise(F.silu, conv_out))  # [G, S, *]
         xs = xs.reshape(G, S, H, P)
         steps = self._dt(dt[index, :S])  # [G, S, heads]
         decay = pointwise(torch.exp, steps * -torch.exp(self.A_log.float()))
@@ -368,14 +391,15 @@ class Mamba2Mixer(nn.Module):
             torch.from_numpy(counts), xs.transpose(0, 1).contiguous(),
             dtB.transpose(0, 1).contiguous(), decay.transpose(0, 1).contiguous(),
             self._heads(Cs).transpose(0, 1).contiguous())  # [S, G, H, P]
-        # Conv states after each token (the last d_conv - 1 inputs), the ring's last lengths.
-        keep = [(g, s) for g in range(G) for s in range(max(0, int(counts[g]) - state.ring_size),
-                                                         int(counts[g]))]
-        g_index = np.array([g for g, _ in keep], dtype=np.int64)
-        s_index = np.array([s for _, s in keep], dtype=np.int64)
-        windows = ext.unfold(2, K - 1, 1)  # [G, conv_dim, S + 1, d_conv - 1]: after 0 .. S
+        # The conv state after token s is rows s + 1 .. s + d_conv - 1 of ext: windows[:, s + 1]
+        # (views). Kept: tokens counts - num_kept .. counts - 1 of each request (the ring's
+        # last lengths), gathered in one copy.
+        windows = ext.unfold(1, K - 1, 1).transpose(2, 3)  # [G, S + 1, d_conv - 1, conv_dim]
+        num_kept = np.minimum(counts, state.ring_size)
+        g_index = np.repeat(np.arange(G), num_kept)
+        s_index = np.arange(num_kept.sum()) - np.repeat(np.cumsum(num_kept) - counts, num_kept)
         state.write_conv(slots[g_index], starts[g_index] + s_index + 1,
-                         windows[torch.from_numpy(g_index), :, torch.from_numpy(s_index + 1)])
+                         windows[torch.from_numpy(g_index), torch.from_numpy(s_index + 1)])
         y[index, :S] = (ys.transpose(0, 1) + xs * self.D.float()[:, None]).reshape(
             G, S, self.intermediate_size)
 
@@ -386,7 +410,7 @@ class Mamba2Mixer(nn.Module):
         slots, starts = step.slots[b:b + 1], step.starts[b:b + 1]
         conv, ssm = state.read(slots, starts)
         # The conv over [previous d_conv - 1 inputs, the n new ones], no padding.
-        inputs = torch.cat((conv[0], xBC[b, :n].float().T), dim=-1)  # [conv_dim, d_conv-1+n]
+        inputs = torch.cat((conv[0].T, xBC[b, :n].float().T), dim=-1)  # [conv_dim, d_conv-1+n]
         conv_out = F.conv1d(inputs[None], self.conv_weight.float(),
                             None if self.conv_bias is None else self.conv_bias.float(),
                             groups=self.conv_dim)[0].T  # [n, conv_dim]
@@ -395,6 +419,5 @@ class Mamba2Mixer(nn.Module):
             xs.reshape(n, self.num_heads, self.head_dim), self._dt(dt[b, :n]),
             -torch.exp(self.A_log.float()), self._heads(Bs), self._heads(Cs), self.D.float(),
             ssm[0], self.chunk_size)
-        state.write(slots, starts + n, inputs[None, :, inputs.shape[1] - (self.d_conv - 1):],
-                    final[None])
+        state.write(slots, starts + n, inputs[:, n:].T[None], final[None])
         y[b, :n] = ys.reshape(n, self.intermediate_size)
