@@ -20,26 +20,12 @@ import json
 import statistics
 
 import torch
+from bench_rejection import copy_bandwidth
 
 from verispec.ops.triton_ssm import ssm_state_update
 
 HEADS, HEAD_DIM, D_STATE = 48, 32, 128
 RING = 6  # k + 2 lengths per slot at k = 4
-
-
-def copy_bandwidth(device, num_bytes=1 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    src = torch.empty(num_bytes // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * num_bytes * 10 / (start.elapsed_time(end) / 1e3)
 
 
 def graph_us(fn, calls: int = 20, repeats: int = 10) -> float:
