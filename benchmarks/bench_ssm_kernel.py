@@ -5,8 +5,8 @@ granite-4.0-h-350m (48 heads of 32 x state 128, float32 states in a per-slot rin
 For G requests and S tokens each the kernel must read each request's state once and write a
 state per token (the verify step keeps the state after every position for the rollback), so
 its memory floor is ``G * heads * head_dim * d_state * 4 * (1 + S)`` bytes over the copy
-bandwidth measured in the same run. Times are medians of CUDA-graph replays of 20 calls over
-as many layers' rings as keep L2 from holding them.
+bandwidth measured in the same run. Times are medians of CUDA-graph replays of 20 calls
+(``profile_gpu_step.graph_time``) over as many layers' rings as keep L2 from holding them.
 
 Prints a table, then one JSON line.
 
@@ -17,34 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 from bench_rejection import copy_bandwidth
+from profile_gpu_step import graph_time
 
 from verispec.ops.triton_ssm import ssm_state_update
 
 HEADS, HEAD_DIM, D_STATE = 48, 32, 128
 RING = 6  # k + 2 lengths per slot at k = 4
-
-
-def graph_us(fn, calls: int = 20, repeats: int = 10) -> float:
-    """Median µs of one ``fn()`` among ``calls`` replayed from one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def step_inputs(G: int, S: int, layers: int, device) -> list[tuple]:
@@ -77,8 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
             layers = max(2, -(-200 * 2**20 // (G * RING * state_bytes)))  # > L2 in all
             calls = step_inputs(G, S, layers, device)
             order = iter(range(1 << 62))  # each captured call takes the next layer's ring
-            us = graph_us(lambda calls=calls, order=order, layers=layers: ssm_state_update(
-                *calls[next(order) % layers]))
+            us = 1e6 * graph_time(lambda calls=calls, order=order, layers=layers:
+                                  ssm_state_update(*calls[next(order) % layers]), 20)
             floor_us = G * state_bytes * (1 + S) / bandwidth * 1e6
             times[S] = us
             rows.append(dict(G=G, tokens=S, us=us, floor_us=floor_us, x_floor=us / floor_us,

@@ -155,7 +155,7 @@ class SpeculativeDecoder:
         )
         self.proposer = build_proposer(config, context)
         self.rejection_sampler = RejectionSampler(config, runner.device)
-        self.rejection_sampler_vocab_size = vocab_size
+        self.vocab_size = vocab_size
         self.sampler = Sampler()  # steps in which nobody drafted
         self.adaptive = not config.is_synthetic
         self.costs = verify_costs(runner.device, runner.dtype, self.k)
@@ -194,7 +194,7 @@ class SpeculativeDecoder:
         exist before a step needs them (``LLM._warm_up_samplers``)."""
         batch_size, device = positions.shape[0], self.runner.device
         num_drafts = batch_size * self.k
-        vocab_size = self.rejection_sampler_vocab_size
+        vocab_size = self.vocab_size
         logits = torch.zeros((num_drafts + batch_size, vocab_size), dtype=torch.float32,
                              device=device)
         draft_probs = None

@@ -471,9 +471,16 @@ def _tma_ok(t: torch.Tensor) -> bool:
     """Whether the tensor-memory accelerator can load tiles of the 2-D ``t``: a Hopper or later
     GPU (or Triton's interpreter), 16-byte aligned base and row stride."""
     if t.device.type == "cuda":
-        if torch.cuda.get_device_capability(t.device)[0] < 9:
+        if not _has_tma(t.device.index if t.device.index is not None
+                        else torch.cuda.current_device()):
             return False
     elif not INTERPRET:
         return False
     return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+@functools.cache
+def _has_tma(index: int) -> bool:
+    """Whether GPU ``index`` has the tensor-memory accelerator (compute capability >= 9)."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
