@@ -174,9 +174,9 @@ def test_linear_silu_mul_matches_twin_and_the_unfused_kernels(device, bias, dtyp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_matches_torch_with_ties_and_nan(device, dtype):
-    """The first maximum of each row, as torch.argmax: ties across and within blocks of 4096,
-    a partial last block, a maximum in the last column, a NaN (the maximum), an all -inf
-    row."""
+    """The first maximum of each row, as torch.argmax: ties across and within chunks of 8192
+    and lanes, a partial last chunk, a maximum in the last column, a NaN (the maximum), an all
+    -inf row."""
     g = torch.Generator().manual_seed(7)
     x = torch.randn(6, 9000, generator=g)
     x[0, [5000, 123, 8999]] = 50.0  # three ties in different blocks and lanes: 123 wins
@@ -184,9 +184,10 @@ def test_argmax_matches_torch_with_ties_and_nan(device, dtype):
     x[2, 8999] = 50.0
     x[3, [10, 20]] = float("nan")
     x[4] = float("-inf")
+    x[5, [8192 + 3, 8191]] = 50.0  # either side of the chunk boundary: 8191 wins
     x = x.to(device, dtype)
     assert triton_model.argmax(x).tolist() == model_ops.argmax(x).tolist()
-    assert triton_model.argmax(x)[:4].tolist() == [123, 7, 8999, 10]
+    assert triton_model.argmax(x).tolist() == [123, 7, 8999, 10, 0, 8191]
 
 
 def test_linear_rows_do_not_depend_on_the_batch(device):
@@ -201,11 +202,27 @@ def test_linear_rows_do_not_depend_on_the_batch(device):
     full = triton_model.linear(x, w, config=tiles[0])  # the largest tile
     # every tile also with its loads by the tensor-memory accelerator (Hopper; the interpreter)
     tma = tuple(dataclasses.replace(t, tma=not t.tma) for t in tiles)
+    many_rows = tuple(t for (size, _), t in triton_model.LINEAR_MANY_ROWS.items()
+                      if size == x.element_size())
     for row in (0, 65):
-        for tile in tiles[1:] + tma + ((few_rows[2],) if few_rows else ()):
+        for tile in tiles[1:] + tma + many_rows + ((few_rows[2],) if few_rows else ()):
             alone = triton_model.linear(x[row:row + 1], w, config=tile)
             assert torch.equal(alone[0], full[row]), tile
     assert torch.equal(triton_model.linear(x, w)[65], full[65])  # the tile linear_config picks
+
+
+def test_linear_float32_out_is_the_rounded_product(device):
+    """``out_dtype=float32`` (the LM head's logits) stores the product rounded to x's dtype, then
+    widened: the same values as ``linear(x, w).float()``, bit for bit, in one kernel."""
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 256, generator=g).to(device, dtype)
+    w = (torch.randn(40, 256, generator=g) / 16).to(device, dtype)
+    out = triton_model.linear(x, w, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, triton_model.linear(x, w).float())
+    twin = model_ops.linear(x, w, out_dtype=torch.float32)
+    assert twin.dtype == torch.float32 and torch.equal(twin, model_ops.linear(x, w).float())
 
 
 def test_linear_tiles_follow_the_shape():
@@ -220,6 +237,8 @@ def test_linear_tiles_follow_the_shape():
     assert cfg(1, 28672, bf16).block_n == 128 and cfg(1, 28672, bf16).block_m == 64
     assert cfg(256, 28672, bf16).block_m == 256 and cfg(128, 28672, bf16).block_m == 128
     assert cfg(256, 6144, bf16).block_m == 128 and cfg(256, 4096, bf16).block_m == 64
+    assert (cfg(256, 6144, bf16).block_k, cfg(256, 6144, bf16).num_stages) == (64, 5)
+    assert cfg(128, 6144, bf16).block_k == 128  # deeper pipelines above 128 rows only
     assert not cfg(16, 28672, bf16).tma and cfg(17, 28672, bf16).tma
     assert not cfg(256, 4096, torch.float32).tma
     assert len({t.block_k for t in triton_model.LINEAR_TILES[4]}) == 1

@@ -441,7 +441,7 @@ class LlamaForCausalLM(nn.Module):
         """[..., hidden] -> [..., vocab_size] float32 logits (through ``ops.linear`` on the GPU
         path)."""
         if ops is not None:
-            return ops.linear(hidden, self.lm_head_weight).float()
+            return ops.linear(hidden, self.lm_head_weight, out_dtype=torch.float32)
         return linear(hidden, self.lm_head_weight, None, self.matmul_splits,
                       self.upcast_rows, self.batch_invariant).float()
 

@@ -151,9 +151,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """[T, K] @ [N, K].T (+ [N]) -> [T, N] in x's dtype."""
-    return F.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[T, K] @ [N, K].T (+ [N]) -> [T, N], rounded to x's dtype, then in ``out_dtype`` if given
+    (the LM head's float32 logits)."""
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,8 @@ result does not depend on its batch (REFERENCE §12):
   so a query's result is the same whether it is decoded alone or is one of the k + 1 queries
   of a verify step (blocks past its position are fully masked and leave its running sums
   unchanged: rescale by exp(0) = 1, add 0);
-- ``_argmax_kernel``: one program per row, the first maximum (the greedy draft's token);
+- ``_argmax_chunk_kernel``, ``_argmax_rows_kernel``: the first maximum of a row (the greedy
+  draft's token) from the partials of programs of 8192 columns;
 - ``_linear_kernel``: ``x @ W.T``, each output summed over the input features 128 at a time in
   order (no split of the features, whose partial sums would have to be added in some order);
   the tile of rows x outputs follows the product's shape (``linear_config``: enough programs to
@@ -226,35 +227,62 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+ARGMAX_CHUNK = 8192  # columns per program of the argmax: a 128k row is read by 16 programs
+
+
 @triton.jit
-def _argmax_kernel(x_ptr, out_ptr, stride_x, N, BLOCK: tl.constexpr):
+def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, stride_x, N, NUM_CHUNKS,
+                         CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (rows, chunks): the first maximum of CHUNK columns of a row (NaN counts as the
+    largest value, as in torch), into the row's partials."""
     row = tl.program_id(0).to(tl.int64)
+    first_col = tl.program_id(1) * CHUNK
     lanes = tl.arange(0, BLOCK)
     best = tl.full((BLOCK,), float("-inf"), tl.float32)
-    best_col = tl.zeros((BLOCK,), tl.int32)
-    for start in range(0, N, BLOCK):  # lane j: the first maximum of columns j, j + BLOCK, ...
+    best_col = first_col + lanes  # an all -inf chunk: its first column
+    for start in range(first_col, first_col + CHUNK, BLOCK):  # lane j: columns j, j + BLOCK..
         cols = start + lanes
         v = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=float("-inf"))
         v = v.to(tl.float32)
-        v = tl.where(v != v, float("inf"), v)  # NaN counts as the largest value, as in torch
+        v = tl.where(v != v, float("inf"), v)
         take = v > best
         best = tl.where(take, v, best)
         best_col = tl.where(take, cols, best_col)
     top = tl.max(best, axis=0)
-    first = tl.min(tl.where(best == top, best_col, N), axis=0)  # the first column holding it
-    tl.store(out_ptr + row, first.to(tl.int64))
+    out = row * NUM_CHUNKS + tl.program_id(1)
+    tl.store(val_ptr + out, top)
+    tl.store(idx_ptr + out, tl.min(tl.where(best == top, best_col, N), axis=0))
+
+
+@triton.jit
+def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, NUM_CHUNKS, NC_P2: tl.constexpr):
+    """Grid (rows,): the first maximum of a row from its chunks' partials."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, NC_P2)
+    ok = c < NUM_CHUNKS
+    val = tl.load(val_ptr + row * NUM_CHUNKS + c, mask=ok, other=float("-inf"))
+    idx = tl.load(idx_ptr + row * NUM_CHUNKS + c, mask=ok, other=2**31 - 1)
+    top = tl.max(val, axis=0)
+    tl.store(out_ptr + row, tl.min(tl.where(val == top, idx, 2**31 - 1), axis=0).to(tl.int64))
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """See ``model_ops.argmax``: one program per row streaming it in blocks of 4096 (torch's
-    reduction gives a single row one block of threads: ~28 us for 128k float32 logits on an
-    H100, this ~4 us)."""
+    """See ``model_ops.argmax``: programs of ``ARGMAX_CHUNK`` columns, then one per row over
+    their partials (torch's reduction gives a single row one block of threads: ~28 us for 128k
+    float32 logits on an H100; one program per row streaming it, ~58 us for 64 rows)."""
     R, N = logits.shape
     out = torch.empty(R, dtype=torch.int64, device=logits.device)
     if R and N:
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
-        _argmax_kernel[(R,)](logits, out, logits.stride(0), N, BLOCK=4096, num_warps=8)
+        num_chunks = triton.cdiv(N, ARGMAX_CHUNK)
+        val = torch.empty((R, num_chunks), dtype=torch.float32, device=logits.device)
+        idx = torch.empty((R, num_chunks), dtype=torch.int32, device=logits.device)
+        chunk = min(ARGMAX_CHUNK, triton.next_power_of_2(N))
+        _argmax_chunk_kernel[(R, num_chunks)](logits, val, idx, logits.stride(0), N, num_chunks,
+                                              CHUNK=chunk, BLOCK=min(chunk, 2048), num_warps=4)
+        _argmax_rows_kernel[(R,)](val, idx, out, num_chunks,
+                                  NC_P2=max(2, triton.next_power_of_2(num_chunks)), num_warps=1)
     return out
 
 
@@ -327,7 +355,7 @@ class LinearConfig:
 # 16, 64 and 256 rows (``--parts sweep`` of benchmarks/profile_gpu_step.py), this rule (with
 # the two tables below) picks a tile within 2.2 % of the fastest in all 20 cases.
 LINEAR_TILES = {
-    2: (LinearConfig(256, 128, 8, 3, 64), LinearConfig(128, 128, 8, 3),
+    2: (LinearConfig(256, 128, 8, 4, 64), LinearConfig(128, 128, 8, 3),
         LinearConfig(64, 128, 4, 4), LinearConfig(64, 64, 4, 4), LinearConfig(64, 32, 4, 6)),
     4: (LinearConfig(128, 128, 8, 2, 64), LinearConfig(64, 128, 4, 3, 64),
         LinearConfig(64, 64, 4, 3, 64), LinearConfig(64, 32, 4, 4, 64)),
@@ -342,11 +370,16 @@ LINEAR_FEW_ROWS = {2: (16, 8192, LinearConfig(16, 32, 4, 6))}  # itemsize: rows,
 # 18.7, gate_up 125.2 -> 117.9, down 66.6 -> 55.5, LM head 523.5 -> 493.0; at 64 rows within
 # 3 % either way; at 1 and 16 rows up to 6 % slower.
 LINEAR_TMA_MIN_ROWS = {2: 17}
+# Above 128 rows (verify steps of large batches, near compute-bound) deeper pipelines of 64
+# features per step pay (H100, Llama-3.1-8B shapes at 256 rows: 256 x 128 tile with 4 stages
+# instead of 3: gate_up 117.9 -> 106.9 us, LM head 480.0 -> 441.3; 128 x 128 with 5 stages of
+# 64 instead of 3 of 128: qkv 30.1 -> 27.6); at 128 rows and fewer they do not.
+LINEAR_MANY_ROWS = {(2, LinearConfig(128, 128, 8, 3)): LinearConfig(128, 128, 8, 5, 64)}
 
 
 def linear_config(num_rows: int, num_outputs: int, dtype: torch.dtype) -> LinearConfig:
     """The tile of a [num_rows, K] x [num_outputs, K].T product (see ``LINEAR_TILES``,
-    ``LINEAR_FEW_ROWS`` and ``LINEAR_TMA_MIN_ROWS``)."""
+    ``LINEAR_FEW_ROWS``, ``LINEAR_MANY_ROWS`` and ``LINEAR_TMA_MIN_ROWS``)."""
     few = LINEAR_FEW_ROWS.get(dtype.itemsize)
     if few is not None and num_rows <= few[0] and num_outputs <= few[1]:
         return few[2]
@@ -360,6 +393,8 @@ def linear_config(num_rows: int, num_outputs: int, dtype: torch.dtype) -> Linear
         if programs >= LINEAR_MIN_PROGRAMS:
             chosen = config
             break
+    if num_rows > 128:
+        chosen = LINEAR_MANY_ROWS.get((dtype.itemsize, chosen), chosen)
     if num_rows >= LINEAR_TMA_MIN_ROWS.get(dtype.itemsize, num_rows + 1):
         return _with_tma(chosen)
     return chosen
@@ -374,10 +409,11 @@ def _with_tma(config: LinearConfig) -> LinearConfig:
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                   TMA: tl.constexpr):
+                   TMA: tl.constexpr, ROUND: tl.constexpr):
     """Grid (row tiles, output tiles). With ``TMA``, ``x_ptr`` and ``w_ptr`` are tensor
     descriptors of x [M, K] and W [N (GATED: 2N), K] with blocks [BLOCK_M, BLOCK_K] and
-    [BLOCK_N, BLOCK_K]."""
+    [BLOCK_N, BLOCK_K]. Outputs are rounded to ``ROUND`` (x's dtype), then stored in the
+    output's (float32 logits: the rounded values widened, no second pass over them)."""
     pid_m = tl.program_id(0)  # row tiles vary fastest: programs that run together share a
     pid_n = tl.program_id(1)  # weight tile, so the weight is read from memory about once
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -415,16 +451,18 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
         gate = acc.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
         acc = silu.to(tl.float32) * acc_up.to(dtype).to(tl.float32)
-    tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(dtype),
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
+             acc.to(ROUND).to(dtype),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out_dtype: torch.dtype | None = None,
            config: LinearConfig | None = None) -> torch.Tensor:
     """See ``model_ops.linear``: every output is one sum over the input features in steps of
     ``block_k``, whatever the tile (``linear_config``, or ``config`` in benchmarks), so each row's
     result is independent of the number of rows."""
-    return _linear(x, weight, bias, config, gated=False)
+    return _linear(x, weight, bias, config, gated=False, out_dtype=out_dtype)
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -436,8 +474,12 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return _linear(x, weight, bias, config, gated=True)
 
 
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            config: LinearConfig | None, gated: bool) -> torch.Tensor:
+            config: LinearConfig | None, gated: bool,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     K = x.shape[-1]
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     x2 = x.reshape(-1, K)
@@ -446,7 +488,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if weight.stride(-1) != 1:
         raise ValueError("linear: the weight must have a contiguous last dimension")
     M = x2.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return out.view(*x.shape[:-1], N)
     cfg = config or linear_config(M, weight.shape[0], x.dtype)
@@ -462,8 +504,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         x_arg, w_arg, weight if bias is None else bias, out, M, N, K, x2.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, GATED=gated,
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-        PRECISION=_precision(x.dtype), TMA=tma, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        PRECISION=_precision(x.dtype), TMA=tma, ROUND=_TL_DTYPES[x.dtype],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.view(*x.shape[:-1], N)
 
 
