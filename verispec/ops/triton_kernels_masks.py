@@ -64,17 +64,9 @@ def _mask_stats_kernel(
     """Grid (B, max_num_draft_tokens + 1): row i of request r, one program per row."""
     req = tl.program_id(0)
     draft_start, num_drafts = _request_span(cu_ptr, req, NO_DRAFTS)
-    if tl.program_id(1) <= num_drafts:
-        _row_thresholds(logits_ptr, logits_stride, temperature_ptr, top_k_ptr, top_p_ptr,
-                        min_p_ptr, row_stats_ptr, vocab_size, req,
-                        draft_start + req + tl.program_id(1), TILE, HAS_TOP_K, HAS_TOP_P,
-                        HAS_MIN_P)
-
-
-@_helper
-def _row_thresholds(logits_ptr, logits_stride, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-                    row_stats_ptr, vocab_size, req, row, TILE: tl.constexpr,
-                    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
+    if tl.program_id(1) > num_drafts:
+        return
+    row = draft_start + req + tl.program_id(1)
     temperature = tl.load(temperature_ptr + req)
     t_eff = tl.where(temperature > 0.0, temperature, 1.0)
     row_offset = row.to(tl.int64) * logits_stride

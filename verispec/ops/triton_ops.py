@@ -19,6 +19,7 @@ import functools
 import inspect
 
 import torch
+import triton
 
 from verispec.ops import philox, sampling
 from verispec.ops.backend import Backend
@@ -53,15 +54,11 @@ def _p2(n: int, least: int = 2) -> int:
     return max(least, 1 << (max(int(n), 1) - 1).bit_length())
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _aligned(n: int) -> int:
     """``n`` 4-byte elements rounded up to 128 bytes: every scratch segment starts aligned, so
     the pointers a plan hands its kernels specialize the same way for every shape (else each
     new alignment pattern compiles the kernels again)."""
-    return _cdiv(n, 32) * 32
+    return triton.cdiv(n, 32) * 32
 
 
 def chunk_size(vocab_size: int) -> int:
@@ -221,11 +218,11 @@ class _Plan:
         self.device = device
         block = sampling.SAMPLING_BLOCK
         chunk = chunk_size(vocab_size)
-        num_chunks = _cdiv(vocab_size, chunk)
-        num_blocks = _cdiv(vocab_size, block)
+        num_chunks = triton.cdiv(vocab_size, chunk)
+        num_blocks = triton.cdiv(vocab_size, block)
         block_span = min(block, _p2(vocab_size))
         race_chunk = min(_ROW_RACE_CHUNK if has_draft_probs else _BLOCK_RACE_CHUNK, block_span)
-        num_programs = (_cdiv(vocab_size, race_chunk) if has_draft_probs
+        num_programs = (triton.cdiv(vocab_size, race_chunk) if has_draft_probs
                         else block_span // race_chunk)
         group = 2 if batch_size >= (_GROUP_BATCH_SYNTHETIC if synthetic else _GROUP_BATCH) else 1
         plane = num_rows * num_chunks
@@ -255,7 +252,7 @@ class _Plan:
         # 4 from it on (more programs in flight)
         warps = max(1, min(8, chunk // 512)) // (1 if batch_size < 8 else 2)
         self.rows = _Launch(
-            _rows_kernel, (batch_size * rows_per_request * _cdiv(num_chunks, group),),
+            _rows_kernel, (batch_size * rows_per_request * triton.cdiv(num_chunks, group),),
             max(1, warps),
             dict(ROWS=rows_per_request, NUM_CHUNKS=num_chunks, CHUNK=chunk,
                  NC_P2=_p2(num_chunks), GROUP=group, ROWS_P2=rows_p2,
@@ -489,7 +486,7 @@ def processed_probs(
 def _write_probs(logits, temperature, row_stats, part_f, probs, masked: bool, flags) -> None:
     num_rows, vocab_size = logits.shape
     chunk = chunk_size(vocab_size)
-    num_chunks = _cdiv(vocab_size, chunk)
+    num_chunks = triton.cdiv(vocab_size, chunk)
     _probs_kernel[(num_rows, num_chunks)](
         logits, logits.stride(0), temperature, row_stats, part_f, probs, probs.stride(0),
         num_rows, vocab_size, NUM_CHUNKS=num_chunks, NC_P2=_p2(num_chunks), CHUNK=chunk,
