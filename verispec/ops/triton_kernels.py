@@ -38,31 +38,29 @@ if INTERPRET:
     def _helper(fn):
         return fn
 
-    def _exp(x):
-        return tl.exp(x)
-
-    def _log(x):
-        return tl.log(x)
+    _math = tl
 
     def _fast_div(x, y):
         return x / y
 
 else:  # pragma: no cover - CUDA: libdevice's expf / logf, the functions torch's kernels use
-    from triton.language.extra import libdevice
+    from triton.language.extra import libdevice as _math
 
     _helper = triton.jit
 
     @triton.jit
-    def _exp(x):
-        return libdevice.exp(x)
-
-    @triton.jit
-    def _log(x):
-        return libdevice.log(x)
-
-    @triton.jit
     def _fast_div(x, y):  # rcp.approx and a multiply, 2 ulp for 2^-126 <= |y| <= 2^126
-        return libdevice.fast_dividef(x, y)
+        return _math.fast_dividef(x, y)
+
+
+@_helper
+def _exp(x):
+    return _math.exp(x)
+
+
+@_helper
+def _log(x):
+    return _math.log(x)
 
 
 @_helper

@@ -231,13 +231,12 @@ class _Plan:
         i_sizes = [_aligned(n) for n in (plane, 4 * num_rows, batch_size * num_programs)]
         f32, i32, sync = _scratch(device, _stream(logits), sum(f_sizes), sum(i_sizes),
                                   num_rows + 2 * batch_size)
-        part_f, row_f, race_f, self.row_stats = f32[:sum(f_sizes)].split(f_sizes)
+        self.part_f, row_f, race_f, self.row_stats = f32[:sum(f_sizes)].split(f_sizes)
         part_i, row_i, race_i = i32[:sum(i_sizes)].split(i_sizes)
-        self.part_f = part_f
         rows_p2 = _p2(rows_per_request)
         blocks = dict(BLOCK=block, NUM_BLOCKS=num_blocks, NB_P2=_p2(num_blocks))
-        has = dict(zip(("HAS_TOP_K", "HAS_TOP_P", "HAS_MIN_P"),
-                       (self.masked and t is not None for t in masks)))
+        self.has = has = dict(zip(("HAS_TOP_K", "HAS_TOP_P", "HAS_MIN_P"),
+                                  (self.masked and t is not None for t in masks)))
         flags = dict(NO_DRAFTS=no_drafts, ALL_GREEDY=all_greedy, SYNTHETIC=synthetic,
                      MASKED=self.masked, **has)
         self.mask_search = None
@@ -258,7 +257,7 @@ class _Plan:
                  NC_P2=_p2(num_chunks), GROUP=group, ROWS_P2=rows_p2,
                  HAS_DRAFT_PROBS=has_draft_probs, **blocks, **flags),
             logits_stride=logits.stride(0), draft_probs_stride=draft_probs_stride,
-            row_stats_ptr=self.row_stats, part_f_ptr=part_f, part_i_ptr=part_i,
+            row_stats_ptr=self.row_stats, part_f_ptr=self.part_f, part_i_ptr=part_i,
             row_i_ptr=row_i, row_f_ptr=row_f, sync_ptr=sync, batch_size=batch_size,
             num_rows=num_rows, vocab_size=vocab_size, bonus_stream=bonus_stream)
         self.finish = _Launch(
@@ -454,43 +453,16 @@ def processed_probs(
     min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The processed distribution p of each row; the contract is
-    ``verispec.ops.sampling.processed_probs``: the row statistics of the mask search (a
-    softmax's max and sum where no mask applies), then p chunk by chunk.
+    ``verispec.ops.sampling.processed_probs``.
 
     Returns
     -------
     [R, V] float32.
     """
-    num_rows, vocab_size = logits.shape[0] if logits.dim() == 2 else -1, logits.shape[-1]
-    _check("logits", logits, (num_rows, vocab_size), _LOGITS_DTYPES, logits.device)
-    top_k, top_p, min_p = _check_params(num_rows, logits.device, temperature, top_k, top_p,
-                                        min_p, None, None, False)
-    probs = torch.empty((num_rows, vocab_size), dtype=torch.float32, device=logits.device)
-    if num_rows == 0:
-        return probs
-    temperature = _as(temperature, torch.float32)
-    row_stats = torch.empty((num_rows, 8), dtype=torch.float32, device=logits.device)
-    flags = dict(HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
-                 HAS_MIN_P=min_p is not None)
-    warps = _mask_warps(num_rows, logits.device)
-    _mask_stats_kernel[(num_rows, 1)](
-        logits, logits.stride(0), temperature, temperature,
-        temperature if top_k is None else top_k,
-        temperature if top_p is None else _as(top_p, torch.float32),
-        temperature if min_p is None else _as(min_p, torch.float32), row_stats, vocab_size,
-        TILE=min(1024 * warps, _p2(vocab_size)), NO_DRAFTS=True, num_warps=warps, **flags)
-    _write_probs(logits, temperature, row_stats, row_stats, probs, True, flags)
-    return probs
-
-
-def _write_probs(logits, temperature, row_stats, part_f, probs, masked: bool, flags) -> None:
-    num_rows, vocab_size = logits.shape
-    chunk = chunk_size(vocab_size)
-    num_chunks = triton.cdiv(vocab_size, chunk)
-    _probs_kernel[(num_rows, num_chunks)](
-        logits, logits.stride(0), temperature, row_stats, part_f, probs, probs.stride(0),
-        num_rows, vocab_size, NUM_CHUNKS=num_chunks, NC_P2=_p2(num_chunks), CHUNK=chunk,
-        MASKED=masked, num_warps=max(1, min(8, chunk // 512)), **flags)
+    zeros = torch.zeros(logits.shape[0] if logits.dim() == 2 else 0, dtype=torch.int64,
+                        device=logits.device)  # seeds and positions of a sample left unused
+    return _sample_with_probs(logits, temperature, top_k, top_p, min_p, zeros, zeros,
+                              philox.SAMPLE_STREAM)[1]
 
 
 def sample_draft(
@@ -499,19 +471,32 @@ def sample_draft(
     seeds: torch.Tensor,
     positions: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The draft sampler; the contract is ``verispec.ops.sampling.sample_draft``. The sampling
-    launches' softmax partials also give the written q.
+    """The draft sampler; the contract is ``verispec.ops.sampling.sample_draft``.
 
     Returns
     -------
     (draft_token_ids [R] int64, draft_probs [R, V] float32 = q)
     """
-    ids, plan = _sample(logits, temperature, None, None, None, seeds, positions,
-                        philox.DRAFT_STREAM, False)
+    return _sample_with_probs(logits, temperature, None, None, None, seeds, positions,
+                              philox.DRAFT_STREAM)
+
+
+def _sample_with_probs(logits, temperature, top_k, top_p, min_p, seeds, positions,
+                       stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sample and p: the sampling launches' row statistics (the mask search's, or the
+    softmax partials of the chunks) give p chunk by chunk."""
+    ids, plan = _sample(logits, temperature, top_k, top_p, min_p, seeds, positions, stream,
+                        False)
     probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     if logits.shape[0] > 0:
-        _write_probs(logits, _as(temperature, torch.float32), plan.row_stats, plan.part_f, probs,
-                     False, dict(HAS_TOP_K=False, HAS_TOP_P=False, HAS_MIN_P=False))
+        num_rows, vocab_size = logits.shape
+        chunk = chunk_size(vocab_size)
+        num_chunks = triton.cdiv(vocab_size, chunk)
+        _probs_kernel[(num_rows, num_chunks)](
+            logits, logits.stride(0), _as(temperature, torch.float32), plan.row_stats,
+            plan.part_f, probs, probs.stride(0), num_rows, vocab_size, NUM_CHUNKS=num_chunks,
+            NC_P2=_p2(num_chunks), CHUNK=chunk, MASKED=plan.masked,
+            num_warps=max(1, min(8, chunk // 512)), **plan.has)
     return ids, probs
 
 
