@@ -54,14 +54,17 @@ def test_recurrent_feeds_keep_the_last_ring_lengths():
         c.truncate(0, 4)
 
 
-def test_chunked_feed_keeps_only_its_last_length():
+def test_chunked_feed_keeps_its_last_two_lengths():
+    """The chunked scan covers all but the last token, which takes the recurrent form: the
+    states after the last two tokens are kept (a captured draft re-feeds the last one)."""
     c = cache(max_step_tokens=4)
     n = MAX_RECURRENT_TOKENS + 1
     c.advance([1], [n])
-    assert c.state_start_np[1] == n
+    assert c.state_start_np[1] == n - 1
     c.truncate(1, n)  # no-op: allowed
-    with pytest.raises(ValueError, match=f"slot 1 to {n - 1}"):
-        c.truncate(1, n - 1)
+    c.truncate(1, n - 1)
+    with pytest.raises(ValueError, match=f"slot 1 to {n - 2}"):
+        c.truncate(1, n - 2)
     c.truncate(1, 0)  # an empty slot starts from zero states: always allowed
     assert c.state_start_np[1] == 0
     c.advance([1], [n])
@@ -79,7 +82,11 @@ def test_memory_covers_attention_kv_and_every_state_position():
     assert c.nbytes == 2 * c.k.numel() * 4 + c.state_nbytes
 
 
-def test_flat_layout_refuses_a_hybrid(tmp_path):
+def test_flat_layout_cache_has_a_scratch_slot_for_states_too(tmp_path):
     model = load_model(save_hybrid(tmp_path)).model
-    with pytest.raises(ValueError, match="GraniteMoeHybridForCausalLM runs on the CPU path only"):
-        ModelRunner(model, 1, 64, flat_layout=True)
+    runner = ModelRunner(model, 2, 64, flat_layout=True, max_step_tokens=4)
+    c = runner.kv_cache
+    assert isinstance(c, HybridCache) and c.scratch_slot == 2 and c.ring_size == 5
+    assert c.k.shape[1:3] == (3, 64 + 4)  # slots + scratch, rows + padding rows
+    assert all(s.conv.shape[:2] == (3, 5) and s.scratch_slot == 2 for s in c.states)
+    assert c.position_nbytes * 3 * 5 == c.state_nbytes

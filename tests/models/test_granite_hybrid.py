@@ -177,12 +177,12 @@ def test_rollback_to_any_length_the_ring_holds(hf_and_dir):
     runner = _runner(model_dir, num_slots=2, max_step_tokens=k + 1)
     cache = runner.kv_cache
     ids = torch.randint(3, VOCAB, (60,), generator=torch.Generator().manual_seed(3)).tolist()
-    prompt = 40  # one chunked-scan feed: only the state after its last token is kept
+    prompt = 40  # one chunked-scan feed: only the states after its last two tokens are kept
     runner.forward([1], [ids[:prompt]])  # slot 1: straight through, no rollback
     reference = runner.forward([1], [ids[prompt:50]], logits="all")
     runner.forward([0], [ids[:prompt]])
-    with pytest.raises(ValueError, match="recurrent state is kept for lengths 40..40"):
-        cache.truncate(0, prompt - 1)
+    with pytest.raises(ValueError, match="recurrent state is kept for lengths 39..40"):
+        cache.truncate(0, prompt - 2)
     for accepted in range(k + 2):  # keep 0 .. k + 1 of the k + 1 verified positions
         cache.free(0)
         runner.forward([0], [ids[:prompt]])

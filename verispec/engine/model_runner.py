@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from verispec.engine.cuda_graphs import CUDAGraphRunner, StepInput
-from verispec.engine.kv_cache import KVCache
 from verispec.engine.state_cache import is_hybrid, make_cache
 from verispec.models import cpu_kernels
 from verispec.models.llama import AttentionMetadata, FlatBatch
@@ -84,6 +83,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.flat = self.device.type == "cuda" if flat_layout is None else flat_layout
         self.batch_invariant = batch_invariant
+        # A hybrid's captured steps also take each request's number of real tokens (its padding
+        # tokens must leave the recurrent states alone).
+        self.hybrid = is_hybrid(self.config)
         self.graphs: CUDAGraphRunner | None = None
         # Hidden states an EAGLE head reads (set by its proposer): the residual stream entering
         # each listed layer, ``num_hidden_layers`` = the final-norm output; every forward then
@@ -119,19 +121,17 @@ class ModelRunner:
 
     def _init_flat(self, num_slots: int, max_step_tokens: int, kv_cache_dtype, enforce_eager: bool,
                    batch_invariant: bool) -> None:
-        if is_hybrid(self.config):
-            raise ValueError(f"{self.config.architecture} runs on the CPU path only "
-                             f"(device={self.device}, flat_layout=True is not supported)")
         if self.device.type == "cuda" and self.config.head_dim < 16:
             raise ValueError(
                 f"head_dim={self.config.head_dim}: the GPU attention kernel needs head_dim >= 16 "
                 f"(tensor-core products of 16 features); run this model with device='cpu'")
         self.ops = get_model_ops(self.device, batch_invariant)
         # Rows past max_model_len for the padding tokens of a fixed-shape step, and a scratch
-        # slot for the padding rows of a bucket (kv_cache.KVCache).
-        self.kv_cache = KVCache(self.config, num_slots, self.max_model_len,
-                                kv_cache_dtype or self.dtype, self.device,
-                                extra_rows=max(1, max_step_tokens))
+        # slot for the padding rows of a bucket (kv_cache.KVCache; a hybrid's states too).
+        self.kv_cache = make_cache(self.config, num_slots, self.max_model_len,
+                                   kv_cache_dtype or self.dtype, self.device,
+                                   extra_rows=max(1, max_step_tokens),
+                                   max_step_tokens=max_step_tokens)
         cos, sin = rope_tables(self.config, self.max_model_len + self.kv_cache.extra_rows)
         self.cos = cos.to(self.device, self.dtype)  # [rows, head_dim]
         self.sin = sin.to(self.device, self.dtype)
@@ -161,8 +161,11 @@ class ModelRunner:
             inputs = {"ids": StepInput(num_queries, torch.int64),
                       "slots": StepInput(1, torch.int64, self.kv_cache.scratch_slot),
                       "starts": StepInput(1, torch.int64, 0)}
+            if self.hybrid:
+                inputs["counts"] = StepInput(1, torch.int64, 1)
             self.graphs.add(name, inputs, lambda x, s=num_queries: self.fixed_step_logits(
-                x["ids"].view(-1), x["slots"].view(-1), x["starts"].view(-1), s, num_layers))
+                x["ids"].view(-1), x["slots"].view(-1), x["starts"].view(-1), s, num_layers,
+                x["counts"].view(-1) if "counts" in x else None))
 
     def fixed_batch(self, slot_ids: torch.Tensor, starts: torch.Tensor,
                     num_queries: int) -> FlatBatch:
@@ -182,20 +185,24 @@ class ModelRunner:
 
     def fixed_step_hidden(self, input_ids: torch.Tensor, slot_ids: torch.Tensor,
                           starts: torch.Tensor, num_queries: int,
-                          num_layers: int | None = None) -> torch.Tensor:
+                          num_layers: int | None = None,
+                          counts: torch.Tensor | None = None) -> torch.Tensor:
         """[B * num_queries, hidden] final-norm hidden states of every fed token (capturable;
-        the cache's lengths are the caller's to advance)."""
+        the cache's lengths are the caller's to advance). ``counts`` [B] (hybrids): each
+        request's real tokens among its num_queries (None: all)."""
         batch = self.fixed_batch(slot_ids, starts, num_queries)
+        kwargs = {} if counts is None else {"counts": counts}
         return self.model.forward_flat(input_ids, batch, self.kv_cache.k_layers,
-                                       self.kv_cache.v_layers, num_layers)
+                                       self.kv_cache.v_layers, num_layers, **kwargs)
 
     def fixed_step_logits(self, input_ids: torch.Tensor, slot_ids: torch.Tensor,
                           starts: torch.Tensor, num_queries: int,
-                          num_layers: int | None = None) -> torch.Tensor:
+                          num_layers: int | None = None,
+                          counts: torch.Tensor | None = None) -> torch.Tensor:
         """[B * num_queries, V] float32 logits of every fed token (the body of a captured
         forward)."""
         return self.compute_logits(self.fixed_step_hidden(input_ids, slot_ids, starts,
-                                                          num_queries, num_layers))
+                                                          num_queries, num_layers, counts))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> [R, V] float32 through the LM head."""
@@ -229,8 +236,10 @@ class ModelRunner:
                 ids_in = to_device(ids, self.device)
                 ids_in.view(-1)[to_device(index, self.device)] = scatter[1]
             slots_np = np.asarray(slots, dtype=np.int64)[:, None]
-            all_logits, _ = self.graphs.run(self.graph_name(num_queries, num_layers), {
-                "ids": ids_in, "slots": slots_np, "starts": starts[:, None]})
+            rows = {"ids": ids_in, "slots": slots_np, "starts": starts[:, None]}
+            if self.hybrid:
+                rows["counts"] = counts[:, None]
+            all_logits, _ = self.graphs.run(self.graph_name(num_queries, num_layers), rows)
             row_start = np.arange(B) * num_queries
         else:  # eager, no padding: T = sum(counts) tokens
             valid = np.arange(width)[None, :] < counts[:, None]

@@ -16,8 +16,12 @@ is the one the next step reads. No copy, no recomputation; the truncation is the
 
 Each slot tracks the oldest length whose state it still holds (``state_start_np``): a forward
 that keeps the state after every new token (the recurrent form) keeps the last ``ring_size``
-lengths; one that keeps only the last (a long prefill through the chunked scan) only that one.
-Truncating below it is a ValueError rather than a silent continuation from a wrong state.
+lengths; a long prefill (the chunked scan, then its last token in the recurrent form) its last
+two. Truncating below it is a ValueError rather than a silent continuation from a wrong state.
+
+On the GPU path (``extra_rows`` > 0) the states are the static buffers a captured step reads and
+writes in place, with a scratch slot for the padding rows of a bucket; the bookkeeping above is
+the same (``verispec.models.mamba2_flat``).
 """
 
 from __future__ import annotations
@@ -43,16 +47,21 @@ def make_cache(config: ModelConfig, num_slots: int, max_model_len: int, dtype: t
                device: torch.device | str = "cpu", num_layers: int | None = None,
                extra_rows: int = 0, max_step_tokens: int = 1) -> KVCache:
     """The cache for ``config``'s model: a ``HybridCache`` for a hybrid (``max_step_tokens``
-    sizes its state ring; no padding rows: it runs on the CPU path only), else a ``KVCache``."""
+    sizes its state ring), else a ``KVCache``; ``extra_rows`` > 0 adds the padding rows and the
+    scratch slot of fixed-shape (GPU) steps."""
     if is_hybrid(config):
         return HybridCache(config, num_slots, max_model_len, dtype, device, num_layers,
-                           max_step_tokens)
+                           max_step_tokens, extra_rows)
     return KVCache(config, num_slots, max_model_len, dtype, device, num_layers, extra_rows)
 
 
 class HybridCache(KVCache):
     """K/V ``[num_attention_layers, num_slots, max_model_len, kv_heads, head_dim]`` and one
-    ``MambaLayerState`` per Mamba2 layer (of the first ``num_layers`` layers)."""
+    ``MambaLayerState`` per Mamba2 layer (of the first ``num_layers`` layers).
+
+    With ``extra_rows`` (the GPU path) the K/V have ``extra_rows`` more rows per slot and, as
+    the states, one more slot, ``scratch_slot``: the padding of a fixed-shape step writes there
+    (``KVCache``, ``verispec.models.mamba2_flat``)."""
 
     def __init__(
         self,
@@ -63,18 +72,20 @@ class HybridCache(KVCache):
         device: torch.device | str = "cpu",
         num_layers: int | None = None,
         max_step_tokens: int = 1,
+        extra_rows: int = 0,
     ) -> None:
         if max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens!r}")
         self.num_slots = num_slots
         self.max_model_len = max_model_len
         self.num_layers = config.num_hidden_layers if num_layers is None else num_layers
-        self.extra_rows = 0
-        self.scratch_slot = None
+        self.extra_rows = extra_rows
+        self.scratch_slot = num_slots if extra_rows else None
         self.ring_size = max_step_tokens + 1
         types = config.layer_types[: self.num_layers]
         num_attention = types.count("attention")
-        shape = (num_attention, num_slots, max_model_len, config.num_key_value_heads,
+        rows = num_slots + (self.scratch_slot is not None)
+        shape = (num_attention, rows, max_model_len + extra_rows, config.num_key_value_heads,
                  config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -86,7 +97,8 @@ class HybridCache(KVCache):
                 self.k_layers.append(next(k_attention))
                 self.v_layers.append(next(v_attention))
             else:
-                state = MambaLayerState.allocate(config, num_slots, self.ring_size, device)
+                state = MambaLayerState.allocate(config, num_slots, self.ring_size, device,
+                                                 scratch_slot=self.scratch_slot is not None)
                 self.states.append(state)
                 self.k_layers.append(state)
                 self.v_layers.append(state)
@@ -94,16 +106,22 @@ class HybridCache(KVCache):
         self.state_start_np = np.zeros(num_slots, dtype=np.int64)  # oldest length with a state
         if num_slots:
             logger.info(
-                "recurrent state: %d Mamba2 layers x %d slots x %d positions (max_step_tokens "
-                "+ 1) = %d bytes (%.1f MiB; %d bytes per slot and position); attention KV cache "
-                "%d bytes", len(self.states), num_slots, self.ring_size, self.state_nbytes,
-                self.state_nbytes / 2**20, self.state_nbytes // (num_slots * self.ring_size),
+                "recurrent state: %d Mamba2 layers x %d slots%s x %d positions "
+                "(max_step_tokens + 1) = %d bytes (%.1f MiB; %d bytes per slot and position); "
+                "attention KV cache %d bytes", len(self.states), num_slots,
+                "" if self.scratch_slot is None else " (+ 1 scratch)", self.ring_size,
+                self.state_nbytes, self.state_nbytes / 2**20, self.position_nbytes,
                 super().nbytes)
 
     @property
     def state_nbytes(self) -> int:
         """Bytes of the per-position recurrent states (every slot, every ring position)."""
         return sum(s.nbytes for s in self.states)
+
+    @property
+    def position_nbytes(self) -> int:
+        """Bytes of one slot's recurrent states at one position (every Mamba2 layer)."""
+        return sum(s.nbytes // (s.conv.shape[0] * s.ring_size) for s in self.states)
 
     @property
     def nbytes(self) -> int:
@@ -114,8 +132,8 @@ class HybridCache(KVCache):
             end = self.lengths_np[slot] + n
             if stores_every_position(n):
                 oldest = max(self.state_start_np[slot], end - self.ring_size + 1)
-            else:
-                oldest = end
+            else:  # the chunked scan, then the recurrent form for the last token
+                oldest = end - 1
             self.state_start_np[slot] = oldest
             self.lengths_np[slot] = end
 

@@ -8,7 +8,8 @@ is scaled by ``embedding_multiplier``, attention scores by ``attention_multiplie
 embedding (Granite 4.0 H: ``position_embedding_type`` "nope") unless the config says "rope".
 
 The Mamba2 layer, its two forms (recurrent for decode and verify, chunked scan for long
-prefills) and its per-slot state ring are in ``verispec.models.mamba2``.
+prefills) and its per-slot state ring are in ``verispec.models.mamba2``; on the flat layout of
+a GPU step (``forward_flat``, capturable in a CUDA graph) in ``verispec.models.mamba2_flat``.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.models.config import ModelConfig
-from verispec.models.llama import MLP, AttentionMetadata, RMSNorm, _param, linear
+from verispec.models.llama import MLP, AttentionMetadata, FlatBatch, RMSNorm, _param, linear
 from verispec.models.llama import Attention as LlamaAttention
 from verispec.models.mamba2 import HybridStep, Mamba2Mixer
+from verispec.models.mamba2_flat import FlatMambaStep, mixer_forward_flat
+from verispec.ops.model_ops import ModelOps
 
 LAYER_TYPES = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention",
                "full_attention": "attention"}  # HF spellings (transformers 4 and 5) -> ours
@@ -180,6 +183,31 @@ class HybridDecoderLayer(nn.Module):
         x = x + h * self.residual_multiplier
         return x + self.mlp(self.post_attn_norm(x)) * self.residual_multiplier
 
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
+
+    def forward_flat(self, x: torch.Tensor, residual: torch.Tensor | None, batch: FlatBatch,
+                     step: FlatMambaStep | None, k_cache, v_cache
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the flat layout (as ``DecoderLayer.forward_flat``: the residual adds
+        fused into the norms). Takes the previous layer's scaled output x and the residual
+        stream before it (None at layer 0: x is the embedding); returns this layer's scaled
+        MLP output and the stream before it (the stream after the layer is their sum)."""
+        ops = batch.ops
+        norm = self.input_norm
+        if residual is None:
+            residual = x
+            h = ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h = ops.rms_norm(x, norm.weight, norm.eps, residual)  # residual += x
+        if self.mamba is not None:
+            h = mixer_forward_flat(self.mamba, h, batch, step, k_cache)
+        else:
+            h = self.attn.forward_flat(h, batch, k_cache, v_cache)
+        h = ops.rms_norm(self._scaled(h), self.post_attn_norm.weight, self.post_attn_norm.eps,
+                         residual)
+        return self._scaled(self.mlp.forward_flat(h, ops)), residual
+
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _HF_MAMBA_PARAM = re.compile(r"^model\.layers\.(\d+)\.(mamba\..+)$")
@@ -249,11 +277,64 @@ class GraniteHybridForCausalLM(nn.Module):
             return self.norm(x)
         return self.norm(x), [captured[i] for i in capture_layers]
 
-    def compute_logits(self, hidden: torch.Tensor, ops=None) -> torch.Tensor:
-        """[..., hidden] -> [..., vocab_size] float32 logits, divided by ``logits_scaling``."""
+    def forward_flat(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        batch: FlatBatch,
+        k_caches: list,  # per layer: K [num_slots + 1, rows, hkv, d] | MambaLayerState
+        v_caches: list,  # per layer: V [num_slots + 1, rows, hkv, d] | MambaLayerState
+        num_layers: int | None = None,
+        capture_layers: tuple[int, ...] = (),
+        counts: torch.Tensor | None = None,  # [B] int64 real new tokens of a fixed-shape step
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """``forward`` on the flat layout of a GPU step (``LlamaForCausalLM.forward_flat``; no
+        host work per layer, capturable in a CUDA graph). ``counts``: in a step where every
+        request is laid out as ``batch.max_queries`` tokens, how many are real (the rest pad;
+        they leave the recurrent states alone); None: every laid-out token is real. Returns
+        [T, hidden] after the final norm; with ``capture_layers`` also the residual stream
+        entering those layers."""
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        step = None
+        mamba_states = [k for layer, k in zip(layers, k_caches) if layer.mamba is not None]
+        if mamba_states:
+            step = FlatMambaStep.build(batch, input_ids.shape[0], counts, mamba_states[0])
+        if not self.config.use_rope and any(layer.attn is not None for layer in layers):
+            # No positional embedding: rotate by angle 0 (x * 1 + swapped * 0 == x exactly).
+            batch = dataclasses.replace(batch, **self._identity_rope(batch.cos))
+        x = F.embedding(input_ids, self.embed_weight) * self.config.embedding_multiplier
+        residual = None
+        captured: dict[int, torch.Tensor] = {}
+        for i, (layer, k_cache, v_cache) in enumerate(zip(layers, k_caches, v_caches)):
+            if i in capture_layers:  # the stream entering layer i: x plus the residual before it
+                captured[i] = x.clone() if residual is None else x + residual
+            x, residual = layer.forward_flat(x, residual, batch, step, k_cache, v_cache)
+        if residual is None:  # no layer ran
+            out = batch.ops.rms_norm(x, self.norm.weight, self.norm.eps)
+        else:
+            out = batch.ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)
+        if not capture_layers:
+            return out
+        return out, [captured[i] for i in capture_layers]
+
+    def _identity_rope(self, cos: torch.Tensor) -> dict[str, torch.Tensor]:
+        """cos = 1 and sin = 0 tables shaped as the runner's, made once per shape and kept (a
+        captured step reads the tensors of its warm-up run; runners of other lengths over the
+        same model get their own)."""
+        if not hasattr(self, "_identity_tables"):
+            self._identity_tables: dict[tuple, dict[str, torch.Tensor]] = {}
+        key = (tuple(cos.shape), cos.dtype, cos.device)
+        if key not in self._identity_tables:
+            self._identity_tables[key] = {"cos": torch.ones_like(cos),
+                                          "sin": torch.zeros_like(cos)}
+        return self._identity_tables[key]
+
+    def compute_logits(self, hidden: torch.Tensor, ops: ModelOps | None = None) -> torch.Tensor:
+        """[..., hidden] -> [..., vocab_size] float32 logits, divided by ``logits_scaling``
+        (through ``ops.linear`` on the flat layout)."""
         if ops is not None:
-            raise ValueError(f"{self.config.architecture} runs on the CPU path only (no flat "
-                             "GPU layout yet)")
+            logits = ops.linear(hidden, self.lm_head_weight, out_dtype=torch.float32)
+            return logits if self.config.logits_scaling == 1.0 else logits.div_(
+                self.config.logits_scaling)
         logits = linear(hidden, self.lm_head_weight, None, self.matmul_splits, self.upcast_rows,
                         self.batch_invariant)
         # In place: the product is a new tensor, and a second [rows, vocab_size] one would cost a

@@ -20,7 +20,9 @@ request's result never depends on its batch, REFERENCE §12):
 - **chunked** (longer prefills): the chunked scan of Mamba2 (state space duality): within a
   chunk of ``mamba_chunk_size`` tokens the output is a masked (C B^T * decay) matrix times
   ``dt * x`` plus the decayed chunk-start state read by C; the state is carried from chunk to
-  chunk. Only the final state is kept.
+  chunk. It runs over all but the last token, which then takes the recurrent form: the states
+  after the feed's last two tokens are kept (a captured draft that re-feeds the last committed
+  token starts from the one before it, ``verispec.proposers.draft_model``).
 
 Recurrent state per request slot (``MambaLayerState``, REFERENCE §6): the conv state (the last
 d_conv - 1 conv inputs) and the SSM state, kept for the last ``ring_size`` lengths of the slot in
@@ -84,18 +86,24 @@ class MambaLayerState:
     step runs over contiguous channels and the state after each of its tokens is a window of
     rows of the step's inputs, stored without a gather."""
 
-    conv: torch.Tensor  # [num_slots, ring_size, d_conv - 1, conv_dim] float32: last conv inputs
-    ssm: torch.Tensor  # [num_slots, ring_size, heads, head_dim, d_state] float32
+    conv: torch.Tensor  # [rows, ring_size, d_conv - 1, conv_dim] float32: last conv inputs
+    ssm: torch.Tensor  # [rows, ring_size, heads, head_dim, d_state] float32
+    # rows = num_slots, or num_slots + 1 with the scratch slot of fixed-shape (GPU) steps
+    scratch_slot: int | None = None
 
     @classmethod
     def allocate(cls, config: HybridModelConfig, num_slots: int, ring_size: int,
-                 device: torch.device | str) -> MambaLayerState:
+                 device: torch.device | str, scratch_slot: bool = False) -> MambaLayerState:
+        """Zero states for ``num_slots`` slots, plus the scratch slot (index ``num_slots``)
+        where the padding rows of a fixed-shape step read and write."""
         c = config
+        rows = num_slots + scratch_slot
         return cls(
-            torch.zeros(num_slots, ring_size, c.mamba_d_conv - 1, c.mamba_conv_dim,
+            torch.zeros(rows, ring_size, c.mamba_d_conv - 1, c.mamba_conv_dim,
                         dtype=torch.float32, device=device),
-            torch.zeros(num_slots, ring_size, c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state,
+            torch.zeros(rows, ring_size, c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state,
                         dtype=torch.float32, device=device),
+            num_slots if scratch_slot else None,
         )
 
     @property
@@ -211,9 +219,11 @@ def ssm_state_update(
     y_rows = ys.unbind(0)
     if G == 1:  # each new state straight into its ring entry
         entries = ssm_ring[int(slots_np[0])].view(ring_size, H, P, N).unbind(0)
-        start = int(starts_np[0])
+        start, count = int(starts_np[0]), int(counts_np[0])
         ssm = entries[start % ring_size] if start > 0 else x.new_zeros(H, P, N)
-        for s in range(S):
+        if count < S:  # padding tokens (a fixed-shape step) leave the state alone
+            ys[count:] = 0.0
+        for s in range(count):
             new_ssm = entries[(start + s + 1) % ring_size]
             torch.mul(ssm, decays[s], out=new_ssm)
             new_ssm.baddbmm_(xs[s], dtBs[s])
@@ -276,10 +286,10 @@ def chunk_scan(
         xc, dtc = x[begin:begin + chunk_size], dt[begin:begin + chunk_size]
         q = xc.shape[0]
         log_decay = (dtc * A).T  # [heads, q]
-        strict = torch.ones(q, q, dtype=torch.bool).tril(-1)  # [t, s]: s < t
+        strict = torch.ones(q, q, dtype=torch.bool, device=x.device).tril(-1)  # [t, s]: s < t
         steps = log_decay[:, :, None].expand(-1, q, q).masked_fill(~strict, 0.0)
-        seg = steps.cumsum(dim=1).masked_fill(~strict.logical_or(torch.eye(q, dtype=torch.bool)),
-                                              float("-inf"))  # [heads, t, s]
+        causal = strict.logical_or(torch.eye(q, dtype=torch.bool, device=x.device))
+        seg = steps.cumsum(dim=1).masked_fill(~causal, float("-inf"))  # [heads, t, s]
         Bc = B[begin:begin + chunk_size].transpose(0, 1)  # [heads, q, d_state]
         Cc = C[begin:begin + chunk_size].transpose(0, 1)
         xdt = (xc * dtc[..., None]).transpose(0, 1)  # [heads, q, head_dim]
@@ -350,8 +360,19 @@ class Mamba2Mixer(nn.Module):
         recurrent = stores_every_position(step.counts)
         if recurrent.any():
             self._recurrent(np.flatnonzero(recurrent), step, xBC, dt, y, state)
-        for b in np.flatnonzero(~recurrent).tolist():
-            self._chunked(b, step, xBC, dt, y, state)
+        long_rows = np.flatnonzero(~recurrent)
+        if long_rows.size:
+            for b in long_rows.tolist():  # all but the last token
+                self._chunked(b, step, xBC, dt, y, state)
+            # the last token in the recurrent form, from the state the scan left
+            last = step.counts[long_rows] - 1
+            tail = HybridStep(step.slots[long_rows], step.starts[long_rows] + last,
+                              np.ones_like(last))
+            rows, cols = torch.from_numpy(long_rows), torch.from_numpy(last)
+            y_tail = y.new_zeros(long_rows.size, 1, self.intermediate_size)
+            self._recurrent(np.arange(long_rows.size), tail, xBC[rows, cols][:, None],
+                            dt[rows, cols][:, None], y_tail, state)
+            y[rows, cols] = y_tail[:, 0]
         # Gated RMSNorm over groups of intermediate_size / groups channels, in float32.
         gated = (y * pointwise(F.silu, z.float())).view(B, S, self.num_groups, -1)
         gated = gated * pointwise(torch.rsqrt, gated.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -368,29 +389,15 @@ class Mamba2Mixer(nn.Module):
         update and its read-out run token by token."""
         slots, starts, counts = step.slots[rows], step.starts[rows], step.counts[rows]
         G, S = rows.size, int(counts.max())
-        H, P, K = self.num_heads, self.head_dim, self.d_conv
+        K = self.d_conv
         every_row = G == xBC.shape[0]
         index = slice(None) if every_row else torch.from_numpy(rows)
         # The conv inputs, token-major: the d_conv - 1 before the step, then the step's own.
         ext = torch.cat((state.read_conv(slots, starts), xBC[index, :S].float()), dim=1)
-        weight = self.conv_weight.float().view(self.conv_dim, K)
-        conv_out = ext[:, :S] * weight[:, 0]  # w_0 x_{t-K+1} + .. + w_{K-1} x_t, in order
-        for j in range(1, K):
-            conv_out = conv_out + ext[:, j:j + S] * weight[:, j]
-        if self.conv_bias is not None:
-            conv_out = conv_out + self.conv_bias.float()
-        xs, Bs, Cs = self._split_xBC(pointwise(F.silu, conv_out))  # [G, S, *]
-        xs = xs.reshape(G, S, H, P)
-        steps = self._dt(dt[index, :S])  # [G, S, heads]
-        decay = pointwise(torch.exp, steps * -torch.exp(self.A_log.float()))
-        dtB = steps[..., None] * self._heads(Bs)  # [G, S, heads, d_state]
-        # Token-major contiguous operands: token s is a contiguous [G * H, ...] block, so the
-        # update's matrix products take the same path at every step.
-        ys = ssm_state_update(
-            state.ssm, torch.from_numpy(slots), torch.from_numpy(starts),
-            torch.from_numpy(counts), xs.transpose(0, 1).contiguous(),
-            dtB.transpose(0, 1).contiguous(), decay.transpose(0, 1).contiguous(),
-            self._heads(Cs).transpose(0, 1).contiguous())  # [S, G, H, P]
+        xs, dtB, decay, Cs = self.step_inputs(ext, dt[index, :S])
+        ys = ssm_state_update(state.ssm, torch.from_numpy(slots), torch.from_numpy(starts),
+                              torch.from_numpy(counts), xs, dtB, decay, Cs)  # [S, G, H, P]
+        xs = xs.transpose(0, 1)  # [G, S, H, P]
         # The conv state after token s is rows s + 1 .. s + d_conv - 1 of ext: windows[:, s + 1]
         # (views). Kept: tokens counts - num_kept .. counts - 1 of each request (the ring's
         # last lengths), gathered in one copy.
@@ -403,21 +410,56 @@ class Mamba2Mixer(nn.Module):
         y[index, :S] = (ys.transpose(0, 1) + xs * self.D.float()[:, None]).reshape(
             G, S, self.intermediate_size)
 
+    def step_inputs(self, ext: torch.Tensor, dt: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The operands of ``ssm_state_update`` for G requests of S tokens each, from ``ext``
+        [G, d_conv - 1 + S, conv_dim] float32 (the conv inputs before the step, then the step's
+        own) and ``dt`` [G, S, heads] (the projection's step sizes). Returns x [S, G, heads,
+        head_dim], dt * B and C [S, G, heads, d_state], decay [S, G, heads], all float32 and
+        token-major contiguous: token s is a contiguous [G * heads, ...] block, so the update's
+        matrix products take the same path at every step. Elementwise ops only (the conv as
+        ordered sums over its taps): a token's bits do not depend on G or S."""
+        G, S = dt.shape[:2]
+        K = self.d_conv
+        weight = self.conv_weight.float().view(self.conv_dim, K)
+        conv_out = ext[:, :S] * weight[:, 0]  # w_0 x_{t-K+1} + .. + w_{K-1} x_t, in order
+        for j in range(1, K):
+            conv_out = conv_out + ext[:, j:j + S] * weight[:, j]
+        if self.conv_bias is not None:
+            conv_out = conv_out + self.conv_bias.float()
+        xs, Bs, Cs = self._split_xBC(pointwise(F.silu, conv_out))  # [G, S, *]
+        xs = xs.reshape(G, S, self.num_heads, self.head_dim)
+        steps = self._dt(dt)  # [G, S, heads]
+        decay = pointwise(torch.exp, steps * -torch.exp(self.A_log.float()))
+        dtB = steps[..., None] * self._heads(Bs)  # [G, S, heads, d_state]
+        return (xs.transpose(0, 1).contiguous(), dtB.transpose(0, 1).contiguous(),
+                decay.transpose(0, 1).contiguous(), self._heads(Cs).transpose(0, 1).contiguous())
+
     def _chunked(self, b: int, step: HybridStep, xBC: torch.Tensor, dt: torch.Tensor,
                  y: torch.Tensor, state: MambaLayerState) -> None:
-        """Request ``b`` (one long feed) through the chunked scan; only its final state kept."""
-        n = int(step.counts[b])
+        """All but the last token of request ``b`` (one long feed) through the chunked scan;
+        only the state after them kept."""
+        n = int(step.counts[b]) - 1
         slots, starts = step.slots[b:b + 1], step.starts[b:b + 1]
         conv, ssm = state.read(slots, starts)
+        y[b, :n], conv_end, ssm_end = self.chunked_feed(xBC[b, :n], dt[b, :n], conv[0], ssm[0])
+        state.write(slots, starts + n, conv_end[None], ssm_end[None])
+
+    def chunked_feed(self, xBC: torch.Tensor, dt: torch.Tensor, conv: torch.Tensor,
+                     ssm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One request's n new tokens through the chunked scan: ``xBC`` [n, conv_dim] and
+        ``dt`` [n, heads] of the projection, from the conv state ``conv`` [d_conv - 1,
+        conv_dim] and SSM state ``ssm`` [heads, head_dim, d_state] (float32). Returns y [n,
+        intermediate_size] and the conv and SSM states after the last token, float32."""
+        n = xBC.shape[0]
         # The conv over [previous d_conv - 1 inputs, the n new ones], no padding.
-        inputs = torch.cat((conv[0].T, xBC[b, :n].float().T), dim=-1)  # [conv_dim, d_conv-1+n]
+        inputs = torch.cat((conv.T, xBC.float().T), dim=-1)  # [conv_dim, d_conv - 1 + n]
         conv_out = F.conv1d(inputs[None], self.conv_weight.float(),
                             None if self.conv_bias is None else self.conv_bias.float(),
                             groups=self.conv_dim)[0].T  # [n, conv_dim]
         xs, Bs, Cs = self._split_xBC(F.silu(conv_out))
         ys, final = chunk_scan(
-            xs.reshape(n, self.num_heads, self.head_dim), self._dt(dt[b, :n]),
+            xs.reshape(n, self.num_heads, self.head_dim), self._dt(dt),
             -torch.exp(self.A_log.float()), self._heads(Bs), self._heads(Cs), self.D.float(),
-            ssm[0], self.chunk_size)
-        state.write(slots, starts + n, inputs[:, n:].T[None], final[None])
-        y[b, :n] = ys.reshape(n, self.intermediate_size)
+            ssm, self.chunk_size)
+        return ys.reshape(n, self.intermediate_size), inputs[:, n:].T, final
