@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -66,14 +67,14 @@ def test_train_draft_learns_and_round_trips(tmp_path, target_dir, prompts_file):
     # the loss over all the data, before training (the initial head) and after
     samples = [trainer.Sample(*s) for s in torch.load(out / "data.pt", weights_only=False)]
     draft_ids = state["draft_ids"]
-    batch = trainer._collate(samples, 512, target.model.lm_head_weight.float()[draft_ids])
+    *batch, starts = trainer._collate(samples, 512, target.model.lm_head_weight.float()[draft_ids])
     fresh = trainer.EagleHead(trainer._head_config(target.config, 48),
                               target.model.embed_weight.float())
     recipe.init_head(fresh, target.model.lm_head_weight, draft_ids, target.model.norm.weight)
     trained = load_eagle_head(str(out), "eagle3", target.model, dtype=torch.float32)
     with torch.no_grad():
-        before, _, acc_before = recipe.ttt_loss(fresh, *batch, 2)
-        after, _, acc_after = recipe.ttt_loss(trained, *batch, 2)
+        before, _, acc_before = recipe.ttt_loss(fresh, *batch, 2, starts)
+        after, _, acc_after = recipe.ttt_loss(trained, *batch, 2, starts)
     assert after < before - 0.2 and acc_after[0] > acc_before[0] + 0.1, (before, after, acc_before,
                                                                       acc_after)
     head = load_eagle_head(str(out), "eagle3", target.model)
@@ -185,3 +186,22 @@ def test_cli_refuses_bad_flags(tmp_path, capsys):
 
     with pytest.raises(ValueError, match=r"bad.jsonl:1: expected"):
         load_prompt_file(str(bad))
+
+
+def test_builtin_prompts_hold_out_the_free_bench_prompts():
+    """The built-in set is large and diverse, and ``bench --prompts free`` measures prompts the
+    head never trained on: none of them, nor any of their subjects, is in the set."""
+    from verispec.engine.bench_prompts import FREE_PROMPTS
+    from verispec.train.prompts import SUBJECTS, builtin_prompts
+
+    prompts = builtin_prompts(0)
+    assert len(prompts) >= 4000 and len(set(prompts)) == len(prompts)
+    assert builtin_prompts(0) == prompts and builtin_prompts(1) != prompts
+    assert not set(prompts) & set(FREE_PROMPTS)
+    held_out_subjects = ("lighthouse", "sky", "language", "autumn", "blacksmith", "virus",
+                         "bacteri", "board game", "cat", "dog", "dream", "paint")
+    for prompt in FREE_PROMPTS:  # the list names a subject of every held-out prompt
+        assert any(re.search(rf"\b{word}", prompt.lower()) for word in held_out_subjects), prompt
+    for subject in SUBJECTS:
+        for word in held_out_subjects:
+            assert not re.search(rf"\b{word}", subject.lower()), (subject, word)

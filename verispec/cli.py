@@ -358,7 +358,7 @@ TRAIN_DRAFT_HELP = {
     "model": "target: local HF directory or .gguf file (default: the bundled model)",
     "prompts": 'JSONL file of {"prompt": ...} or {"messages": [...]} lines (default: the '
                "built-in set)",
-    "num_prompts": "use the first N prompts (default: all)",
+    "num_prompts": "use the first N prompts of the set",
     "max_new_tokens": "tokens generated per response",
     "temperature": "temperature of the generated responses (0 = greedy)",
     "draft_vocab_size": "tokens of the head's own LM head (the most frequent in the data)",

@@ -8,57 +8,24 @@ per token, the residual streams entering the head's aux layers and the final-nor
 (the target's next-token distribution, the training label, is that state through the target's
 LM head).
 
-The built-in set is generated from templates and topics; it does not contain the prompts of
-``verispec bench --prompts free``, so that benchmark is held out.
+The built-in set (``verispec.train.prompts``) is generated from request templates and subjects;
+it holds out the prompts of ``verispec bench --prompts free``.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from verispec.engine.bench_prompts import FREE_PROMPTS
 from verispec.engine.bench_utils import progress
+from verispec.train.prompts import builtin_prompts
 
-_TEMPLATES = (
-    "Write a short story about {}.",
-    "Explain {} to a curious twelve-year-old.",
-    "What are the most important facts about {}?",
-    "Write a poem about {}.",
-    "Give three practical tips related to {}.",
-    "Describe {} in a few paragraphs.",
-    "What are common misconceptions about {}?",
-    "Write a dialogue between two friends discussing {}.",
-    "Summarise the history of {} briefly.",
-    "Why do people care about {}? Answer in a short essay.",
-)
-_TOPICS = (
-    "the moon", "volcanoes", "a lost umbrella", "honeybees", "the ocean at night",
-    "learning to cook", "a train journey", "the first day of school", "old libraries",
-    "climate and weather", "a friendly dragon", "the human heart", "electric cars",
-    "a small bakery", "winter in the mountains", "friendship", "the internet",
-    "ancient Egypt", "gardening", "a rainy afternoon", "the solar system", "chess",
-    "music and memory", "a detective in a quiet town", "recycling", "the Roman Empire",
-    "healthy sleep", "a robot in the kitchen", "rivers", "photography", "saving money",
-    "a city park", "penguins", "the printing press", "time management", "a haunted house",
-    "mathematics", "kindness", "the desert", "a space station", "bicycles", "forests",
-    "birthday parties", "coffee", "the brain", "a pirate ship", "languages", "earthquakes",
-)
-
-
-def builtin_prompts(seed: int = 0) -> list[str]:
-    """Every template x topic, shuffled (seeded), without the ``free`` bench prompts."""
-    prompts = [t.format(topic) for t, topic in itertools.product(_TEMPLATES, _TOPICS)]
-    held_out = set(FREE_PROMPTS)
-    prompts = [p for p in prompts if p not in held_out]
-    random.Random(seed).shuffle(prompts)
-    return prompts
+__all__ = ["Sample", "builtin_prompts", "generate_samples", "load_prompt_file",
+           "select_draft_vocab"]
 
 
 def load_prompt_file(path: str) -> list:
@@ -107,6 +74,7 @@ class Sample:
     token_ids: np.ndarray  # [S] int64: prompt, then the target's response
     aux: torch.Tensor  # [S, len(aux_layers) * H] the residual streams entering the aux layers
     final: torch.Tensor  # [S, H] final-norm hidden state (its LM head gives the target's p)
+    response_start: int = 0  # index of the first response token (the loss is trained from it)
 
 
 def generate_samples(llm, prompts: list, aux_layers: tuple[int, ...], max_new_tokens: int,
@@ -129,23 +97,26 @@ def generate_samples(llm, prompts: list, aux_layers: tuple[int, ...], max_new_to
             params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
                                      seed=seed + start + i) for i in range(len(chunk))]
             outputs = llm.generate(chunk, params)
-            sequences = [o.prompt_token_ids + o.token_ids for o in outputs if o.error is None]
-            sequences = [s[: llm.max_model_len] for s in sequences if len(s) >= 2]
+            done = [o for o in outputs if o.error is None]
+            sequences = [(o.prompt_token_ids + o.token_ids)[: llm.max_model_len] for o in done]
+            starts = [len(o.prompt_token_ids) for o in done]
             runner.capture_layers = layers
             try:
                 for s0 in range(0, len(sequences), llm.max_num_seqs):
                     group = sequences[s0:s0 + llm.max_num_seqs]
+                    group_starts = starts[s0:s0 + llm.max_num_seqs]
                     slots = list(range(len(group)))
                     runner.forward(slots, group, logits="none")
                     rows = runner.captured_hidden.rows
                     for slot in slots:
                         runner.kv_cache.free(slot)
                     offset = 0
-                    for seq in group:
+                    for seq, response_start in zip(group, group_starts):
                         part = rows[offset:offset + len(seq)]
                         offset += len(seq)
                         samples.append(Sample(np.asarray(seq, dtype=np.int64),
-                                              part[:, :-H].clone(), part[:, -H:].clone()))
+                                              part[:, :-H].clone(), part[:, -H:].clone(),
+                                              response_start))
             finally:
                 runner.capture_layers = ()
                 runner.captured_hidden = None

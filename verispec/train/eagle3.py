@@ -75,8 +75,13 @@ def ttt_loss(
     target_logits: torch.Tensor,  # [B, S, V_draft] float32 target logits over the draft vocab
     lengths: torch.Tensor,  # [B] int64 valid tokens per row
     num_steps: int,
+    response_start: torch.Tensor | None = None,  # [B] int64 first response token per row
 ) -> tuple[torch.Tensor, list[float], list[float]]:
-    """The TTT loss of one batch; returns (weighted loss, per-step loss, per-step accuracy)."""
+    """The TTT loss of one batch; returns (weighted loss, per-step loss, per-step accuracy).
+
+    With ``response_start``, only predictions of response tokens (position >= response_start)
+    are trained and counted; the prompt is context only (every sequence repeats the chat
+    template's system prompt, which would otherwise be a large, trivially learned share)."""
     B, S = token_ids.shape
     c = head.config
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -84,7 +89,9 @@ def ttt_loss(
     h = F.linear(aux.float(), head.fc_weight, head.fc_bias)  # [B, S, H]
     cos, sin = rope_tables(c, S + num_steps)
     positions = torch.arange(S)
-    valid_tokens = positions[None, :] < lengths[:, None]  # [B, S]
+    valid_tokens = positions[None, :] < lengths[:, None]  # [B, S] labels that are trained
+    if response_start is not None:
+        valid_tokens &= positions[None, :] >= response_start[:, None]
     same = positions[:, None] == positions[None, :]
     causal = positions[:, None] >= positions[None, :]
     target_p = torch.softmax(target_logits, dim=-1)

@@ -2,12 +2,15 @@
 
 1. **Data**: the engine generates a response to every prompt (``verispec.train.data``), then one
    target forward records the hidden states of prompt + response. Kept in
-   ``<output_dir>/data.pt``, so a resumed run does not generate again.
+   ``<output_dir>/data.pt``, so a resumed run does not generate again. The defaults (1280
+   built-in prompts x 128 tokens, 64 at once, three epochs) fit the whole run in ~25 minutes
+   on a 2-core CPU for the bundled model (docs/benchmarks.md).
 2. **Draft vocabulary**: the ``draft_vocab_size`` most frequent tokens of the data (the target's
    EOS tokens always among them); ``d2t`` maps them onto the target vocabulary.
 3. **Training**: AdamW with a linear warm-up and cosine decay (torch's schedulers) over
    ``epochs`` passes of shuffled batches, the TTT loss of ``verispec.train.eagle3`` with
-   ``ttt_steps`` unrolled draft steps; a progress bar shows loss and step-0 accuracy.
+   ``ttt_steps`` unrolled draft steps on the response tokens (the prompt is context only); a
+   progress bar shows loss and step-0 accuracy.
 4. **Checkpoints**: every ``save_every`` optimizer steps and at the end, the head is written in
    the layout vLLM and SGLang load (``config.json`` + ``model.safetensors``; ``method="eagle3"``,
    ``model=<output_dir>``) and the training state to ``<output_dir>/trainer_state.pt``; the
@@ -28,6 +31,7 @@ import numpy as np
 import torch
 
 from verispec.engine.bench_utils import progress
+from verispec.models import cpu_kernels
 from verispec.models.config import ModelConfig
 from verispec.models.eagle import (
     EAGLE3_ARCHITECTURE,
@@ -57,21 +61,21 @@ class TrainDraftConfig:
     output_dir: str
     model: str | None = None  # the target (None: the bundled model)
     prompts: str | None = None  # JSONL file; None: the built-in set
-    num_prompts: int | None = None  # use the first N prompts (default: all)
-    max_new_tokens: int = 256
+    num_prompts: int | None = 1280  # use the first N prompts of the set (None: all)
+    max_new_tokens: int = 128
     temperature: float = 0.0  # of the generated responses
     draft_vocab_size: int = 8192
     ttt_steps: int = 3
     epochs: int = 3
     batch_size: int = 8  # sequences per optimizer step
-    lr: float = 1e-3
+    lr: float = 2e-3
     warmup_steps: int = 20
     max_seq_len: int = 512
     save_every: int = 100
     seed: int = 0
     dtype: str = "bfloat16"  # the target's, for generation and hidden states
     device: str = "cpu"
-    max_num_seqs: int = 16  # generation batch
+    max_num_seqs: int = 64  # generation batch
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "draft_vocab_size", "ttt_steps", "epochs", "batch_size",
@@ -123,7 +127,8 @@ def _batches(samples: list[Sample], batch_size: int, rng: random.Random) -> list
 
 
 def _collate(samples: list[Sample], max_len: int, draft_head: torch.Tensor):
-    """Padded [B, S] tokens, [B, S, D] aux, [B, S, V_draft] target logits, [B] lengths."""
+    """Padded [B, S] tokens, [B, S, D] aux, [B, S, V_draft] target logits, [B] lengths and [B]
+    response starts (``ttt_loss``'s arguments)."""
     lengths = torch.tensor([min(len(s.token_ids), max_len) for s in samples])
     S = int(lengths.max())
     B = len(samples)
@@ -134,7 +139,8 @@ def _collate(samples: list[Sample], max_len: int, draft_head: torch.Tensor):
         tokens[b, :n] = torch.from_numpy(s.token_ids[:n])
         aux[b, :n] = s.aux[:n].float()
         final[b, :n] = s.final[:n].float()
-    return tokens, aux, final @ draft_head.T, lengths
+    starts = torch.tensor([s.response_start for s in samples])
+    return tokens, aux, final @ draft_head.T, lengths, starts
 
 
 def _load_or_generate(cfg: TrainDraftConfig, llm, aux_layers) -> list[Sample]:
@@ -146,8 +152,8 @@ def _load_or_generate(cfg: TrainDraftConfig, llm, aux_layers) -> list[Sample]:
     prompts = builtin_prompts(cfg.seed) if cfg.prompts is None else load_prompt_file(cfg.prompts)
     prompts = prompts[: cfg.num_prompts]
     samples = generate_samples(llm, prompts, aux_layers, cfg.max_new_tokens, cfg.temperature,
-                               cfg.seed, batch_size=cfg.max_num_seqs * 2)
-    torch.save([(s.token_ids, s.aux, s.final) for s in samples], path)
+                               cfg.seed, batch_size=cfg.max_num_seqs * 4)
+    torch.save([(s.token_ids, s.aux, s.final, s.response_start) for s in samples], path)
     return samples
 
 
@@ -159,9 +165,16 @@ def train_draft(cfg: TrainDraftConfig, log=print) -> dict:
     start_time = time.perf_counter()
     os.makedirs(cfg.output_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
+    # The data needs the target's distribution, not batch-invariant bits: the faster matmuls.
     llm = LLM(cfg.model, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs, device=cfg.device,
-              max_model_len=None)
+              max_model_len=None, batch_invariant=False)
     target = llm.loaded.model
+    if llm.device.type == "cpu" and cpu_kernels.torch_has_fast_bf16():
+        # torch's bfloat16 matmul is fast here: keep it for many rows instead of the runner's
+        # float32 widening (64 sequences at once: 172 -> 324 tokens/s on a 2-core AMD EPYC)
+        set_matmuls = getattr(target, "set_cpu_matmuls", None)
+        if set_matmuls is not None:
+            set_matmuls(torch.get_num_threads(), upcast_rows=0, batch_invariant=False)
     tc = llm.model_config
     if cfg.draft_vocab_size > tc.vocab_size:
         raise ValueError(f"draft_vocab_size={cfg.draft_vocab_size} exceeds the target's "
@@ -233,8 +246,9 @@ def train_draft(cfg: TrainDraftConfig, log=print) -> dict:
             epoch += 1
             epoch_batches = _batches(samples, cfg.batch_size, random.Random(cfg.seed + epoch))
         batch = [samples[i] for i in epoch_batches.pop(0)]
-        tokens, aux, target_logits, lengths = _collate(batch, cfg.max_seq_len, draft_head)
-        loss, losses, accs = ttt_loss(head, tokens, aux, target_logits, lengths, cfg.ttt_steps)
+        tokens, aux, target_logits, lengths, starts = _collate(batch, cfg.max_seq_len, draft_head)
+        loss, losses, accs = ttt_loss(head, tokens, aux, target_logits, lengths, cfg.ttt_steps,
+                                      starts)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
