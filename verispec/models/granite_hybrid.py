@@ -24,7 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.models.config import ModelConfig
-from verispec.models.llama import MLP, AttentionMetadata, FlatBatch, RMSNorm, _param, linear
+from verispec.models.llama import (
+    MLP,
+    AttentionMetadata,
+    FlatBatch,
+    RMSNorm,
+    _param,
+    input_norm_flat,
+    linear,
+)
 from verispec.models.llama import Attention as LlamaAttention
 from verispec.models.mamba2 import HybridStep, Mamba2Mixer
 from verispec.models.mamba2_flat import FlatMambaStep, mixer_forward_flat
@@ -194,12 +202,7 @@ class HybridDecoderLayer(nn.Module):
         stream before it (None at layer 0: x is the embedding); returns this layer's scaled
         MLP output and the stream before it (the stream after the layer is their sum)."""
         ops = batch.ops
-        norm = self.input_norm
-        if residual is None:
-            residual = x
-            h = ops.rms_norm(x, norm.weight, norm.eps)
-        else:
-            h = ops.rms_norm(x, norm.weight, norm.eps, residual)  # residual += x
+        h, residual = input_norm_flat(self.input_norm, x, residual, ops)
         if self.mamba is not None:
             h = mixer_forward_flat(self.mamba, h, batch, step, k_cache)
         else:

@@ -334,6 +334,16 @@ class MLP(nn.Module):
         return ops.linear(act, self.down_weight, self.down_bias)
 
 
+def input_norm_flat(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+                    ops: ModelOps) -> tuple[torch.Tensor, torch.Tensor]:
+    """A flat-layout layer's input norm with the residual add fused: (normed, residual stream).
+    At layer 0 (``residual`` None) x is the embedding and becomes the stream; after it the
+    norm adds x into ``residual`` in place."""
+    if residual is None:
+        return ops.rms_norm(x, norm.weight, norm.eps), x
+    return ops.rms_norm(x, norm.weight, norm.eps, residual), residual
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -355,12 +365,7 @@ class DecoderLayer(nn.Module):
         previous layer's output x and the residual stream before it (None at layer 0: x is the
         embedding), returns this layer's output and the stream before it."""
         ops = batch.ops
-        norm = self.input_norm
-        if residual is None:
-            residual = x
-            h = ops.rms_norm(x, norm.weight, norm.eps)
-        else:
-            h = ops.rms_norm(x, norm.weight, norm.eps, residual)  # residual += x
+        h, residual = input_norm_flat(self.input_norm, x, residual, ops)
         attn = self.attn.forward_flat(h, batch, k_cache, v_cache)
         h = ops.rms_norm(attn, self.post_attn_norm.weight, self.post_attn_norm.eps, residual)
         return self.mlp.forward_flat(h, ops), residual
