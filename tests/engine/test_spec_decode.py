@@ -282,9 +282,16 @@ def test_verify_costs_follow_the_cpu_kernels(monkeypatch):
     from verispec.engine import spec_decode
 
     monkeypatch.setattr(spec_decode.cpu_kernels, "available", lambda: True)
+    monkeypatch.setattr(spec_decode.cpu_kernels, "bf16_isas", lambda: ("avx2", "avx512_bf16"))
     fast = verify_costs(torch.device("cpu"), torch.bfloat16, 6)
     assert fast == spec_decode.CPU_VERIFY_COSTS_WITH_KERNELS
     assert verify_costs(torch.device("cpu"), torch.float32, 6) == fast
+    monkeypatch.setattr(spec_decode.cpu_kernels, "bf16_isas",
+                        lambda: ("avx2", "avx512_bf16", "amx"))
+    amx = verify_costs(torch.device("cpu"), torch.bfloat16, 6)
+    assert amx == spec_decode.CPU_VERIFY_COSTS_AMX
+    assert all(a <= f for a, f in zip(amx, fast))
+    assert verify_costs(torch.device("cpu"), torch.float32, 6) == fast  # AMX is bfloat16 only
     monkeypatch.setattr(spec_decode.cpu_kernels, "available", lambda: False)
     slow = verify_costs(torch.device("cpu"), torch.bfloat16, 6)
     assert slow == spec_decode.CPU_VERIFY_COSTS[torch.bfloat16]

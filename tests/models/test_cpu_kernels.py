@@ -13,6 +13,8 @@ from verispec.models import cpu_kernels
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(),
                                   reason="the bfloat16 CPU kernel is not for this machine")
+# every bfloat16 kernel this CPU runs (AVX2; AVX-512 BF16 and AMX where the CPU has them)
+ISAS = cpu_kernels.bf16_isas() or ("avx2",)
 
 
 def test_built_wherever_it_is_wanted():
@@ -28,19 +30,22 @@ def test_switched_off_by_environment(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
 @pytest.mark.parametrize("in_features, out_features", [(32, 5), (48, 33), (31, 7), (576, 40),
-                                                        (1536, 9), (18, 1)])
+                                                        (1536, 9), (18, 1), (64, 48)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bf16_linear_rounds_the_float32_sum_once(rows, in_features, out_features, with_bias):
+def test_bf16_linear_rounds_the_float32_sum_once(isa, rows, in_features, out_features,
+                                                 with_bias):
     """Against the exact product: within half a bfloat16 ulp plus float32 summation error; and
     within one bfloat16 ulp of torch's bfloat16 matmul (which differs only in summation order).
-    Odd and non-multiple-of-16 input sizes take the scalar tails; 5 and 9 rows a partial group."""
+    Odd and non-multiple-of-16 input sizes take the scalar or masked tails; 5, 9 and 17 rows a
+    partial group or tile; (64, 48) is a shape AMX takes (the others fall back from it)."""
     gen = torch.Generator().manual_seed(rows * 1000 + in_features + out_features)
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
     bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
-    ours = cpu_kernels.bf16_linear(x, weight, bias)
+    ours = cpu_kernels.bf16_linear(x, weight, bias, isa)
     assert ours.dtype == torch.bfloat16 and ours.shape == (rows, out_features)
     exact = torch.nn.functional.linear(x.double(), weight.double(),
                                        None if bias is None else bias.double())
@@ -67,29 +72,57 @@ def test_f32_linear_matches_f_linear(rows, in_features, out_features):
 
 
 @needs_kernel
-def test_bf16_linear_any_leading_shape_and_strides():
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_linear_any_leading_shape_and_strides(isa):
     """[B, S, in] inputs, a transposed (non-contiguous) one, and an empty one."""
     gen = torch.Generator().manual_seed(7)
-    weight = torch.randn(24, 40, generator=gen).bfloat16()
-    x = torch.randn(2, 3, 40, generator=gen).bfloat16()
-    ref = cpu_kernels.bf16_linear(x.reshape(6, 40), weight, None).reshape(2, 3, 24)
-    assert torch.equal(cpu_kernels.bf16_linear(x, weight, None), ref)
+    weight = torch.randn(32, 64, generator=gen).bfloat16()
+    x = torch.randn(2, 3, 64, generator=gen).bfloat16()
+    ref = cpu_kernels.bf16_linear(x.reshape(6, 64), weight, None, isa).reshape(2, 3, 32)
+    assert torch.equal(cpu_kernels.bf16_linear(x, weight, None, isa), ref)
     xt = x.transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
     assert not xt.is_contiguous()
-    assert torch.equal(cpu_kernels.bf16_linear(xt, weight, None), ref)
-    empty = cpu_kernels.bf16_linear(x[:, :0], weight, None)
-    assert empty.shape == (2, 0, 24)
+    assert torch.equal(cpu_kernels.bf16_linear(xt, weight, None, isa), ref)
+    empty = cpu_kernels.bf16_linear(x[:, :0], weight, None, isa)
+    assert empty.shape == (2, 0, 32)
 
 
 @needs_kernel
-def test_bf16_linear_special_values():
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("in_features, out_features", [(576, 64), (1536, 48), (40, 24)])
+def test_bf16_linear_rows_do_not_depend_on_the_batch(isa, in_features, out_features):
+    """Batch invariance (REFERENCE §12): every row has the same bits computed alone, in any
+    group of rows and at any place in a group or AMX tile (1 .. 40 rows)."""
+    gen = torch.Generator().manual_seed(in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    x = torch.randn(40, in_features, generator=gen).bfloat16()
+    alone = torch.cat([cpu_kernels.bf16_linear(x[i:i + 1], weight, bias, isa) for i in range(40)])
+    for rows in (2, 3, 4, 5, 16, 17, 40):
+        for start in (0, 40 - rows):
+            got = cpu_kernels.bf16_linear(x[start:start + rows], weight, bias, isa)
+            assert torch.equal(got, alone[start:start + rows]), (rows, start)
+
+
+def test_bf16_linear_names_a_kernel_this_cpu_lacks():
+    if not cpu_kernels.available() or "amx" in cpu_kernels.bf16_isas():
+        pytest.skip("needs the kernels on a CPU without AMX")
+    with pytest.raises(ValueError, match="isa='amx' does not run here"):
+        cpu_kernels.bf16_linear(torch.zeros(1, 32).bfloat16(), torch.zeros(16, 32).bfloat16(),
+                                None, "amx")
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("in_features, out_features", [(16, 3), (32, 16)])
+def test_bf16_linear_special_values(isa, in_features, out_features):
     """NaN and infinities propagate as in float32 arithmetic; overflow rounds to infinity."""
-    weight = torch.ones(3, 16).bfloat16()
-    x = torch.zeros(4, 16).bfloat16()
+    weight = torch.ones(out_features, in_features).bfloat16()
+    x = torch.zeros(4, in_features).bfloat16()
     x[0, 3] = float("nan")
     x[1, 0] = float("inf")
     x[2, :] = 3e38  # the float32 sum overflows
-    out = cpu_kernels.bf16_linear(x, weight, None).float()
+    out = cpu_kernels.bf16_linear(x, weight, None, isa).float()
     assert out[0].isnan().all() and (out[1] == float("inf")).all()
     assert (out[2] == float("inf")).all() and (out[3] == 0).all()
 
@@ -170,3 +203,22 @@ def test_model_attention_through_the_kernel_matches_sdpa(tmp_path, monkeypatch):
     monkeypatch.setattr(llama, "CPU_KERNEL_MAX_QUERIES", 0)  # batch-variant path: SDPA
     torch.testing.assert_close(with_kernel, steps(batch_invariant=False), rtol=1e-5, atol=1e-5)
     assert len(calls) == 4 * loaded.model.config.num_hidden_layers  # SDPA the second time
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, size", [(1, 576), (4, 576), (3, 13), (600, 576)])
+def test_rms_norm_matches_hf_and_does_not_depend_on_the_batch(dtype, rows, size):
+    """HF Llama's RMS norm (float32 statistics; bfloat16 rounded before and after the weight)
+    within float32 summation order; each row the same bits alone as in the batch (600 rows take
+    the parallel region)."""
+    gen = torch.Generator().manual_seed(rows + size)
+    x = (3 * torch.randn(rows, size, generator=gen)).to(dtype)
+    weight = torch.randn(size, generator=gen).to(dtype)
+    ours = cpu_kernels.rms_norm(x, weight, 1e-5)
+    xf = x.float()
+    hf = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    torch.testing.assert_close(ours, hf, rtol=2**-6 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-5)
+    for i in (0, rows - 1):
+        assert torch.equal(cpu_kernels.rms_norm(x[i:i + 1], weight, 1e-5)[0], ours[i])

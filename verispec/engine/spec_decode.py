@@ -76,6 +76,10 @@ CPU_VERIFY_COSTS = {
 # 1.50, 1.99, 2.46, ...); float32 1.0, 1.08-1.11, 1.13-1.20, 1.17-1.20, 1.31-1.33, 1.44-1.48,
 # 1.55-1.60.
 CPU_VERIFY_COSTS_WITH_KERNELS = (1.0, 1.1, 1.2, 1.25, 1.4, 1.5, 1.65)
+# bfloat16 through the AMX kernel (up to 16 rows cost about one; 2-core Xeon VM, passive and
+# spinning OpenMP workers, two runs each): 1.0, 1.01-1.07, 1.05-1.08, 1.07-1.13, 1.07-1.13,
+# 1.07-1.15, 1.13-1.20, 1.14-1.21.
+CPU_VERIFY_COSTS_AMX = (1.0, 1.05, 1.07, 1.1, 1.1, 1.12, 1.17)
 GPU_COST_PER_TOKEN = 0.01  # memory-bound decode: a few more rows are nearly free
 
 
@@ -87,6 +91,8 @@ def verify_costs(device: torch.device, dtype: torch.dtype, max_n: int) -> tuple[
     table = list(CPU_VERIFY_COSTS.get(dtype, CPU_VERIFY_COSTS[torch.bfloat16]))
     if dtype in (torch.bfloat16, torch.float32) and cpu_kernels.available():
         table = list(CPU_VERIFY_COSTS_WITH_KERNELS)
+        if dtype == torch.bfloat16 and "amx" in cpu_kernels.bf16_isas():
+            table = list(CPU_VERIFY_COSTS_AMX)
     while len(table) < max_n + 1:
         table.append(table[-1] + (table[-1] - table[-2]))
     return tuple(table[: max_n + 1])

@@ -73,7 +73,9 @@ class RMSNorm(nn.Module):
     Computed as a layer norm of ``[x, -x]``: that vector has mean exactly 0 and variance
     ``mean(x^2)``, so its first half is x / sqrt(mean(x^2) + eps). ``F.layer_norm`` is one fused
     CPU kernel (statistics in float32, output rounded once to x's dtype, then scaled by w as HF
-    does), where ``F.rms_norm`` runs as half a dozen separate ops on CPU.
+    does), where ``F.rms_norm`` runs as half a dozen separate ops on CPU. Where the compiled
+    CPU kernels run, ``cpu_kernels.rms_norm`` instead (one call, no parallel region for the few
+    rows of a decode or verify step).
     """
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
@@ -82,6 +84,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.device.type == "cpu" and x.dtype == self.weight.dtype
+                and x.dtype in (torch.bfloat16, torch.float32) and not torch.is_grad_enabled()
+                and cpu_kernels.available()):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         n = x.shape[-1]
         normed = F.layer_norm(torch.cat((x, x.neg()), dim=-1), (2 * n,), eps=self.eps)
         return normed[..., :n] * self.weight
