@@ -373,6 +373,8 @@ TRAIN_DRAFT_HELP = {
     "dtype": "target dtype for generating and recording hidden states",
     "device": "cpu, cuda or cuda:N",
     "max_num_seqs": "requests generated at once",
+    "amp": "train with bfloat16 matmuls (float32 weights and optimizer) where the CPU has a "
+           "fast bfloat16 matmul; --no-amp trains in float32",
 }
 
 
@@ -388,6 +390,10 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
             continue
         if f.name == "dtype":
             options["choices"] = ["bfloat16", "float32"]
+        if f.type in (bool, "bool"):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=f.default, **options)
+            continue
         if "default:" not in options["help"]:
             options["help"] += " (default: %(default)s)"
         parser.add_argument(flag, dest=f.name, type=kind, default=f.default, **options)
