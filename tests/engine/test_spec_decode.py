@@ -300,6 +300,26 @@ def test_verify_costs_follow_the_cpu_kernels(monkeypatch):
 
 
 
+def test_planner_costs_add_the_draft_models_forwards(target_dir, draft_dir):
+    """A proposer with a model of its own adds n times its forward (its matmul weights over
+    the target's) to the cost of n drafts; a lookup adds nothing; a model drafting for itself
+    costs a whole decode step per draft."""
+    from verispec.proposers.base import matmul_weights
+
+    spec = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3}
+    llm = LLM(target_dir, speculative_config=spec)
+    proposer, runner = llm.spec.proposer, llm.runner
+    ratio = matmul_weights(proposer.runner.model) / matmul_weights(runner.model)
+    assert 0 < ratio < 1 and proposer.draft_cost == pytest.approx(ratio)
+    base = verify_costs(runner.device, runner.dtype, 3)
+    assert llm.spec.costs == pytest.approx([c + n * ratio for n, c in enumerate(base)])
+    same = LLM(target_dir, speculative_config=dict(spec, model=target_dir)).spec
+    assert same.proposer.draft_cost == pytest.approx(1.0)
+    ngram = LLM(target_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                "prompt_lookup_max": 2})
+    assert ngram.spec.proposer.draft_cost == 0.0 and ngram.spec.costs == base
+
+
 def test_step_without_drafts_is_a_plain_decode_step(target_dir):
     """When no request drafts, the speculative engine takes the plain decode path; its sampled
     tokens are the bonus tokens of the rejection sampler, so seeded sampled requests equal the

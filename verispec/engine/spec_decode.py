@@ -19,7 +19,9 @@ kernels (``models.cpu_kernels``, where they run) ~0.1 in both dtypes. On a GPU w
 graphs every step drafts and verifies at a fixed shape (k drafts, k + 1 rows per request), so a
 step with drafts costs the same whatever n: ``measured_costs`` times the captured decode, verify
 and draft graphs once at start-up, on the scratch slot, and rounds the ratio to 0.05 steps
-(``SpeculativeDecoder.capture``; without graphs, 1 + 0.01 n). Beyond that it
+(``SpeculativeDecoder.capture``; without graphs, 1 + 0.01 n). Where the costs are not
+measured, a proposer with a model of its own adds ``n * draft_cost`` (its model's matmul
+weights over the target's: an EAGLE head of the bundled model ~0.07). Beyond that it
 is deliberately not timed at run time: the number of drafts must not depend on the machine's
 momentary load or on the batch, or a seeded request would stop being reproducible. Each request
 keeps an estimate of its per-token acceptance rate alpha (an exponential average of accepted /
@@ -164,7 +166,10 @@ class SpeculativeDecoder:
         self.vocab_size = vocab_size
         self.sampler = Sampler()  # steps in which nobody drafted
         self.adaptive = not config.is_synthetic
-        self.costs = verify_costs(runner.device, runner.dtype, self.k)
+        # n drafts cost the verify forward plus n of the proposer's own forwards
+        draft_cost = self.proposer.draft_cost
+        self.costs = tuple(cost + n * draft_cost for n, cost in
+                           enumerate(verify_costs(runner.device, runner.dtype, self.k)))
         self.logger = SpecDecodingLogger(self.k, log_interval_s)
         # Wall time spent proposing and verifying, for reports only (never for decisions).
         self.propose_time_s = 0.0

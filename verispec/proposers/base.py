@@ -182,6 +182,14 @@ class Proposer(abc.ABC):
     def free(self, slot: int) -> None:  # noqa: B027 - optional hook, no-op by default
         """The request in ``slot`` finished or was aborted; forget its state."""
 
+    @property
+    def draft_cost(self) -> float:
+        """One draft token's cost in target decode steps, for the planner's choice of how many
+        to draft where step costs are not measured (CPU). Default 0 (a lookup); proposers with
+        a model of their own return the ratio of the weights a forward of each reads
+        (``matmul_weights``): a decode step reads every weight once."""
+        return 0.0
+
     def draft_ahead(self, requests: Sequence[ProposalRequest],
                     output_token_ids: torch.Tensor) -> bool:
         """Optionally queue the next step's drafts on the device now, from this step's output
@@ -190,6 +198,20 @@ class Proposer(abc.ABC):
         these requests continuing with exactly those tokens; otherwise it drafts as usual.
         Returns whether drafts were queued (default: never)."""
         return False
+
+
+def matmul_weights(model: torch.nn.Module) -> int:
+    """Weights a one-token forward of ``model`` multiplies by: its 2-D parameters but the
+    embedding tables (a lookup), plus an LM head tied to one of them."""
+    total, seen = 0, set()
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and "embed" not in name:
+            total += p.numel()
+            seen.add(p.data_ptr())
+    head = getattr(model, "lm_head_weight", None)
+    if isinstance(head, torch.Tensor) and head.data_ptr() not in seen:
+        total += head.numel()
+    return total
 
 
 ProposerT = TypeVar("ProposerT", bound=Proposer)

@@ -66,6 +66,7 @@ from verispec.proposers.base import (
     ProposalRequest,
     Proposer,
     ProposerContext,
+    matmul_weights,
     register_proposer,
 )
 
@@ -102,6 +103,15 @@ class ModelProposer(Proposer):
         super().__init__(config, context)
         self.greedy = config.draft_sample_method == "greedy"
         self.uses_draft_probs = not self.greedy
+
+    @property
+    def draft_cost(self) -> float:
+        """The proposer's model's matmul weights over the target's (``Proposer.draft_cost``);
+        0 where it drafts with the target's own runner (early exit: not modelled)."""
+        target = getattr(self.context.target_model, "model", None)
+        if target is None or self.runner.model is target:
+            return 0.0
+        return matmul_weights(self.runner.model) / max(1, matmul_weights(target))
 
     def _init_buffers(self, num_slots: int, vocab_size: int) -> None:
         k = self.num_speculative_tokens
