@@ -28,6 +28,7 @@ CONFIGS = {
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},  # spin between parallel regions
     "gomp-default": {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "300000"},  # libgomp's own
     "threads1": {"OMP_NUM_THREADS": "1"},
+    "spin10k": {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "10000"},  # spin briefly, then sleep
 }
 
 CHILD = r"""

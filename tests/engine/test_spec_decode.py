@@ -356,7 +356,8 @@ def test_failed_probes_back_off():
     dec = sd.SpeculativeDecoder.__new__(sd.SpeculativeDecoder)
     dec.k, dec.max_model_len, dec.adaptive = 4, 10_000, True
     dec.costs = linear_costs(0.35, 4)
-    dec._alpha = np.full(1, sd.ALPHA_PRIOR)
+    dec._accepted = np.full(1, sd.ALPHA_PRIOR * sd.PRIOR_TRIALS)
+    dec._tried = np.full(1, sd.PRIOR_TRIALS)
     dec._steps_off = np.zeros(1, dtype=np.int64)
     dec._probe_interval = np.full(1, sd.REPROBE_STEPS)
     dec._probing = np.zeros(1, dtype=bool)
@@ -378,3 +379,17 @@ def test_failed_probes_back_off():
     dec._probing[0] = True  # a probe that passes resets the interval
     dec._observe(0, 1, 1)
     assert dec._probe_interval[0] == sd.REPROBE_STEPS
+
+
+def test_alpha_counts_drafts_tried_not_drafted():
+    """Drafts after the first rejected one were never tried: k = 3 drafts that stop at the
+    second count 1 accepted of 2 tried (alpha 0.5), all accepted count k of k."""
+    from verispec.engine import spec_decode as sd
+
+    dec = sd.SpeculativeDecoder.__new__(sd.SpeculativeDecoder)
+    dec._accepted, dec._tried = np.zeros(2), np.zeros(2)
+    dec._probing = np.zeros(2, dtype=bool)
+    for _ in range(50):
+        dec._observe(0, 3, 1)
+        dec._observe(1, 3, 3)
+    assert dec.alpha(0) == pytest.approx(0.5) and dec.alpha(1) == pytest.approx(1.0)

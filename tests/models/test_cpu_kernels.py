@@ -222,3 +222,25 @@ def test_rms_norm_matches_hf_and_does_not_depend_on_the_batch(dtype, rows, size)
                                atol=1e-5)
     for i in (0, rows - 1):
         assert torch.equal(cpu_kernels.rms_norm(x[i:i + 1], weight, 1e-5)[0], ours[i])
+
+
+@needs_kernel
+def test_avx2_kernels_alone_where_the_avx512_file_does_not_build(tmp_path, monkeypatch):
+    """A compiler that cannot build the AVX-512 BF16 / AMX file still gives the AVX2 kernels
+    (and remembers the failed build instead of retrying it at every start)."""
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_kernels, "_X512_SOURCE", broken)
+    monkeypatch.setattr(cpu_kernels, "_cache_dir", lambda: tmp_path / "kernels")
+    for cached in (cpu_kernels._library, cpu_kernels.bf16_isas):
+        cached.cache_clear()
+    try:
+        assert cpu_kernels.available() and cpu_kernels.bf16_isas() == ("avx2",)
+        x, w = torch.randn(3, 64).bfloat16(), torch.randn(16, 64).bfloat16()
+        torch.testing.assert_close(cpu_kernels.bf16_linear(x, w, None).float(),
+                                   (x.float() @ w.float().T), rtol=2**-7, atol=1e-3)
+        assert len(list((tmp_path / "kernels").glob("*.failed"))) == 1
+    finally:
+        monkeypatch.undo()
+        for cached in (cpu_kernels._library, cpu_kernels.bf16_isas):
+            cached.cache_clear()

@@ -118,6 +118,9 @@ def _library() -> ctypes.CDLL | None:
     library, error = None, None
     for sources, suffix in (([*_SOURCES, _X512_SOURCE], ""), (_SOURCES, "-avx2")):
         path = _cache_dir() / f"cpu_kernels-{tag}{suffix}.so"
+        failed = path.with_suffix(".failed")  # a build that failed once is not retried
+        if failed.exists():
+            continue
         try:
             if not path.exists():
                 _build(compiler, sources, path)
@@ -125,8 +128,11 @@ def _library() -> ctypes.CDLL | None:
             break
         except (OSError, subprocess.SubprocessError) as exc:
             error = exc
+            if isinstance(exc, subprocess.CalledProcessError):
+                failed.touch()
     if library is None:
-        warnings.warn(f"verispec: the CPU kernels could not be built ({error}); "
+        cause = error or f"an earlier build failed; remove {_cache_dir()} to try again"
+        warnings.warn(f"verispec: the CPU kernels could not be built ({cause}); "
                       "using torch's ops", RuntimeWarning, stacklevel=2)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -2,7 +2,7 @@
 
 1. **Data**: the engine generates a response to every prompt (``verispec.train.data``), then one
    target forward records the hidden states of prompt + response. Kept in
-   ``<output_dir>/data.pt``, so a resumed run does not generate again. The defaults (1280
+   ``<output_dir>/data.pt``, so a resumed run does not generate again. The defaults (2048
    built-in prompts x 128 tokens, 64 at once, three epochs) fit the whole run in ~25 minutes
    on a 2-core CPU for the bundled model (docs/benchmarks.md).
 2. **Draft vocabulary**: the ``draft_vocab_size`` most frequent tokens of the data (the target's
@@ -62,7 +62,7 @@ class TrainDraftConfig:
     output_dir: str
     model: str | None = None  # the target (None: the bundled model)
     prompts: str | None = None  # JSONL file; None: the built-in set
-    num_prompts: int | None = 1280  # use the first N prompts of the set (None: all)
+    num_prompts: int | None = 2048  # use the first N prompts of the set (None: all)
     max_new_tokens: int = 128
     temperature: float = 0.0  # of the generated responses
     draft_vocab_size: int = 8192
