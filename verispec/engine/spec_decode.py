@@ -32,8 +32,9 @@ rejected one were never tried (counting them as failures, accepted / drafted, re
 per-position profile 0.39, 0.16, 0.06 as alpha 0.2 instead of 0.4 and drafted half as often as
 pays). A request whose drafts keep failing therefore drops to ``n = 0`` (a plain decode step);
 every ``REPROBE_STEPS`` steps it drafts one token again so a request whose text becomes
-predictable (a quoted passage, code being repeated) is noticed; each failed probe doubles that interval (up to
-``MAX_REPROBE_STEPS``), a passing one resets it, so free text pays almost nothing for probing.
+predictable (a quoted passage, code being repeated) is noticed; each failed probe doubles that
+interval (up to ``MAX_REPROBE_STEPS``), a passing one resets it, so free text pays almost
+nothing for probing.
 Synthetic mode never switches off: the user asked for a given acceptance.
 
 A step in which no request drafted (the n-gram found no match, or every request is switched off)
