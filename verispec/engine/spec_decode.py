@@ -15,12 +15,12 @@ tokens) costs more than a plain decode step. ``verify_costs`` gives that cost in
 a fixed table per device and dtype measured on our CPU (docs/benchmarks.md). On CPU it is not
 linear in n: in float32 the first extra token costs most (a different matmul shape), then the
 cost is nearly flat; in bfloat16 every token adds ~0.5 with torch's matmul; with the compiled
-kernels (``models.cpu_kernels``, where they run) ~0.1 in both dtypes. On a GPU with captured
-graphs every step drafts and verifies at a fixed shape (k drafts, k + 1 rows per request), so a
-step with drafts costs the same whatever n: ``measured_costs`` times the captured decode, verify
-and draft graphs once at start-up, on the scratch slot, and rounds the ratio to 0.05 steps
-(``SpeculativeDecoder.capture``; without graphs, 1 + 0.01 n). Where the costs are not
-measured, a proposer with a model of its own adds ``n * draft_cost`` (its model's matmul
+kernels (``models.cpu_kernels``, where they run) ~0.1 in both dtypes, and with their bfloat16
+AMX kernel ~0.03. On a GPU with captured graphs every step drafts and verifies at a fixed shape
+(k drafts, k + 1 rows per request), so a step with drafts costs the same whatever n:
+``measured_costs`` times the captured decode, verify and draft graphs once at start-up, on the
+scratch slot, and rounds the ratio to 0.05 steps (``SpeculativeDecoder.capture``; without
+graphs, 1 + 0.01 n). Where the costs are not measured, a proposer with a model of its own adds ``n * draft_cost`` (its model's matmul
 weights over the target's: an EAGLE head of the bundled model ~0.07). Beyond that it
 is deliberately not timed at run time: the number of drafts must not depend on the machine's
 momentary load or on the batch, or a seeded request would stop being reproducible. Each request

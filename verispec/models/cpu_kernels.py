@@ -14,10 +14,11 @@ No maintained library offers this for bfloat16 on such CPUs, hence the few dozen
 
 Where the CPU has bfloat16 instructions, ``bf16_linear_avx512.c`` does the same with AVX-512
 BF16 or AMX (``bf16_isas()``; runtime dispatch by CPU and weight shape, never by row count).
-On a 2-core Xeon VM with AMX, the bundled model's matrices take 16.3 / 25.0 / 56 ms for 1 / 4
-/ 16 rows with AVX2, 13.0 / 20.6 / 40 with AVX-512 BF16, 11.1 / 13.6 / 14.9 with AMX: a
-verify step's few rows cost about one. torch's own bfloat16 matmul (oneDNN, also AMX) picks
-its kernel by the number of rows, so it cannot give one row's bits in every batch.
+On a 2-core Xeon VM with AMX (spinning OpenMP workers), the bundled model's matrices take
+16.3 / 25.0 / 56 ms for 1 / 4 / 16 rows with AVX2, 13.0 / 20.6 / 40 with AVX-512 BF16,
+11.1 / 13.6 / 14.9 with AMX: a verify step's few rows cost about one. torch's own bfloat16
+matmul (oneDNN, also AMX) picks its kernel by the number of rows, so it cannot give one row's
+bits in every batch.
 
 Decode attention: torch's SDPA over one query per request costs ~75 us a call here, nearly all
 of it fixed overhead, plus casts of q and the output around it (the cache is float32);
