@@ -16,6 +16,9 @@ already holds them) or a temporary directory. Then, all greedy with ``ignore_eos
   ``t`` seconds (plain decode time / decode steps) and per speculative step ``p`` seconds
   proposing and ``v`` verifying, predicted speedup = mean acceptance length / (p / t + v / t);
 - batch 64 (64 prompts of 32 tokens, 128 output tokens each): the same two engines;
+- an EAGLE-3 head for the target (one decoder layer of its shape, fc over layers 2 / 16 / 29, a
+  32 000-token draft vocabulary; random weights as above) with the same synthetic acceptance at
+  batch 1 and 64, and the device time of its captured k-step draft against a decode step;
 - determinism (greedy): one request twice, alone against inside a batch of 8 other prompts, and
   CUDA graphs against eager; on a difference, the first differing index;
 - peak GPU memory per engine, CUDA-graph capture time and memory, kernels per decode step seen
@@ -66,6 +69,10 @@ GOALS = {  # name -> minimum
     f"b{BATCH} draft / plain": 1.2,
     "b1 ours / hf static+compile": 1.6,
 }
+MAX_GOALS = {  # name -> maximum
+    "b1 eagle: one draft forward / decode step": 0.1,
+}
+DRAFT_VOCAB = 32000  # the EAGLE-3 heads published for Llama-3.1-8B
 ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
             original_max_position_embeddings=8192)
 
@@ -149,6 +156,75 @@ def checkpoints(workdir: str, tiny: bool, device: torch.device) -> dict[str, str
     return dirs
 
 
+@torch.no_grad()
+def build_eagle_head(target: dict, path: str, device: torch.device, seed: int,
+                     draft_vocab_size: int) -> None:
+    """A random EAGLE-3 head for ``target`` (LlamaConfig kwargs) in the published layout
+    (``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t`` / ``t2d``; no embedding: the
+    target's): bfloat16 normal std 0.02, norms 1, a random draft vocabulary."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    H, inter, V = target["hidden_size"], target["intermediate_size"], target["vocab_size"]
+    heads, kv_heads = target["num_attention_heads"], target["num_key_value_heads"]
+    head_dim, L = H // heads, target["num_hidden_layers"]
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:draft_vocab_size]
+    ids = ids.sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    ones = torch.ones(H, dtype=torch.bfloat16)
+    state = {
+        "fc.weight": rand(H, 3 * H),
+        "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * H),
+        "midlayer.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * H),
+        "midlayer.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * H),
+        "midlayer.self_attn.o_proj.weight": rand(H, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": rand(inter, H),
+        "midlayer.mlp.up_proj.weight": rand(inter, H),
+        "midlayer.mlp.down_proj.weight": rand(H, inter),
+        "midlayer.input_layernorm.weight": ones, "midlayer.hidden_norm.weight": ones,
+        "midlayer.post_attention_layernorm.weight": ones, "norm.weight": ones,
+        "lm_head.weight": rand(draft_vocab_size, H),
+        "d2t": ids - torch.arange(draft_vocab_size), "t2d": t2d,
+    }
+    config = {key: target[key] for key in (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+        "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings")}
+    config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+                  num_hidden_layers=1, hidden_act="silu", tie_word_embeddings=False,
+                  draft_vocab_size=draft_vocab_size, target_hidden_size=H,
+                  eagle_config={"eagle_aux_hidden_state_layer_ids":
+                                [2, L // 2, L - 3] if L >= 6 else [0, L // 2, L - 1]})
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.cpu().contiguous().clone() for k, v in state.items()},
+              os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def eagle_head(workdir: str, tiny: bool, device: torch.device) -> str:
+    """The EAGLE-3 head's directory (built unless ``workdir`` has it)."""
+    target = model_configs(tiny)["target"]
+    draft_vocab = min(DRAFT_VOCAB, target["vocab_size"] // 2)
+    path = os.path.join(workdir, "eagle3")
+    config_path = os.path.join(path, "config.json")
+    if os.path.isfile(config_path):
+        with open(config_path) as f:
+            saved = json.load(f)
+        if (saved.get("hidden_size"), saved.get("draft_vocab_size")) == (
+                target["hidden_size"], draft_vocab):
+            print(f"eagle3: reusing {path}")
+            return path
+    start = time.perf_counter()
+    build_eagle_head(target, path, device, 7, draft_vocab)
+    print(f"eagle3: wrote {path} in {time.perf_counter() - start:.1f} s")
+    return path
+
+
 def weight_bytes(model_dir: str) -> int:
     """Bytes of the checkpoint's tensors, from the safetensors headers (a tied lm_head once)."""
     with open(os.path.join(model_dir, "config.json")) as f:
@@ -228,10 +304,12 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def make_llm(model_dir: str, device: torch.device, eager: bool, draft_dir: str | None = None):
-    """An engine (peak memory reset first) and its start-up seconds (load + graph capture)."""
+def make_llm(model_dir: str, device: torch.device, eager: bool, draft_dir: str | None = None,
+             method: str = "draft_model"):
+    """An engine (peak memory reset first) and its start-up seconds (load + graph capture);
+    ``method`` "eagle3" with the head's directory as ``draft_dir``."""
     spec = None if draft_dir is None else {
-        "method": "draft_model", "model": draft_dir, "num_speculative_tokens": K,
+        "method": method, "model": draft_dir, "num_speculative_tokens": K,
         "rejection_sample_method": "synthetic", "synthetic_acceptance_length": ACCEPTANCE_LENGTH}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -381,17 +459,22 @@ def graph_info(llm) -> dict:
     return info
 
 
-def graph_costs(llm, batch_sizes) -> list[dict]:
+def graph_costs(llm, batch_sizes, label: str) -> list[dict]:
     """Device milliseconds of one replay of the target's decode and verify graphs and of the
-    draft graph (k forwards) per batch size (empty without graphs)."""
+    proposer's draft graph (k forwards) per batch size (empty without graphs)."""
     runner, proposer = llm.runner, llm.spec.proposer
     graphs, draft_graphs = runner.graphs, proposer.runner.graphs
     if graphs is None or not graphs.capture_graphs or not draft_graphs.has(proposer.graph_name):
         return []
-    return [dict(B=b, decode_graph_ms=1e3 * graphs.time_step(runner.graph_name(1), b),
-                 verify_graph_ms=1e3 * graphs.time_step(runner.graph_name(K + 1), b),
-                 draft_graph_ms=1e3 * draft_graphs.time_step(proposer.graph_name, b))
-            for b in batch_sizes]
+    rows = []
+    for b in batch_sizes:
+        decode = graphs.time_step(runner.graph_name(1), b)
+        draft = draft_graphs.time_step(proposer.graph_name, b)
+        rows.append(dict(proposer=label, B=b, decode_graph_ms=1e3 * decode,
+                         verify_graph_ms=1e3 * graphs.time_step(runner.graph_name(K + 1), b),
+                         draft_graph_ms=1e3 * draft, draft_x_decode=draft / decode,
+                         draft_forward_x_decode=draft / K / decode))
+    return rows
 
 
 def step_rows(runs: dict, costs: list[dict]) -> list[dict]:
@@ -399,7 +482,8 @@ def step_rows(runs: dict, costs: list[dict]) -> list[dict]:
     the host's work between graphs (and the rejection sampler)."""
     rows = []
     for cost in costs:
-        spec, plain = runs[f"b{cost['B']} draft"], runs[f"b{cost['B']} plain"]
+        spec = runs[f"b{cost['B']} {cost['proposer']}"]
+        plain = runs[f"b{cost['B']} plain"]
         step_ms = 1e3 * spec["decode_s"] / max(spec["spec_steps"], 1)
         plain_ms = 1e3 * plain["decode_s"] / max(plain["decode_steps"], 1)
         rows.append(dict(cost, plain_step_ms=plain_ms,
@@ -415,7 +499,8 @@ def engine_summary(name: str, llm, startup_s: float, device: torch.device) -> di
 
 
 def run_engines(dirs: dict, device: torch.device, lengths: dict, vocab_size: int) -> dict:
-    """Every verispec run, one engine at a time: graphs plain, graphs + draft, eager plain."""
+    """Every verispec run, one engine at a time: graphs plain, graphs + draft, graphs + EAGLE-3
+    head, eager plain."""
     prompt = random_prompts(1, vocab_size, seed=0)[0]
     batch = random_prompts(BATCH, vocab_size, seed=1)
     runs, engines, kernels, token_ids = {}, [], [], {}
@@ -444,8 +529,19 @@ def run_engines(dirs: dict, device: torch.device, lengths: dict, vocab_size: int
     warm_up(llm, batch)
     timed(llm, "b1 draft")
     timed(llm, f"b{BATCH} draft")
-    costs = graph_costs(llm, (1, BATCH))
+    costs = graph_costs(llm, (1, BATCH), "draft")
     engines.append(engine_summary("draft", llm, startup, device))
+    del llm
+    free_memory(device)
+
+    llm, startup = make_llm(dirs["target"], device, eager=False, draft_dir=dirs["eagle3"],
+                            method="eagle3")
+    warm_up(llm, [prompt])
+    warm_up(llm, batch)
+    timed(llm, "b1 eagle")
+    timed(llm, f"b{BATCH} eagle")
+    costs += graph_costs(llm, (1, BATCH), "eagle")
+    engines.append(engine_summary("eagle", llm, startup, device))
     del llm
     free_memory(device)
 
@@ -523,7 +619,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
-def goal_rows(runs: dict, hf: list, checks: list) -> list[dict]:
+def goal_rows(runs: dict, hf: list, checks: list, costs: list[dict]) -> list[dict]:
     hf_static = next((r.get("out_tok_s") for r in hf if r["run"] == "hf static+compile"), None)
     values = {
         "b1 draft measured / predicted": runs["b1 draft"]["measured_x_predicted"],
@@ -534,6 +630,11 @@ def goal_rows(runs: dict, hf: list, checks: list) -> list[dict]:
     rows = [dict(goal=name, value=value, minimum=GOALS[name],
                  met=None if value is None else value >= GOALS[name])
             for name, value in values.items()]
+    eagle = next((c for c in costs if c["proposer"] == "eagle" and c["B"] == 1), None)
+    for name, maximum in MAX_GOALS.items():
+        value = None if eagle is None else eagle["draft_forward_x_decode"]
+        rows.append(dict(goal=name, value=value, maximum=maximum,
+                         met=None if value is None else value <= maximum))
     rows += [dict(goal=f"determinism: {c['check']}", value=c["first_diff"], minimum=None,
                   met=c["identical"]) for c in checks]
     return rows
@@ -618,6 +719,7 @@ def run(args: argparse.Namespace, workdir: str) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     bandwidth = copy_bandwidth(device)
     dirs = checkpoints(workdir, args.tiny, device)
+    dirs["eagle3"] = eagle_head(workdir, args.tiny, device)
     vocab_size = model_configs(args.tiny)["target"]["vocab_size"]
     target_bytes = weight_bytes(dirs["target"])
     step_s = target_bytes / bandwidth
@@ -632,7 +734,8 @@ def run(args: argparse.Namespace, workdir: str) -> dict:
     for row in runs.values():
         add_roofline(row, step_s)
     for b in (1, BATCH):
-        add_speedup(runs[f"b{b} draft"], runs[f"b{b} plain"])
+        for proposer in ("draft", "eagle"):
+            add_speedup(runs[f"b{b} {proposer}"], runs[f"b{b} plain"])
     hf = []
     if not (args.skip_hf or (args.tiny and device.type == "cpu")):
         hf = hf_baselines(dirs["target"], engine["prompt"], lengths["hf"], device)
@@ -650,7 +753,7 @@ def run(args: argparse.Namespace, workdir: str) -> dict:
         eager=eager_rows(runs), steps=step_rows(runs, engine["graph_costs"]),
         engines=engine["engines"], kernels=engine["kernels"],
         determinism=engine["determinism"], hf=hf,
-        goals=goal_rows(runs, hf, engine["determinism"]))
+        goals=goal_rows(runs, hf, engine["determinism"], engine["graph_costs"]))
 
 
 def main(argv: list[str] | None = None) -> dict:

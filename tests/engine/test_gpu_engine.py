@@ -38,6 +38,21 @@ def dirs(tmp_path_factory):
             _save(tmp_path_factory.mktemp("draft"), 2, 64, 1))
 
 
+@pytest.fixture(scope="module")
+def heads(dirs, tmp_path_factory) -> dict[str, str]:
+    """Random EAGLE-3 (a reduced draft vocabulary of 200) and EAGLE-1 heads for the target."""
+    from tests.proposers.test_eagle_loader import eagle_checkpoint, write_checkpoint
+    from verispec.models import load_model
+
+    target = load_model(dirs[0]).config
+    out = {}
+    for method in ("eagle3", "eagle"):
+        config, state = eagle_checkpoint(method, target, seed=5, scale=0.1,
+                                         draft_vocab_size=200 if method == "eagle3" else None)
+        out[method] = write_checkpoint(tmp_path_factory.mktemp(method), config, state)
+    return out
+
+
 PROMPTS = [[5 + i, 17, 33 + 2 * i, 90, 11 + i] for i in range(8)]
 
 
@@ -46,10 +61,12 @@ def _generate(llm: LLM, prompts, **params) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, params)]
 
 
-def _spec(dirs, method: str, draft: str = "greedy") -> dict:
+def _spec(dirs, method: str, draft: str = "greedy", heads: dict | None = None) -> dict:
     config = {"method": method, "num_speculative_tokens": 3, "draft_sample_method": draft}
     if method == "draft_model":
         config["model"] = dirs[1]
+    elif method in ("eagle", "eagle3"):
+        config["model"] = heads[method]
     elif method == "early_exit":
         config["num_draft_layers"] = 2
     elif method == "ngram":
@@ -58,7 +75,7 @@ def _spec(dirs, method: str, draft: str = "greedy") -> dict:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_graphs_match_eager_and_greedy_spec_matches_plain(dirs, dtype):
+def test_graphs_match_eager_and_greedy_spec_matches_plain(dirs, heads, dtype):
     plain = LLM(dirs[0], dtype=dtype, device="cuda", max_num_seqs=8)
     assert plain.runner.graphs is not None and plain.runner.graphs.capture_time_s > 0
     reference = _generate(plain, PROMPTS, temperature=0.0)
@@ -66,10 +83,15 @@ def test_graphs_match_eager_and_greedy_spec_matches_plain(dirs, dtype):
     assert eager.runner.graphs is None
     assert _generate(eager, PROMPTS, temperature=0.0) == reference
     for method, draft in [("draft_model", "greedy"), ("draft_model", "probabilistic"),
-                          ("early_exit", "greedy"), ("ngram", None)]:
+                          ("early_exit", "greedy"), ("ngram", None), ("eagle3", "greedy"),
+                          ("eagle3", "probabilistic"), ("eagle", "greedy")]:
         spec = LLM(dirs[0], dtype=dtype, device="cuda", max_num_seqs=8,
-                   speculative_config=_spec(dirs, method, draft or "greedy"))
+                   speculative_config=_spec(dirs, method, draft or "greedy", heads))
         assert _generate(spec, PROMPTS, temperature=0.0) == reference, (method, draft)
+        if method.startswith("eagle"):  # the target's graphs replay with the head on
+            assert spec.spec.stats.num_drafts > 0, (method, draft)
+            assert spec.runner.graphs is not None and spec.spec.proposer.runner.graphs.has(
+                "draft")
 
 
 @pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.9, seed=7),
@@ -105,6 +127,48 @@ def test_captured_draft_writes_tokens_and_probs(dirs):
     proposer.draft_probs_buffer = torch.zeros_like(proposer.draft_probs_buffer)
     with pytest.raises(RuntimeError, match="replaced after the CUDA graph was captured"):
         proposer.propose(requests)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_captured_eagle_draft_writes_tokens_and_probs(dirs, heads, method):
+    """The captured EAGLE draft (pending pairs from a replayed verify graph, padded to k + 1)
+    equals the eager draft for tokens and q over several steps of mixed acceptance; a swapped
+    draft-probs buffer is refused."""
+    llms = [LLM(dirs[0], device="cuda", max_num_seqs=4, dtype="float32", enforce_eager=eager,
+                speculative_config=_spec(dirs, method, "probabilistic", heads))
+            for eager in (False, True)]
+    proposers = [llm.spec.proposer for llm in llms]
+    assert proposers[0].runner.graphs.has("draft") and proposers[1].runner.graphs is None
+    rng = np.random.default_rng(0)
+    requests = [[Request([5, 9, 11, 3], 3, 0, 0.8, 1), Request([7, 1, 22, 40, 41], 3, 2, 0.8, 2)]
+                for _ in llms]
+    for llm, reqs, p in zip(llms, requests, proposers):  # the engine's prefill
+        llm.runner.forward([0, 2], [r.token_ids for r in reqs])
+        for r, t in zip(reqs, (4, 8)):
+            r.token_ids.append(t)
+            llm.runner.kv_cache.truncate(r.slot, len(r.token_ids) - 1)
+        p.on_commit([0, 2], [5, 6])
+    for step in range(6):
+        out = []
+        for llm, reqs, p in zip(llms, requests, proposers):
+            proposal = p.propose(reqs)
+            llm.runner.verify([0, 2], [r.token_ids[-1] for r in reqs], proposal.draft_token_ids,
+                              proposal.num_draft_tokens_cpu)
+            out.append(proposal)
+        a, b = out
+        assert a.draft_token_ids.tolist() == b.draft_token_ids.tolist(), step
+        torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-4, atol=1e-6)
+        drafts = a.draft_token_ids.view(2, 3).tolist()
+        accepted = [int(x) for x in rng.integers(0, 4, size=2)]
+        recovered = [int(x) for x in rng.integers(0, VOCAB, size=2)]
+        for llm, reqs, p in zip(llms, requests, proposers):
+            for r, d, n, t in zip(reqs, drafts, accepted, recovered):
+                r.token_ids += d[:n] + [t]
+                llm.runner.kv_cache.truncate(r.slot, len(r.token_ids) - 1)
+            p.on_commit([0, 2], [len(r.token_ids) for r in reqs])
+    proposers[0].draft_probs_buffer = torch.zeros_like(proposers[0].draft_probs_buffer)
+    with pytest.raises(RuntimeError, match="replaced after the CUDA graph was captured"):
+        proposers[0].propose(requests[0])
 
 
 def test_measured_costs_and_synthetic_mode(dirs):

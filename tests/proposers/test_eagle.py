@@ -73,14 +73,34 @@ def _prefill(runner: ModelRunner, proposer, requests) -> None:
     proposer.on_commit([r.slot for r in requests], [len(r.token_ids) for r in requests])
 
 
+def _runner_and_proposer(target, head_dir: str, method: str, sample_method: str, layout: str):
+    """A target runner and a head on it: ``padded`` (the CPU layout), ``flat`` (the GPU layout
+    through the torch twins, every step eager) or ``flat_graphs`` (the GPU layout with the
+    captured steps run on their static buffers, as a CUDA graph replays them)."""
+    if layout == "padded":
+        runner = ModelRunner(target.model, 3, 96)
+    else:
+        runner = ModelRunner(target.model, 3, 96, flat_layout=True, max_step_tokens=K + 1,
+                             enforce_eager=layout == "flat")
+    proposer = eagle_proposer(head_dir, method, runner, K, sample_method, max_num_seqs=3)
+    runner.capture([1, K + 1])  # no-op without graphs
+    proposer.capture()
+    assert proposer.runner.flat == (layout != "padded")
+    assert proposer.runner.graphs is None or proposer.runner.graphs.has("draft")
+    return runner, proposer
+
+
+@pytest.mark.parametrize("layout", ["padded", "flat", "flat_graphs"])
 @pytest.mark.parametrize("sample_method", ["greedy", "probabilistic"])
-def test_rollback_matches_fresh_proposer(head, target, sample_method):
+def test_rollback_matches_fresh_proposer(head, target, sample_method, layout):
+    """Against a fresh proposer of the same layout (with graphs, a fresh proposer's first draft
+    catches the prompt up eagerly, then replays), and with graphs against the eager flat
+    layout too: the static-buffer step drafts what the eager steps draft."""
     method, head_dir = head
     rng = random.Random(4)
-    runner = ModelRunner(target.model, 3, 96)
-    proposer = eagle_proposer(head_dir, method, runner, K, sample_method, max_num_seqs=3)
-    fresh_runner = ModelRunner(target.model, 3, 96)
-    fresh = eagle_proposer(head_dir, method, fresh_runner, K, sample_method, max_num_seqs=3)
+    runner, proposer = _runner_and_proposer(target, head_dir, method, sample_method, layout)
+    fresh_runner, fresh = _runner_and_proposer(
+        target, head_dir, method, sample_method, "flat" if layout == "flat_graphs" else layout)
     assert (proposer.draft_probs_buffer is None) == (sample_method == "greedy")
     requests = [Request([rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))], s,
                         temperature=[0.7, 1.0, 1.4][s], seed=100 + s) for s in range(3)]

@@ -4,13 +4,14 @@ with the inputs copied into static buffers.
 A *step* is a function of a few per-request input rows (token ids, slots, positions, ...) that
 only launches device work (no host sync, no allocation that outlives it but its outputs). For
 every bucket in ``batch_buckets(max_batch_size)`` (largest first, all into one memory pool that
-later captures share) the runner allocates the static inputs ``[bucket, width]``, runs the step
-once to warm up (Triton compiles, cuBLAS allocates its workspace), and captures it. A batch of
-B rows replays the smallest bucket >= B: its rows are copied into the static inputs (one copy
-per input), the rows past B hold the step's padding values (a scratch KV slot, token 0), and
-their outputs are to be ignored. Whatever the step writes must exist at capture time and be
-read after the replay (outputs returned by the step, or buffers it writes in place); a tensor
-allocated or swapped after capture is never written by a replay.
+later captures share) the runner gives the step static inputs ``[bucket, width]`` (the first
+rows of one buffer per input, sized for the largest bucket), runs the step once to warm up
+(Triton compiles, cuBLAS allocates its workspace), and captures it. A batch of B rows replays
+the smallest bucket >= B: its rows are copied into the static inputs (one copy per input), the
+rows past B hold the step's padding values (a scratch KV slot, token 0), and their outputs are
+to be ignored. Whatever the step writes must exist at capture time and be read after the replay
+(outputs returned by the step, or buffers it writes in place); a tensor allocated or swapped
+after capture is never written by a replay.
 
 Without CUDA (tests, CPU) the same runner runs the step eagerly on the same static buffers
 (``capture=False``), so the bucket choice, the padding and the row selection are tested on the
@@ -65,7 +66,8 @@ class _Captured:
     inputs: dict[str, torch.Tensor]  # name -> [bucket, width] static
     outputs: object  # what the step returned at capture (static tensors)
     # host copies of the inputs, pinned on CUDA (their copy to the device does not wait for the
-    # stream to drain), and the event after the last copy out of them
+    # stream to drain), and the event after the last copy out of them (shared by the buckets of
+    # a step, as the buffers are)
     staging: dict[str, torch.Tensor] | None = None
     copied: torch.cuda.Event | None = None
 
@@ -112,11 +114,17 @@ class CUDAGraphRunner:
         start = time.perf_counter()
         before = self._memory()
         captured = {}
-        for bucket in reversed(self.buckets):
-            static = {key: torch.full((bucket, spec.width), spec.pad, dtype=spec.dtype,
+        # One static buffer and one host staging buffer per input, of the largest bucket; a
+        # bucket's graph reads their first ``bucket`` rows (replays are ordered on the stream).
+        top = self.max_batch_size
+        static_all = {key: torch.full((top, spec.width), spec.pad, dtype=spec.dtype,
                                       device=self.device) for key, spec in inputs.items()}
-            staging = {key: torch.empty(t.shape, dtype=t.dtype, pin_memory=self.capture_graphs)
-                       for key, t in static.items()}
+        staging_all = {key: torch.empty(t.shape, dtype=t.dtype, pin_memory=self.capture_graphs)
+                       for key, t in static_all.items()}
+        copied = torch.cuda.Event() if self.capture_graphs else None
+        for bucket in reversed(self.buckets):
+            static = {key: t[:bucket] for key, t in static_all.items()}
+            staging = {key: t[:bucket] for key, t in staging_all.items()}
             if not self.capture_graphs:
                 captured[bucket] = _Captured(None, static, None, staging)
                 continue
@@ -125,8 +133,7 @@ class CUDAGraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 outputs = step(static)
-            captured[bucket] = _Captured(graph, static, outputs, staging,
-                                         torch.cuda.Event())
+            captured[bucket] = _Captured(graph, static, outputs, staging, copied)
         if self.capture_graphs:
             torch.cuda.synchronize(self.device)
         self._steps[name] = captured

@@ -43,12 +43,15 @@ LOGITS_MODES = ("last", "all", "none")
 @dataclass
 class CapturedHidden:
     """Hidden states of every token fed by the runner's last forward (``capture_layers``):
-    slot ``slots[b]`` fed ``counts[b]`` tokens at positions ``starts[b] ..``, request-major."""
+    slot ``slots[b]`` fed ``counts[b]`` tokens at positions ``starts[b] ..``, whose rows are
+    ``rows[row_start[b] : row_start[b] + counts[b]]``. After a replayed graph ``rows`` is the
+    graph's output buffer (padded layout), which its next replay overwrites: copy what you keep."""
 
     slots: list[int]
     starts: np.ndarray  # [B] int64 position of each request's first fed token
     counts: np.ndarray  # [B] int64
-    rows: torch.Tensor  # [sum(counts), len(capture_layers) * hidden] model dtype
+    row_start: np.ndarray  # [B] int64
+    rows: torch.Tensor  # [>= sum(counts), len(capture_layers) * hidden] model dtype
 # bfloat16 CPU matmuls of this many rows or more run in float32 (prefill; see models.llama.linear).
 # Decode and verify steps keep a bfloat16 matmul: widening the LM head every step costs more than
 # it saves there. With the compiled bfloat16 kernel (models.cpu_kernels) the crossover is later:
@@ -87,9 +90,9 @@ class ModelRunner:
         # tokens must leave the recurrent states alone).
         self.hybrid = is_hybrid(self.config)
         self.graphs: CUDAGraphRunner | None = None
-        # Hidden states an EAGLE head reads (set by its proposer): the residual stream entering
-        # each listed layer, ``num_hidden_layers`` = the final-norm output; every forward then
-        # keeps them in ``captured_hidden`` (on the flat layout it runs eagerly).
+        # Hidden states an EAGLE head reads (set by its proposer before ``capture``): the
+        # residual stream entering each listed layer, ``num_hidden_layers`` = the final-norm
+        # output; every forward then keeps them in ``captured_hidden`` (captured steps too).
         self.capture_layers: tuple[int, ...] = ()
         self.captured_hidden: CapturedHidden | None = None
         if self.flat:
@@ -163,9 +166,22 @@ class ModelRunner:
                       "starts": StepInput(1, torch.int64, 0)}
             if self.hybrid:
                 inputs["counts"] = StepInput(1, torch.int64, 1)
-            self.graphs.add(name, inputs, lambda x, s=num_queries: self.fixed_step_logits(
-                x["ids"].view(-1), x["slots"].view(-1), x["starts"].view(-1), s, num_layers,
-                x["counts"].view(-1) if "counts" in x else None))
+            self.graphs.add(name, inputs, lambda x, s=num_queries: self._captured_step(
+                x, s, num_layers))
+
+    def _captured_step(self, x: dict[str, torch.Tensor], num_queries: int,
+                       num_layers: int | None):
+        """The body of a captured forward: [B * num_queries, V] float32 logits of every fed
+        token, and with ``capture_layers`` the [B * num_queries, D] hidden states too."""
+        batch = self.fixed_batch(x["slots"].view(-1), x["starts"].view(-1), num_queries)
+        kwargs = {} if "counts" not in x else {"counts": x["counts"].view(-1)}
+        if num_layers is None:
+            kwargs.update(self._capture_kwargs())
+        hidden, aux = self._split_captured(self.model.forward_flat(
+            x["ids"].view(-1), batch, self.kv_cache.k_layers, self.kv_cache.v_layers,
+            num_layers, **kwargs))
+        logits = self.compute_logits(hidden)
+        return logits if aux is None else (logits, aux)
 
     def fixed_batch(self, slot_ids: torch.Tensor, starts: torch.Tensor,
                     num_queries: int) -> FlatBatch:
@@ -195,22 +211,13 @@ class ModelRunner:
         return self.model.forward_flat(input_ids, batch, self.kv_cache.k_layers,
                                        self.kv_cache.v_layers, num_layers, **kwargs)
 
-    def fixed_step_logits(self, input_ids: torch.Tensor, slot_ids: torch.Tensor,
-                          starts: torch.Tensor, num_queries: int,
-                          num_layers: int | None = None,
-                          counts: torch.Tensor | None = None) -> torch.Tensor:
-        """[B * num_queries, V] float32 logits of every fed token (the body of a captured
-        forward)."""
-        return self.compute_logits(self.fixed_step_hidden(input_ids, slot_ids, starts,
-                                                          num_queries, num_layers, counts))
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> [R, V] float32 through the LM head."""
         return self.model.compute_logits(hidden, self.ops if self.flat else None)
 
     def _graph_for(self, batch_size: int, width: int, num_layers: int | None) -> int | None:
         """The smallest captured number of tokens per request >= width that fits the batch."""
-        if self.graphs is None or self.capture_layers:
+        if self.graphs is None:
             return None
         for num_queries in range(width, self.kv_cache.extra_rows + 2):
             if self.graphs.fits(self.graph_name(num_queries, num_layers), batch_size):
@@ -239,29 +246,24 @@ class ModelRunner:
             rows = {"ids": ids_in, "slots": slots_np, "starts": starts[:, None]}
             if self.hybrid:
                 rows["counts"] = counts[:, None]
-            all_logits, _ = self.graphs.run(self.graph_name(num_queries, num_layers), rows)
+            outputs, _ = self.graphs.run(self.graph_name(num_queries, num_layers), rows)
             row_start = np.arange(B) * num_queries
+            all_logits = outputs
+            if isinstance(outputs, tuple):  # the hidden states capture_layers names
+                all_logits = outputs[0]
+                self.captured_hidden = CapturedHidden(list(slots), starts.copy(), counts.copy(),
+                                                      row_start, outputs[1])
         else:  # eager, no padding: T = sum(counts) tokens
             valid = np.arange(width)[None, :] < counts[:, None]
-            query_start = np.zeros(B + 1, dtype=np.int64)
-            np.cumsum(counts, out=query_start[1:])
             flat_ids = to_device(ids[valid], self.device)
             if scatter is not None:
                 index = np.cumsum(valid.reshape(-1)) - 1  # padded flat index -> flat index
                 flat_ids[to_device(index[scatter[0]], self.device)] = scatter[1]
-            positions = (starts[:, None] + np.arange(width)[None, :])[valid]
-            slot_mapping = np.repeat(np.asarray(slots, dtype=np.int64), counts)
-
-            def dev(a: np.ndarray) -> torch.Tensor:
-                return to_device(np.ascontiguousarray(a, dtype=np.int64), self.device)
-
-            batch = FlatBatch(dev(positions), dev(slot_mapping), dev(np.asarray(slots)),
-                              dev(starts + counts), dev(query_start), int(counts.max()),
-                              self.cos, self.sin, self.ops)
+            batch = self.flat_batch(slots, counts, starts)
             hidden = self._capture(slots, starts, counts, None, self.model.forward_flat(
                 flat_ids, batch, cache.k_layers, cache.v_layers, num_layers,
                 **self._capture_kwargs()))
-            all_logits, row_start = None, query_start[:-1]
+            all_logits, row_start = None, np.cumsum(counts) - counts
         cache.advance(slots, counts.tolist())
         if logits == "none":
             return None
@@ -277,6 +279,20 @@ class ModelRunner:
         if contiguous:
             return all_logits[rows[0]:rows[-1] + 1]
         return all_logits[to_device(rows, self.device)]
+
+    def flat_batch(self, slots: list[int], counts: np.ndarray, starts: np.ndarray) -> FlatBatch:
+        """The FlatBatch of an eager flat step (no padding): slot ``slots[b]`` feeds
+        ``counts[b]`` tokens from position ``starts[b]`` (host arrays)."""
+        query_start = np.zeros(len(slots) + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start[1:])
+        positions = np.concatenate([s + np.arange(n) for s, n in zip(starts, counts)])
+        slot_mapping = np.repeat(np.asarray(slots, dtype=np.int64), counts)
+
+        def dev(a) -> torch.Tensor:
+            return to_device(np.ascontiguousarray(a, dtype=np.int64), self.device)
+
+        return FlatBatch(dev(positions), dev(slot_mapping), dev(slots), dev(starts + counts),
+                         dev(query_start), int(counts.max()), self.cos, self.sin, self.ops)
 
     @torch.inference_mode()
     def verify(self, slots: list[int], last_token_ids: list[int], draft_token_ids: torch.Tensor,
@@ -414,19 +430,27 @@ class ModelRunner:
         inner = tuple(i for i in self.capture_layers if i < self.config.num_hidden_layers)
         return {"capture_layers": inner} if inner else {}
 
+    def _split_captured(self, output) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A forward's output -> (final-norm hidden states, the hidden states
+        ``capture_layers`` names side by side [..., D], or None without them)."""
+        hidden, captured = output if isinstance(output, tuple) else (output, [])
+        if not self.capture_layers:
+            return hidden, None
+        captured = iter(captured)
+        parts = [hidden if i >= self.config.num_hidden_layers else next(captured)
+                 for i in self.capture_layers]
+        return hidden, torch.cat(parts, dim=-1).reshape(-1, sum(p.shape[-1] for p in parts))
+
     def _capture(self, slots: list[int], starts: np.ndarray, counts: np.ndarray,
                  valid_index: torch.Tensor | None, output) -> torch.Tensor:
         """Keep the hidden states ``capture_layers`` names in ``captured_hidden`` (the rows of
         the valid tokens); returns the final-norm hidden states."""
-        hidden, captured = output if isinstance(output, tuple) else (output, [])
-        if not self.capture_layers:
+        hidden, rows = self._split_captured(output)
+        if rows is None:
             return hidden
-        captured = iter(captured)
-        parts = [hidden if i >= self.config.num_hidden_layers else next(captured)
-                 for i in self.capture_layers]
-        rows = torch.cat(parts, dim=-1).reshape(-1, sum(p.shape[-1] for p in parts))
         if valid_index is not None:
             rows = rows[valid_index]
-        self.captured_hidden = CapturedHidden(list(slots), np.asarray(starts).copy(),
-                                              np.asarray(counts).copy(), rows)
+        counts = np.asarray(counts).copy()
+        self.captured_hidden = CapturedHidden(list(slots), np.asarray(starts).copy(), counts,
+                                              np.cumsum(counts) - counts, rows)
         return hidden

@@ -35,7 +35,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.models.config import ModelConfig, read_hf_config
-from verispec.models.llama import MLP, Attention, AttentionMetadata, RMSNorm, _param, linear
+from verispec.models.llama import (
+    MLP,
+    Attention,
+    AttentionMetadata,
+    FlatBatch,
+    RMSNorm,
+    _param,
+    linear,
+)
+from verispec.ops.model_ops import ModelOps
 
 EAGLE_METHODS = ("eagle", "eagle3")
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -218,8 +227,44 @@ class EagleHead(nn.Module):
         out = residual + self.mlp(self.post_attn_norm(residual))
         return (self.norm(out) if self.is_eagle3 else out), out
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., draft_vocab_size] float32 (EAGLE-1: the target's vocabulary)."""
+    def forward_flat(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        hidden: torch.Tensor,  # [T, D]: target hidden states or the head's own (as forward)
+        from_target: bool,
+        batch: FlatBatch,
+        k_caches: list[torch.Tensor],  # [1] x [num_slots + 1, rows, hkv, head_dim]
+        v_caches: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` on the flat layout of a GPU step (``LlamaForCausalLM.forward_flat``: one
+        kernel per small op, capturable), the residual adds fused into the norms. Returns
+        ([T, H] for the LM head, [T, H] for the next draft step); ``hidden`` is left as it
+        was."""
+        ops = batch.ops
+        emb = F.embedding(input_ids, self.embed_weight).to(self.fc_weight.dtype)
+        hidden = hidden.to(self.fc_weight.dtype)
+        if self.is_eagle3:
+            residual = (ops.linear(hidden, self.fc_weight, self.fc_bias) if from_target
+                        else hidden.clone())  # the norms below add into it in place
+            x = torch.cat([ops.rms_norm(emb, self.input_norm.weight, self.input_norm.eps),
+                           ops.rms_norm(residual, self.hidden_norm.weight,
+                                        self.hidden_norm.eps)], dim=-1)
+        else:
+            x = ops.linear(torch.cat([emb, hidden], dim=-1), self.fc_weight, self.fc_bias)
+            residual = x  # read by the attention before the norm below adds into it
+        attn = self.attn.forward_flat(x, batch, k_caches[0], v_caches[0])
+        h = ops.rms_norm(attn, self.post_attn_norm.weight, self.post_attn_norm.eps, residual)
+        mlp = self.mlp.forward_flat(h, ops)
+        if self.is_eagle3:  # residual += mlp: the output, and its final norm for the LM head
+            return ops.rms_norm(mlp, self.norm.weight, self.norm.eps, residual), residual
+        out = residual + mlp
+        return out, out
+
+    def compute_logits(self, hidden: torch.Tensor, ops: ModelOps | None = None) -> torch.Tensor:
+        """[..., H] -> [..., draft_vocab_size] float32 (EAGLE-1: the target's vocabulary);
+        through ``ops.linear`` on the GPU path."""
+        if ops is not None:
+            return ops.linear(hidden, self.lm_head_weight, out_dtype=torch.float32)
         return self._linear(hidden, self.lm_head_weight).float()
 
     def set_cpu_matmuls(self, splits: int, upcast_rows: int = 0,

@@ -32,8 +32,21 @@ stream at each draft's absolute position, and keeps q in a float32 ``[max_num_se
 buffer owned by the proposer.
 
 Buffers are per slot and allocated once (the captured GPU draft of a later step writes them);
-the pending rows are a list per slot (the prompt's rows are one tensor). On CUDA the head runs
-eagerly and the target runner keeps its hidden states on the eager path.
+the pending rows are a list per slot, copies taken from the target's forward by ``on_commit``
+(one gather per step; a replayed target graph rewrites its output at the next replay).
+
+On CUDA (the flat layout; ``capture``) a step's draft is one CUDA graph per batch bucket:
+
+    forward 0:  W = k + 1 pairs per request at positions num_cached .. num_cached + W - 1, of
+                which the first ``counts[b]`` are its pending pairs (a + 1 after a step that
+                accepted a drafts, 1 after a decode step); the padding pairs write cache rows
+                past N - 2 that the draft forwards rewrite before anything reads them
+                -> d_1 from row counts[b] - 1
+    forward i:  (g, d_i) at position N - 2 + i -> d_{i+1}, for i = 1 .. k - 1
+
+drafting k tokens for every request (as the draft model's graph: a request planned for fewer
+ignores the rest). A request with more than W pending pairs (its first step after the prompt,
+or after steps without drafts) first feeds the others in one eager forward without logits.
 """
 
 from __future__ import annotations
@@ -83,9 +96,16 @@ class EagleProposer(ModelProposer):
                 f"the target runner already keeps the hidden states of layers "
                 f"{target.capture_layers}; this head reads {layers}")
         target.capture_layers = layers
+        k = config.num_speculative_tokens
+        self.width = k + 1  # pairs fed by the captured draft's first forward
+        # The head's runner follows the target's layout (flat on CUDA) and graphs.
         self.runner = ModelRunner(
-            self.head, ctx.max_num_seqs, ctx.max_model_len, ctx.device, flat_layout=False,
+            self.head, ctx.max_num_seqs, ctx.max_model_len, ctx.device,
+            max_step_tokens=self.width, flat_layout=target.flat,
+            enforce_eager=target.graphs is None,
             batch_invariant=getattr(target, "batch_invariant", True))
+        if target.graphs is not None and self.runner.graphs is not None:
+            self.runner.graphs.pool = target.graphs.pool  # one memory pool for every capture
         self.draft_to_target = self.head.draft_to_target()  # [draft_vocab_size] int64 or None
         self._init_buffers(ctx.max_num_seqs, self.head.eagle.vocab_size)
         # Target hidden states not yet fed to the head, per slot: positions
@@ -97,39 +117,51 @@ class EagleProposer(ModelProposer):
 
     @torch.inference_mode()
     def _head_forward(self, slots: list[int], token_ids: list, hidden: torch.Tensor,
-                      from_target: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      from_target: bool, logits: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Feed slot ``slots[b]`` the tokens ``token_ids[b]`` with their hidden states
         (``hidden`` [sum(len(t)), D], request-major; the target's when ``from_target``, else
-        the head's own outputs). Returns the last fed position's (logits [B, V_draft] float32,
-        output hidden [B, H])."""
+        the head's own outputs), eagerly. Returns the last fed position's (logits [B, V_draft]
+        float32, output hidden [B, H]); None without ``logits``."""
         runner = self.runner
         cache = runner.kv_cache
         counts = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=len(token_ids))
         starts = cache.lengths_np[slots]
         for slot, n in zip(slots, counts):
             cache.check_append(slot, int(n))
-        B, width = len(slots), int(counts.max())
-        ids = np.zeros((B, width), dtype=np.int64)
-        for b, t in enumerate(token_ids):
-            ids[b, : len(t)] = t
-        meta, _, valid_index = runner._metadata(slots, counts, starts, width)
-        if valid_index is None:
-            padded = hidden.reshape(B, width, -1)
+        if runner.flat:
+            ids = ops.to_device(np.concatenate(token_ids).astype(np.int64), self.device)
+            normed, out = self.head.forward_flat(
+                ids, hidden, from_target, runner.flat_batch(slots, counts, starts),
+                cache.k_layers, cache.v_layers)
+            last = ops.to_device(np.cumsum(counts) - 1, self.device)
+            normed, out = normed[last], out[last]
         else:
-            padded = hidden.new_zeros((B * width, hidden.shape[-1]))
-            padded[valid_index] = hidden
-            padded = padded.view(B, width, -1)
-        normed, out = self.head(torch.from_numpy(ids).to(self.device), padded, from_target,
-                                meta, runner.kv_cache.k_layers, runner.kv_cache.v_layers)
+            B, width = len(slots), int(counts.max())
+            ids = np.zeros((B, width), dtype=np.int64)
+            for b, t in enumerate(token_ids):
+                ids[b, : len(t)] = t
+            meta, _, valid_index = runner._metadata(slots, counts, starts, width)
+            if valid_index is None:
+                padded = hidden.reshape(B, width, -1)
+            else:
+                padded = hidden.new_zeros((B * width, hidden.shape[-1]))
+                padded[valid_index] = hidden
+                padded = padded.view(B, width, -1)
+            normed, out = self.head(torch.from_numpy(ids).to(self.device), padded, from_target,
+                                    meta, cache.k_layers, cache.v_layers)
+            rows = torch.arange(B, device=self.device)
+            last = torch.from_numpy(counts - 1).to(self.device)
+            normed, out = normed[rows, last], out[rows, last]
         cache.advance(slots, counts.tolist())
-        rows = torch.arange(B, device=self.device)
-        last = torch.from_numpy(counts - 1).to(self.device)
-        return self.head.compute_logits(normed[rows, last]), out[rows, last]
+        if not logits:
+            return None
+        return self.head.compute_logits(normed, runner.ops if runner.flat else None), out
 
     def _choose(self, logits: torch.Tensor, temperature, seeds, positions):
         """Drafts from the head's logits ([R, V_draft]): target ids [R] and q [R, V] or None."""
         if self.greedy:
-            ids = torch.argmax(logits, dim=-1)
+            ids = self.runner.ops.argmax(logits) if self.runner.flat else torch.argmax(logits, -1)
             return (ids if self.draft_to_target is None else self.draft_to_target[ids]), None
         if self.draft_to_target is not None:
             # q over the target vocabulary: the draft vocabulary's logits at their target ids,
@@ -137,6 +169,98 @@ class EagleProposer(ModelProposer):
             logits = logits.new_full((logits.shape[0], self.vocab_size), float("-inf")
                                      ).index_copy_(1, self.draft_to_target, logits)
         return ops.sample_draft(logits, temperature, seeds, positions)
+
+    # ----------------------------------------------------------------- captured drafting
+
+    def capture(self) -> None:
+        """Capture the k-step draft for every batch bucket (no-op without the head runner's
+        CUDA graphs); the module docstring says what it feeds."""
+        from verispec.engine.cuda_graphs import StepInput  # the engine imports proposers
+
+        graphs = self.runner.graphs
+        if graphs is None or graphs.has(self.graph_name):
+            return
+        eagle = self.head.eagle
+        width = len(eagle.aux_layer_ids) * eagle.target_hidden_size  # a target row's features
+        inputs = {"ids": StepInput(self.width, torch.int64),
+                  "hidden": StepInput(self.width * width, self.runner.dtype),
+                  "slots": StepInput(1, torch.int64, self.runner.kv_cache.scratch_slot),
+                  "starts": StepInput(1, torch.int64, 0),
+                  "counts": StepInput(1, torch.int64, 1)}
+        if not self.greedy:
+            inputs.update(temperature=StepInput(1, torch.float32, 1.0),
+                          seeds=StepInput(1, torch.int64, 0))
+        with torch.inference_mode():
+            graphs.add(self.graph_name, inputs, self._draft_step)
+        self._captured_buffers = (self.draft_token_buffer, self.draft_probs_buffer)
+
+    def _draft_step(self, x: dict[str, torch.Tensor]) -> None:
+        """The captured draft: ``x["ids"]`` [B, W] tokens and ``x["hidden"]`` [B, W * D] target
+        hidden states of positions ``starts ..``, the first ``counts`` real; writes d_1..d_k
+        (and q) into the slot rows."""
+        runner, head, W = self.runner, self.head, self.width
+        cache = runner.kv_cache
+        slots, starts = x["slots"].view(-1), x["starts"].view(-1)
+        counts = x["counts"].view(-1)
+        B = slots.shape[0]
+        normed, out = head.forward_flat(
+            x["ids"].view(-1), x["hidden"].view(B * W, -1), True,
+            runner.fixed_batch(slots, starts, W), cache.k_layers, cache.v_layers)
+        last = torch.arange(0, B * W, W, device=self.device) + counts - 1
+        logits, hidden = head.compute_logits(normed[last], runner.ops), out[last]
+        fed = starts + counts - 1  # position of the last pending pair: N - 2
+        for i in range(self.num_speculative_tokens):
+            temperature = seeds = None
+            if not self.greedy:
+                temperature, seeds = x["temperature"].view(-1), x["seeds"].view(-1)
+            draft_ids, q = self._choose(logits, temperature, seeds, fed + 2 + i)
+            if q is not None:
+                self.draft_probs_buffer[slots, i] = q
+            self.draft_token_buffer[slots, i] = draft_ids  # d_{i+1}, at position N + i
+            if i + 1 < self.num_speculative_tokens:  # (g, d_{i+1}) at position N - 1 + i
+                normed, hidden = head.forward_flat(
+                    draft_ids, hidden, False, runner.fixed_batch(slots, fed + 1 + i, 1),
+                    cache.k_layers, cache.v_layers)
+                logits = head.compute_logits(normed, runner.ops)
+
+    def _draft_replay(self, requests, active: np.ndarray, slots: np.ndarray,
+                      num_tokens: np.ndarray, feeds: list[np.ndarray],
+                      pending: list[torch.Tensor]) -> None:
+        """The captured draft for ``requests[active]``: ``feeds[b]`` the tokens and
+        ``pending[b]`` the target hidden states of its pending pairs."""
+        W, cache = self.width, self.runner.kv_cache
+        counts = np.array([len(f) for f in feeds], dtype=np.int64)
+        lag = np.flatnonzero(counts > W)
+        if lag.size:  # all but the last W pairs in one eager forward, no logits
+            self._head_forward(slots[lag].tolist(), [feeds[b][: counts[b] - W] for b in lag],
+                               torch.cat([pending[b][: counts[b] - W] for b in lag]), True,
+                               logits=False)
+            for b in lag:
+                feeds[b], pending[b] = feeds[b][counts[b] - W:], pending[b][counts[b] - W:]
+            counts = np.minimum(counts, W)
+        B = active.size
+        ids = np.zeros((B, W), dtype=np.int64)
+        for b, f in enumerate(feeds):
+            ids[b, : len(f)] = f
+        rows = torch.cat(pending)
+        if (counts == W).all():
+            hidden = rows.view(B, -1)
+        else:
+            valid = (np.arange(W)[None, :] < counts[:, None]).reshape(-1)
+            hidden = rows.new_zeros((B * W, rows.shape[-1]))
+            hidden[ops.to_device(np.flatnonzero(valid), self.device)] = rows
+            hidden = hidden.view(B, -1)
+        self._check_captured_buffers()
+        inputs = {"ids": ids, "hidden": hidden, "slots": slots[:, None],
+                  "starts": cache.lengths_np[slots][:, None], "counts": counts[:, None]}
+        if not self.greedy:
+            inputs["temperature"] = np.array([[float(requests[r].temperature)] for r in active],
+                                             dtype=np.float32)
+            inputs["seeds"] = np.array([[int(requests[r].seed)] for r in active],
+                                       dtype=np.int64)
+        self.runner.graphs.run(self.graph_name, inputs)
+        # only the pairs fed with target hidden states stay (the module docstring)
+        cache.lengths_np[slots] = num_tokens - 1
 
     # ----------------------------------------------------------------- drafting
 
@@ -151,7 +275,7 @@ class EagleProposer(ModelProposer):
         the pairs fed with target hidden states (the module docstring)."""
         cache = self.runner.kv_cache
         num_tokens = np.array([len(requests[r].token_ids) for r in active], dtype=np.int64)
-        feeds, hidden = [], []
+        feeds, pending = [], []
         for r, slot, n in zip(active.tolist(), slots.tolist(), num_tokens.tolist()):
             num_cached = cache.length(slot)
             if num_cached + self.num_pending[slot] != n - 1 or self.num_pending[slot] == 0:
@@ -160,11 +284,17 @@ class EagleProposer(ModelProposer):
                     f"{self.num_pending[slot]} target hidden states pending, but its request "
                     f"holds {n} tokens (on_commit must follow every step)")
             feeds.append(np.asarray(requests[r].token_ids[num_cached + 1 : n], dtype=np.int64))
-            hidden.extend(self._pending[slot])
+            parts = self._pending[slot]
+            pending.append(parts[0] if len(parts) == 1 else torch.cat(parts))
             self._pending[slot] = []
             self.num_pending[slot] = 0
+        graphs = self.runner.graphs
+        if graphs is not None and graphs.has(self.graph_name) and graphs.fits(
+                self.graph_name, active.size):
+            self._draft_replay(requests, active, slots, num_tokens, feeds, pending)
+            return
         slot_list = slots.tolist()
-        logits, out = self._head_forward(slot_list, feeds, torch.cat(hidden), True)
+        logits, out = self._head_forward(slot_list, feeds, torch.cat(pending), True)
         temperature = seeds = None
         if not self.greedy:
             temperature = torch.tensor([float(requests[r].temperature) for r in active],
@@ -198,10 +328,12 @@ class EagleProposer(ModelProposer):
 
     def on_commit(self, slots: Sequence[int], num_committed_tokens: Sequence[int]) -> None:
         """Take the target hidden states of the newly committed pairs from the target runner's
-        last forward: slot s with N committed tokens needs positions up to N - 2."""
+        last forward (slot s with N committed tokens needs positions up to N - 2), in one
+        gather: copies that the target's next forward cannot overwrite."""
         captured = self.target.captured_hidden
         index = {} if captured is None else {s: b for b, s in enumerate(captured.slots)}
         cache = self.runner.kv_cache
+        take = []  # (slot, first row in captured.rows, number of rows)
         for slot, num_committed in zip(slots, num_committed_tokens):
             have = cache.length(slot) + int(self.num_pending[slot])  # positions with a row
             want = int(num_committed) - 1
@@ -213,9 +345,22 @@ class EagleProposer(ModelProposer):
                 raise RuntimeError(
                     f"EAGLE proposer: the target's last forward lacks the hidden states of "
                     f"positions {have} .. {want - 1} of slot {slot}")
-            first = int(captured.counts[:b].sum() + have - captured.starts[b])
-            self._pending[slot].append(captured.rows[first : first + want - have])
-            self.num_pending[slot] += want - have
+            take.append((slot, int(captured.row_start[b] + have - captured.starts[b]),
+                         want - have))
+        if not take:
+            return
+        firsts = np.array([f for _, f, _ in take])
+        sizes = np.array([n for _, _, n in take])
+        if (firsts[1:] == (firsts + sizes)[:-1]).all():  # one run of rows (eager forwards)
+            rows = captured.rows[firsts[0]:firsts[0] + sizes.sum()].clone()
+        else:
+            index_rows = np.concatenate([f + np.arange(n) for f, n in zip(firsts, sizes)])
+            rows = captured.rows[ops.to_device(index_rows, self.device)]
+        offset = 0
+        for slot, _, n in take:
+            self._pending[slot].append(rows[offset:offset + n])
+            self.num_pending[slot] += n
+            offset += n
 
     def free(self, slot: int) -> None:
         self.runner.kv_cache.free(slot)
