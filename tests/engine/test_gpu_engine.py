@@ -83,7 +83,8 @@ def test_graphs_match_eager_and_greedy_spec_matches_plain(dirs, heads, dtype):
     assert eager.runner.graphs is None
     assert _generate(eager, PROMPTS, temperature=0.0) == reference
     for method, draft in [("draft_model", "greedy"), ("draft_model", "probabilistic"),
-                          ("early_exit", "greedy"), ("ngram", None), ("eagle3", "greedy"),
+                          ("early_exit", "greedy"), ("early_exit", "probabilistic"),
+                          ("ngram", None), ("eagle3", "greedy"),
                           ("eagle3", "probabilistic"), ("eagle", "greedy")]:
         spec = LLM(dirs[0], dtype=dtype, device="cuda", max_num_seqs=8,
                    speculative_config=_spec(dirs, method, draft or "greedy", heads))
