@@ -107,14 +107,17 @@ def test_request_alone_equals_request_in_a_batch(dirs, params):
     assert _generate(llm, PROMPTS, **params)[0] == alone
 
 
-def test_captured_draft_writes_tokens_and_probs(dirs):
+@pytest.mark.parametrize("method", ["draft_model", "early_exit"])
+def test_captured_draft_writes_tokens_and_probs(dirs, method):
     """The captured k-step draft equals the eager draft (tokens and q), and a draft-probs buffer
-    swapped after capture is refused, not silently left unwritten."""
+    swapped after capture is refused, not silently left unwritten. Early exit drafts in the
+    target's own cache rows (its first step feeds the prompt through the drafting layers)."""
     llm = LLM(dirs[0], device="cuda", max_num_seqs=4, dtype="float32",
-              speculative_config=_spec(dirs, "draft_model", "probabilistic"))
+              speculative_config=_spec(dirs, method, "probabilistic"))
     proposer = llm.spec.proposer
+    assert proposer.runner.graphs.has(proposer.graph_name)
     eager = LLM(dirs[0], device="cuda", max_num_seqs=4, dtype="float32", enforce_eager=True,
-                speculative_config=_spec(dirs, "draft_model", "probabilistic")).spec.proposer
+                speculative_config=_spec(dirs, method, "probabilistic")).spec.proposer
     requests = [Request([5, 9, 11, 3], 3, 0, 0.8, 1), Request([7, 1, 22, 40, 41], 3, 2, 0.8, 2)]
     for p in (proposer, eager):
         p.propose(requests)  # first step: the prompt, eagerly
