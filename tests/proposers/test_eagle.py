@@ -105,7 +105,7 @@ def test_rollback_matches_fresh_proposer(head, target, sample_method, layout):
     requests = [Request([rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))], s,
                         temperature=[0.7, 1.0, 1.4][s], seed=100 + s) for s in range(3)]
     _prefill(runner, proposer, requests)
-    seen = set()
+    seen, queued = set(), 0
     for step in range(24):
         for r in requests:
             r.max_num_draft_tokens = rng.randint(0, K)
@@ -132,11 +132,17 @@ def test_rollback_matches_fresh_proposer(head, target, sample_method, layout):
         drafts = _split(got)
         runner.verify([r.slot for r in requests], [r.token_ids[-1] for r in requests],
                       got.draft_token_ids, got.num_draft_tokens_cpu)
-        for r, d in zip(requests, drafts):
+        outputs = []
+        for d in drafts:
             accepted = rng.choice([0, len(d), rng.randint(0, len(d))])
             seen.add("none" if not d else "all" if accepted == len(d) else
                      "zero" if accepted == 0 else "some")
-            r.token_ids += d[:accepted] + [rng.randrange(VOCAB)]
+            outputs.append(d[:accepted] + [rng.randrange(VOCAB)])
+        if layout == "flat_graphs":  # the engine queues the next draft before the commit
+            out = torch.tensor([o + [-1] * (K + 1 - len(o)) for o in outputs])
+            queued += proposer.draft_ahead(requests, out)
+        for r, o in zip(requests, outputs):
+            r.token_ids += o
             runner.kv_cache.truncate(r.slot, len(r.token_ids) - 1)
         proposer.on_commit([r.slot for r in requests], [len(r.token_ids) for r in requests])
         if step == 12:  # a request finishes; a new one takes its slot
@@ -145,6 +151,8 @@ def test_rollback_matches_fresh_proposer(head, target, sample_method, layout):
             requests[1] = Request([5, 6, 7], 1, temperature=0.9, seed=7)
             _prefill(runner, proposer, [requests[1]])
     assert seen == {"none", "zero", "some", "all"}
+    if layout == "flat_graphs":  # drafted ahead after every step verified through the graph
+        assert 10 < queued < 24, queued
 
 
 def test_draft_vocabulary_maps_onto_the_target(head, target):

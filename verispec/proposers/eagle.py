@@ -47,6 +47,15 @@ On CUDA (the flat layout; ``capture``) a step's draft is one CUDA graph per batc
 drafting k tokens for every request (as the draft model's graph: a request planned for fewer
 ignores the rest). A request with more than W pending pairs (its first step after the prompt,
 or after steps without drafts) first feeds the others in one eager forward without logits.
+
+Drafting ahead (``draft_ahead``): after a verify replayed through the target's graph of W tokens
+per request, request b's pending pairs are its verified positions, whose hidden states are rows
+``b W .. b W + a`` of that graph's output and whose next tokens are the step's output tokens
+``out[b, 0 .. a]``. So the next step's draft is queued on the device right behind the rejection
+sampler, before the host reads the tokens, and the device drafts while the host commits. The
+pending rows are still taken by ``on_commit``; ``propose`` drops them when it uses the queued
+drafts (the queued forward 0 fed the same pairs into the same cache rows), and otherwise drafts
+as usual from them, rewriting those rows.
 """
 
 from __future__ import annotations
@@ -58,8 +67,9 @@ import torch
 
 from verispec import ops
 from verispec.config import SpeculativeConfig
+from verispec.ops.rejection import PLACEHOLDER_TOKEN_ID
 from verispec.proposers.base import ProposalRequest, ProposerContext, register_proposer
-from verispec.proposers.draft_model import ModelProposer
+from verispec.proposers.draft_model import ModelProposer, _AheadDraft
 
 
 @register_proposer("eagle")
@@ -250,17 +260,72 @@ class EagleProposer(ModelProposer):
             hidden = rows.new_zeros((B * W, rows.shape[-1]))
             hidden[ops.to_device(np.flatnonzero(valid), self.device)] = rows
             hidden = hidden.view(B, -1)
+        self._replay(requests, active, slots, ids, hidden, cache.lengths_np[slots], counts)
+        # only the pairs fed with target hidden states stay (the module docstring)
+        cache.lengths_np[slots] = num_tokens - 1
+
+    def _replay(self, requests, active: np.ndarray, slots: np.ndarray, ids, hidden: torch.Tensor,
+                starts: np.ndarray, counts) -> None:
+        """Replay the captured draft for ``requests[active]`` in ``slots``: ``ids`` [B_a, W]
+        and ``hidden`` [B_a, W * D] the pairs from positions ``starts`` [B_a], the first
+        ``counts`` [B_a] real (host arrays or device tensors)."""
         self._check_captured_buffers()
         inputs = {"ids": ids, "hidden": hidden, "slots": slots[:, None],
-                  "starts": cache.lengths_np[slots][:, None], "counts": counts[:, None]}
+                  "starts": starts.reshape(-1, 1), "counts": counts.reshape(-1, 1)}
         if not self.greedy:
             inputs["temperature"] = np.array([[float(requests[r].temperature)] for r in active],
                                              dtype=np.float32)
             inputs["seeds"] = np.array([[int(requests[r].seed)] for r in active],
                                        dtype=np.int64)
         self.runner.graphs.run(self.graph_name, inputs)
-        # only the pairs fed with target hidden states stay (the module docstring)
-        cache.lengths_np[slots] = num_tokens - 1
+
+    def draft_ahead(self, requests: Sequence[ProposalRequest],
+                    output_token_ids: torch.Tensor) -> bool:
+        """Queue the next step's captured draft from this step's output tokens and the verify
+        graph's hidden states, on the device (``Proposer.draft_ahead``). After a verify of
+        these requests through the graph of k + 1 tokens each, request b's pending pairs are
+        exactly its verified positions: the hidden states of rows ``b (k + 1) ..`` of the
+        graph's output with the output tokens ``out[b, 0 .. a]`` as the tokens after them
+        (a accepted drafts, then the bonus or recovered token). Needs every head cache at the
+        request's committed length - 1 with nothing pending (it drafted this step)."""
+        self._ahead = None
+        graphs, captured, W = self.runner.graphs, self.target.captured_hidden, self.width
+        B = len(requests)
+        if (captured is None or graphs is None or not graphs.has(self.graph_name)
+                or not graphs.fits(self.graph_name, B)):
+            return False
+        slots = np.array([r.slot for r in requests], dtype=np.int64)
+        num_tokens = np.array([len(r.token_ids) for r in requests], dtype=np.int64)
+        if (captured.slots != slots.tolist() or captured.rows.shape[0] < B * W
+                or not np.array_equal(captured.row_start, np.arange(B) * W)
+                or not np.array_equal(captured.starts, num_tokens - 1)
+                or (self.runner.kv_cache.lengths_np[slots] != num_tokens - 1).any()
+                or self.num_pending[slots].any()):
+            return False
+        out = output_token_ids.to(torch.int64)  # [B, <= k + 1], -1 padded
+        if out.shape[1] < W:
+            out = torch.nn.functional.pad(out, (0, W - out.shape[1]), value=PLACEHOLDER_TOKEN_ID)
+        counts = (out != PLACEHOLDER_TOKEN_ID).sum(1)  # a + 1 >= 1
+        self._replay(requests, np.arange(B), slots, out.clamp_min(0),
+                     captured.rows[: B * W].view(B, -1), num_tokens - 1, counts)
+        self._ahead = _AheadDraft(list(requests))
+        return True
+
+    def _take_ahead(self, requests: Sequence[ProposalRequest]) -> bool:
+        """Whether the queued drafts are this step's: then the queued draft has fed every
+        pending pair (its cache rows are those pairs' rows), so the pending rows are dropped."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead.num_tokens is None or len(ahead.requests) != len(requests):
+            return False
+        for r, queued in zip(requests, ahead.requests):
+            if r is not queued or len(r.token_ids) != ahead.num_tokens.get(r.slot):
+                return False
+        slots = [r.slot for r in requests]
+        for slot in slots:
+            self._pending[slot] = []
+            self.num_pending[slot] = 0
+        self.runner.kv_cache.lengths_np[slots] = [len(r.token_ids) - 1 for r in requests]
+        return True
 
     # ----------------------------------------------------------------- drafting
 
@@ -347,6 +412,12 @@ class EagleProposer(ModelProposer):
                     f"positions {have} .. {want - 1} of slot {slot}")
             take.append((slot, int(captured.row_start[b] + have - captured.starts[b]),
                          want - have))
+        if self._ahead is not None:  # the lengths the queued drafts were made for
+            if self._ahead.num_tokens is None:
+                self._ahead.num_tokens = {int(s): int(n) for s, n in
+                                          zip(slots, num_committed_tokens)}
+            else:  # a second commit: not the step the drafts were queued for
+                self._ahead = None
         if not take:
             return
         firsts = np.array([f for _, f, _ in take])
