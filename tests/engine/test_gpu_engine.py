@@ -175,6 +175,29 @@ def test_captured_eagle_draft_writes_tokens_and_probs(dirs, heads, method):
         proposers[0].propose(requests[0])
 
 
+def test_sampler_state_is_never_made_inside_a_capture(dirs, monkeypatch):
+    """The samplers' launch plans and scratch (kept between calls, keyed by stream) are made by
+    the warm-up on the capture stream, never during a capture: there they would come from the
+    memory pool every graph shares, where another graph's temporaries can overwrite them."""
+    from verispec.ops import triton_ops
+
+    made, scratch = [], triton_ops._scratch
+
+    def recording(device, stream, *sizes):
+        before = triton_ops._SCRATCH.get((device, stream))
+        out = scratch(device, stream, *sizes)
+        if out is not before:
+            made.append(torch.cuda.is_current_stream_capturing())
+        return out
+
+    monkeypatch.setattr(triton_ops, "_scratch", recording)
+    monkeypatch.setattr(triton_ops, "_SCRATCH", {})
+    monkeypatch.setattr(triton_ops, "_PLANS", {})
+    LLM(dirs[0], device="cuda", max_num_seqs=4,
+        speculative_config=_spec(dirs, "draft_model", "probabilistic"))
+    assert made and not any(made), made
+
+
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])
 def test_measured_costs_and_synthetic_mode(dirs, heads, method):
     llm = LLM(dirs[0], device="cuda", max_num_seqs=4, speculative_config={

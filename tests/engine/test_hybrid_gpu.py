@@ -99,11 +99,42 @@ def test_graphs_match_eager_and_greedy_spec_matches_plain(dirs, dtype, monkeypat
         assert _generate(spec, PROMPTS, temperature=0.0) == reference, name
         stats = spec.spec.stats
         assert stats.num_draft_tokens > 0
-        if name.startswith("early_exit"):  # greedy drafting replays its captured draft
+        if name.startswith("early_exit"):  # the draft replays its captured graph
             proposer = spec.spec.proposer
             assert proposer.runner.graphs.has(proposer.graph_name), name
         if name == "early_exit_all":  # every draft accepted: the rollback of full steps
             assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_captured_probabilistic_early_exit_equals_eager(dirs, temperature, monkeypatch):
+    """Probabilistic early exit in the target's own cache: at every step of a generation the
+    captured draft gives the tokens the eager draft gives on the same state (each step drafts
+    eagerly first, then replays). The captured draft once wrote stale ids from its second replay
+    on, after a verify graph had replayed: the sampler's scratch, made during the capture, came
+    from the pool the graphs share."""
+    monkeypatch.setattr(spec_decode, "best_num_drafts", lambda alpha, n, costs: n)
+    llm = LLM(dirs[0], dtype="float32", device="cuda", max_num_seqs=8,
+              speculative_config=_spec(dirs, "early_exit_probabilistic"))
+    proposer = llm.spec.proposer
+    assert proposer.runner.graphs.has(proposer.graph_name)
+    propose, can_replay, steps = proposer.propose, proposer._can_replay, []
+
+    def both(requests):
+        proposer._can_replay = lambda *args: False
+        try:
+            eager = propose(requests).draft_token_ids.tolist()
+        finally:
+            proposer._can_replay = can_replay
+        out = propose(requests)
+        steps.append((eager, out.draft_token_ids.tolist()))
+        return out
+
+    proposer.propose = both
+    _generate(llm, PROMPTS[:3], temperature=temperature, seed=3)
+    assert len(steps) > 5 and sum(len(e) for e, _ in steps) > 20
+    for i, (eager, captured) in enumerate(steps):
+        assert captured == eager, i
 
 
 def test_gpu_engine_matches_cpu_path_in_float32(dirs):

@@ -20,6 +20,7 @@ CPU.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -33,6 +34,15 @@ logger = logging.getLogger("verispec")
 # Steps of more requests than this run eagerly (vLLM captures up to 512 by default; our
 # max_num_seqs is the bound in practice).
 MAX_CAPTURE_BATCH_SIZE = 512
+
+
+@functools.cache
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every capture on ``device`` records on, and its warm-up runs on. What a step
+    keeps between calls (the samplers' launch plans and scratch, keyed by stream) is then made by
+    the warm-up, outside any capture: made during a capture it would come from the graphs'
+    shared memory pool, where blocks another graph uses for its temporaries can overlap it."""
+    return torch.cuda.Stream(device)
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -128,10 +138,13 @@ class CUDAGraphRunner:
             if not self.capture_graphs:
                 captured[bucket] = _Captured(None, static, None, staging)
                 continue
-            step(static)  # warm-up: compiles kernels, allocates library workspaces
+            stream = capture_stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                step(static)  # warm-up: compiles kernels, makes launch plans and workspaces
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                 outputs = step(static)
             captured[bucket] = _Captured(graph, static, outputs, staging, copied)
         if self.capture_graphs:

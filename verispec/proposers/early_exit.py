@@ -91,20 +91,6 @@ class EarlyExitProposer(ModelProposer):
             )
         self._init_buffers(self.runner.kv_cache.num_slots, model.config.vocab_size)
 
-    def capture(self) -> None:
-        """As ``ModelProposer.capture``, except for probabilistic drafting on a hybrid target
-        whose cache it shares, which drafts eagerly: there the captured draft wrote wrong draft
-        ids from its second replay on, values equal to the drafts' positions or an
-        out-of-range id (GPU diagnostics in float32), while on the same target the captured
-        greedy draft, and on a Llama target the captured probabilistic draft, equal the eager
-        draft step for step. Until that is understood, a draft whose ids could disagree with
-        its q is not replayed."""
-        from verispec.engine.state_cache import is_hybrid  # the engine imports the proposers
-
-        if not self.greedy and self.shares_target_cache and is_hybrid(self.runner.config):
-            return
-        super().capture()
-
     def _draft(
         self,
         requests: Sequence[ProposalRequest],
