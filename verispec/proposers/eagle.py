@@ -40,7 +40,7 @@ On CUDA (the flat layout; ``capture``) a step's draft is one CUDA graph per batc
     forward 0:  W = k + 1 pairs per request at positions num_cached .. num_cached + W - 1, of
                 which the first ``counts[b]`` are its pending pairs (a + 1 after a step that
                 accepted a drafts, 1 after a decode step); the padding pairs write cache rows
-                past N - 2 that the draft forwards rewrite before anything reads them
+                past N - 2, which are dead: a draft forward rewrites any it reads
                 -> d_1 from row counts[b] - 1
     forward i:  (g, d_i) at position N - 2 + i -> d_{i+1}, for i = 1 .. k - 1
 
