@@ -250,14 +250,30 @@ class ModelProposer(Proposer):
         self._ahead = _AheadDraft(list(requests))
         return True
 
-    def _take_ahead(self, requests: Sequence[ProposalRequest]) -> bool:
-        """Whether the queued drafts are this step's (then the cache holds what they fed)."""
+    def _ahead_matches(self, requests: Sequence[ProposalRequest]) -> bool:
+        """Whether the queued drafts (consumed by this call) are for ``requests``: the same
+        requests in the same order, each with the committed length ``on_commit`` reported."""
         ahead, self._ahead = self._ahead, None
         if ahead is None or ahead.num_tokens is None or len(ahead.requests) != len(requests):
             return False
-        for r, queued in zip(requests, ahead.requests):
-            if r is not queued or len(r.token_ids) != ahead.num_tokens.get(r.slot):
-                return False
+        return all(r is queued and len(r.token_ids) == ahead.num_tokens.get(r.slot)
+                   for r, queued in zip(requests, ahead.requests))
+
+    def _note_commit(self, slots: Sequence[int], num_committed_tokens: Sequence[int]) -> None:
+        """Record, for queued drafts, the committed lengths of the step they were queued after
+        (a second commit means they belong to no step any more)."""
+        if self._ahead is None:
+            return
+        if self._ahead.num_tokens is None:
+            self._ahead.num_tokens = {int(s): int(n) for s, n in
+                                      zip(slots, num_committed_tokens)}
+        else:
+            self._ahead = None
+
+    def _take_ahead(self, requests: Sequence[ProposalRequest]) -> bool:
+        """Whether the queued drafts are this step's (then the cache holds what they fed)."""
+        if not self._ahead_matches(requests):
+            return False
         slots = np.array([r.slot for r in requests], dtype=np.int64)
         num_tokens = np.array([len(r.token_ids) for r in requests], dtype=np.int64)
         self.runner.kv_cache.lengths_np[slots] = num_tokens + self.num_speculative_tokens - 1
@@ -368,12 +384,7 @@ class ModelProposer(Proposer):
         cache = self.runner.kv_cache
         for slot, num_committed in zip(slots, num_committed_tokens):
             cache.truncate(slot, max(0, min(cache.length(slot), int(num_committed) - 1)))
-        if self._ahead is not None:  # the lengths the queued drafts were made for
-            if self._ahead.num_tokens is None:
-                self._ahead.num_tokens = {int(s): int(n) for s, n in
-                                          zip(slots, num_committed_tokens)}
-            else:  # a second commit: not the step the drafts were queued for
-                self._ahead = None
+        self._note_commit(slots, num_committed_tokens)
 
     def free(self, slot: int) -> None:
         self.runner.kv_cache.free(slot)

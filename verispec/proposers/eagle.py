@@ -314,12 +314,8 @@ class EagleProposer(ModelProposer):
     def _take_ahead(self, requests: Sequence[ProposalRequest]) -> bool:
         """Whether the queued drafts are this step's: then the queued draft has fed every
         pending pair (its cache rows are those pairs' rows), so the pending rows are dropped."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None or ahead.num_tokens is None or len(ahead.requests) != len(requests):
+        if not self._ahead_matches(requests):
             return False
-        for r, queued in zip(requests, ahead.requests):
-            if r is not queued or len(r.token_ids) != ahead.num_tokens.get(r.slot):
-                return False
         slots = [r.slot for r in requests]
         for slot in slots:
             self._pending[slot] = []
@@ -412,12 +408,7 @@ class EagleProposer(ModelProposer):
                     f"positions {have} .. {want - 1} of slot {slot}")
             take.append((slot, int(captured.row_start[b] + have - captured.starts[b]),
                          want - have))
-        if self._ahead is not None:  # the lengths the queued drafts were made for
-            if self._ahead.num_tokens is None:
-                self._ahead.num_tokens = {int(s): int(n) for s, n in
-                                          zip(slots, num_committed_tokens)}
-            else:  # a second commit: not the step the drafts were queued for
-                self._ahead = None
+        self._note_commit(slots, num_committed_tokens)
         if not take:
             return
         firsts = np.array([f for _, f, _ in take])
