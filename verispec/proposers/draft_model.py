@@ -133,15 +133,22 @@ class ModelProposer(Proposer):
 
     # ----------------------------------------------------------------- captured drafting
 
+    def _draft_inputs(self) -> dict:
+        """The captured draft's own static inputs, beside the slots, the start positions and
+        the sampling parameters: the last two committed tokens."""
+        from verispec.engine.cuda_graphs import StepInput  # the engine imports proposers
+
+        return {"ids": StepInput(2, torch.int64)}
+
     def capture(self) -> None:
-        """Capture the k-step draft for every batch bucket (no-op without the runner's CUDA
-        graphs)."""
+        """Capture the k-step draft (``_draft_step`` over ``_draft_inputs``) for every batch
+        bucket (no-op without the runner's CUDA graphs)."""
         from verispec.engine.cuda_graphs import StepInput  # the engine imports proposers
 
         graphs = self.runner.graphs
         if graphs is None or graphs.has(self.graph_name):
             return
-        inputs = {"ids": StepInput(2, torch.int64),
+        inputs = {**self._draft_inputs(),
                   "slots": StepInput(1, torch.int64, self.runner.kv_cache.scratch_slot),
                   "starts": StepInput(1, torch.int64, 0)}
         if not self.greedy:

@@ -182,27 +182,16 @@ class EagleProposer(ModelProposer):
 
     # ----------------------------------------------------------------- captured drafting
 
-    def capture(self) -> None:
-        """Capture the k-step draft for every batch bucket (no-op without the head runner's
-        CUDA graphs); the module docstring says what it feeds."""
+    def _draft_inputs(self) -> dict:
+        """The captured draft's own static inputs (``capture``; the module docstring): W pairs
+        per request, token ids and target hidden states, and how many of them are real."""
         from verispec.engine.cuda_graphs import StepInput  # the engine imports proposers
 
-        graphs = self.runner.graphs
-        if graphs is None or graphs.has(self.graph_name):
-            return
         eagle = self.head.eagle
         width = len(eagle.aux_layer_ids) * eagle.target_hidden_size  # a target row's features
-        inputs = {"ids": StepInput(self.width, torch.int64),
-                  "hidden": StepInput(self.width * width, self.runner.dtype),
-                  "slots": StepInput(1, torch.int64, self.runner.kv_cache.scratch_slot),
-                  "starts": StepInput(1, torch.int64, 0),
-                  "counts": StepInput(1, torch.int64, 1)}
-        if not self.greedy:
-            inputs.update(temperature=StepInput(1, torch.float32, 1.0),
-                          seeds=StepInput(1, torch.int64, 0))
-        with torch.inference_mode():
-            graphs.add(self.graph_name, inputs, self._draft_step)
-        self._captured_buffers = (self.draft_token_buffer, self.draft_probs_buffer)
+        return {"ids": StepInput(self.width, torch.int64),
+                "hidden": StepInput(self.width * width, self.runner.dtype),
+                "counts": StepInput(1, torch.int64, 1)}
 
     def _draft_step(self, x: dict[str, torch.Tensor]) -> None:
         """The captured draft: ``x["ids"]`` [B, W] tokens and ``x["hidden"]`` [B, W * D] target
