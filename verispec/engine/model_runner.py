@@ -285,7 +285,8 @@ class ModelRunner:
         ``counts[b]`` tokens from position ``starts[b]`` (host arrays)."""
         query_start = np.zeros(len(slots) + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start[1:])
-        positions = np.concatenate([s + np.arange(n) for s, n in zip(starts, counts)])
+        offsets = np.arange(int(counts.max()))
+        positions = (starts[:, None] + offsets)[offsets < counts[:, None]]
         slot_mapping = np.repeat(np.asarray(slots, dtype=np.int64), counts)
 
         def dev(a) -> torch.Tensor:

@@ -208,10 +208,10 @@ class EagleProposer(ModelProposer):
         last = torch.arange(0, B * W, W, device=self.device) + counts - 1
         logits, hidden = head.compute_logits(normed[last], runner.ops), out[last]
         fed = starts + counts - 1  # position of the last pending pair: N - 2
+        temperature = seeds = None
+        if not self.greedy:
+            temperature, seeds = x["temperature"].view(-1), x["seeds"].view(-1)
         for i in range(self.num_speculative_tokens):
-            temperature = seeds = None
-            if not self.greedy:
-                temperature, seeds = x["temperature"].view(-1), x["seeds"].view(-1)
             draft_ids, q = self._choose(logits, temperature, seeds, fed + 2 + i)
             if q is not None:
                 self.draft_probs_buffer[slots, i] = q
