@@ -93,6 +93,30 @@ def test_train_draft_learns_and_round_trips(tmp_path, target_dir, prompts_file):
     assert llm.spec.stats.num_drafts > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_train_draft_on_cuda(tmp_path, prompts_file):
+    """``--device cuda``: the target generates on the GPU engine and the head trains there; the
+    loss falls, the data is kept on the CPU, and the head loads and drafts on the GPU with
+    greedy output == plain greedy."""
+    target_dir = save_llama(tmp_path / "target", num_layers=6, hidden_size=64)  # head_dim 16
+    out = tmp_path / "head"
+    summary = train_draft(_config(out, target_dir, prompts_file, device="cuda", epochs=6),
+                          log=lambda _: None)
+    history = torch.load(out / "trainer_state.pt", weights_only=False,
+                         map_location="cpu")["history"]
+    assert history[-1]["loss"][0] < history[0]["loss"][0] - 0.2, history
+    assert summary["steps"] == 18
+    data = torch.load(out / "data.pt", weights_only=False)
+    assert all(s[1].device.type == "cpu" and s[2].device.type == "cpu" for s in data)
+    prompts = [[5, 9, 14, 3], [40, 41, 7, 7, 12]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(target_dir, dtype="float32", device="cuda").generate(prompts, params)
+    llm = LLM(target_dir, dtype="float32", device="cuda", speculative_config={
+        "method": "eagle3", "model": str(out), "num_speculative_tokens": 3})
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert llm.spec.stats.num_drafts > 0
+
+
 def test_resume_gives_the_uninterrupted_result(tmp_path, target_dir, prompts_file,
                                                monkeypatch):
     whole = tmp_path / "whole"

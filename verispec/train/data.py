@@ -114,9 +114,10 @@ def generate_samples(llm, prompts: list, aux_layers: tuple[int, ...], max_new_to
                     for seq, response_start in zip(group, group_starts):
                         part = rows[offset:offset + len(seq)]
                         offset += len(seq)
+                        # kept on the CPU (a GPU run's data is saved and trained in batches)
                         samples.append(Sample(np.asarray(seq, dtype=np.int64),
-                                              part[:, :-H].clone(), part[:, -H:].clone(),
-                                              response_start))
+                                              part[:, :-H].cpu().clone(),
+                                              part[:, -H:].cpu().clone(), response_start))
             finally:
                 runner.capture_layers = ()
                 runner.captured_hidden = None

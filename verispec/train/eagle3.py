@@ -87,8 +87,9 @@ def ttt_loss(
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     emb = F.embedding(token_ids, head.embed_weight).float()  # [B, S, H]
     h = F.linear(aux.float(), head.fc_weight, head.fc_bias)  # [B, S, H]
-    cos, sin = rope_tables(c, S + num_steps)
-    positions = torch.arange(S)
+    device = token_ids.device
+    cos, sin = (t.to(device) for t in rope_tables(c, S + num_steps))
+    positions = torch.arange(S, device=device)
     valid_tokens = positions[None, :] < lengths[:, None]  # [B, S] labels that are trained
     if response_start is not None:
         valid_tokens &= positions[None, :] >= response_start[:, None]
@@ -97,7 +98,7 @@ def ttt_loss(
     target_p = torch.softmax(target_logits, dim=-1)
     target_best = target_logits.argmax(-1)
     keys, values = [], []
-    total = torch.zeros(())
+    total = torch.zeros((), device=device)
     step_losses, step_accs = [], []
     for j in range(num_steps):
         shift = 1 + j  # step j at position t reads the token at t + 1 + j

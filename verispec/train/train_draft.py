@@ -137,21 +137,25 @@ def _collate(samples: list[Sample], max_len: int, draft_head: torch.Tensor):
     S = int(lengths.max())
     B = len(samples)
     tokens = torch.zeros(B, S, dtype=torch.int64)
-    aux = torch.zeros(B, S, samples[0].aux.shape[1])
-    final = torch.zeros(B, S, samples[0].final.shape[1])
+    aux = torch.zeros(B, S, samples[0].aux.shape[1], dtype=samples[0].aux.dtype)
+    final = torch.zeros(B, S, samples[0].final.shape[1], dtype=samples[0].final.dtype)
     for b, (s, n) in enumerate(zip(samples, lengths.tolist())):
         tokens[b, :n] = torch.from_numpy(s.token_ids[:n])
-        aux[b, :n] = s.aux[:n].float()
-        final[b, :n] = s.final[:n].float()
+        aux[b, :n] = s.aux[:n]
+        final[b, :n] = s.final[:n]
     starts = torch.tensor([s.response_start for s in samples])
-    return tokens, aux, final @ draft_head.T, lengths, starts
+    # built on the CPU, where the data is kept, then moved to the head's device
+    device = draft_head.device
+    tokens, aux, final, lengths, starts = (t.to(device) for t in (tokens, aux, final, lengths,
+                                                                   starts))
+    return tokens, aux.float(), final.float() @ draft_head.T, lengths, starts
 
 
 def _load_or_generate(cfg: TrainDraftConfig, llm, aux_layers) -> list[Sample]:
     path = os.path.join(cfg.output_dir, DATA_FILE)
     if os.path.isfile(path):
         logger.info("train-draft: reusing the generated data in %s", path)
-        data = torch.load(path, weights_only=False)
+        data = torch.load(path, weights_only=False, map_location="cpu")
         return [Sample(*s) for s in data]
     prompts = builtin_prompts(cfg.seed) if cfg.prompts is None else load_prompt_file(cfg.prompts)
     prompts = prompts[: cfg.num_prompts]
@@ -161,17 +165,19 @@ def _load_or_generate(cfg: TrainDraftConfig, llm, aux_layers) -> list[Sample]:
     return samples
 
 
-def train_draft(cfg: TrainDraftConfig, log=print) -> dict:
+def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
     """Generate data, train, write the head to ``cfg.output_dir``; returns a summary dict
-    (steps, losses, accuracies per TTT step, seconds)."""
+    (steps, losses, accuracies per TTT step, seconds). ``llm``: an engine already loaded with
+    the target (``cfg.model``, ``cfg.dtype`` and ``cfg.device`` are then its own)."""
     from verispec.engine.llm import LLM
 
     start_time = time.perf_counter()
     os.makedirs(cfg.output_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    # The data needs the target's distribution, not batch-invariant bits: the faster matmuls.
-    llm = LLM(cfg.model, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs, device=cfg.device,
-              max_model_len=None, batch_invariant=False)
+    if llm is None:
+        # The data needs the target's distribution, not batch-invariant bits: faster matmuls.
+        llm = LLM(cfg.model, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
+                  device=cfg.device, max_model_len=None, batch_invariant=False)
     target = llm.loaded.model
     if llm.device.type == "cpu" and cpu_kernels.torch_has_fast_bf16():
         # torch's bfloat16 matmul is fast here: keep it for many rows instead of the runner's
@@ -204,7 +210,9 @@ def train_draft(cfg: TrainDraftConfig, log=print) -> dict:
     head = EagleHead(eagle, embed, dtype=torch.float32)
     init_head(head, target.lm_head_weight.detach(), draft_ids, target.norm.weight.detach(),
               cfg.seed)
-    draft_head = target.lm_head_weight.detach().float()[draft_ids]  # [V_draft, H] labels
+    device = llm.device  # the head trains where the target runs
+    head.to(device)
+    draft_head = target.lm_head_weight.detach().float()[draft_ids.to(device)]  # [V_draft, H]
     params = trainable_parameters(head)
     for p in params:
         p.requires_grad_(True)
@@ -217,7 +225,7 @@ def train_draft(cfg: TrainDraftConfig, log=print) -> dict:
     step, history = 0, []
     state_path = os.path.join(cfg.output_dir, STATE_FILE)
     if os.path.isfile(state_path):
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, weights_only=False, map_location="cpu")
         if state["config"] != _resumable(cfg) or not torch.equal(state["draft_ids"], draft_ids):
             raise ValueError(f"{state_path} was written by a run with other settings "
                              f"{state['config']}; use another output_dir or the same flags")
@@ -239,9 +247,9 @@ def train_draft(cfg: TrainDraftConfig, log=print) -> dict:
         os.replace(state_path + ".tmp", state_path)
 
     # bfloat16 autocast: float32 weights, gradients and optimizer, the matmuls in bfloat16
-    # (1.35 -> 0.80 s a step on a 2-core Xeon with AMX); float32 where the CPU has no fast
-    # bfloat16 matmul (there autocast would be slower).
-    amp = cfg.amp and cpu_kernels.torch_has_fast_bf16()
+    # (1.35 -> 0.80 s a step on a 2-core Xeon with AMX); on a CPU without a fast bfloat16
+    # matmul, float32 (there autocast would be slower).
+    amp = cfg.amp and (device.type == "cuda" or cpu_kernels.torch_has_fast_bf16())
     bar = progress(total=total_steps, desc="train-draft", unit="step", disable=None)
     bar.update(step)
     epoch_batches: list[list[int]] = []
@@ -255,7 +263,7 @@ def train_draft(cfg: TrainDraftConfig, log=print) -> dict:
             epoch_batches = _batches(samples, cfg.batch_size, random.Random(cfg.seed + epoch))
         batch = [samples[i] for i in epoch_batches.pop(0)]
         tokens, aux, target_logits, lengths, starts = _collate(batch, cfg.max_seq_len, draft_head)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             loss, losses, accs = ttt_loss(head, tokens, aux, target_logits, lengths,
                                           cfg.ttt_steps, starts)
         optimizer.zero_grad(set_to_none=True)
