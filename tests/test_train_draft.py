@@ -151,6 +151,36 @@ def test_resume_gives_the_uninterrupted_result(tmp_path, target_dir, prompts_fil
                     log=lambda _: None)
 
 
+def test_states_recorded_while_generating(target_dir, prompts_file, monkeypatch, capsys):
+    """The hidden states kept from the generation steps are those of a forward over the same
+    tokens afterwards (the path a runner with graphs captured without them takes); a sequence
+    keeps the tokens that were fed, all but the last response token. A refused prompt is
+    named in a warning, once, and the others are generated."""
+    from verispec.train import data
+
+    llm = LLM(target_dir, dtype="float32", max_num_seqs=4)
+    prompts = data.load_prompt_file(prompts_file)[:6]
+    layers = (2, 3, 3)
+    bad = [[3, VOCAB + 5]]  # a token id outside the vocabulary
+    kept = data.generate_samples(llm, prompts[:3] + bad + prompts[3:], layers, 12, 0.0, 0,
+                                 batch_size=4)
+    err = capsys.readouterr().err
+    assert err.count("1 of 7 prompts were refused") == 1 and str(VOCAB + 5) in err
+    monkeypatch.setattr(data, "_generate_recording", lambda *args: None)
+    after = data.generate_samples(llm, prompts[:3] + bad + prompts[3:], layers, 12, 0.0, 0,
+                                  batch_size=4)
+    assert capsys.readouterr().err.count("1 of 7 prompts were refused") == 1
+    assert len(kept) == len(after) == 6
+    for a, b, prompt in zip(kept, after, prompts):
+        assert a.response_start == b.response_start == len(prompt)
+        assert len(prompt) < len(b.token_ids) <= len(prompt) + 12  # (EOS may end it early)
+        assert len(a.token_ids) == len(b.token_ids) - 1
+        assert (a.token_ids == b.token_ids[:-1]).all()
+        n = len(a.token_ids)
+        torch.testing.assert_close(a.aux, b.aux[:n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a.final, b.final[:n], atol=1e-4, rtol=1e-4)
+
+
 def test_training_forward_equals_inference(tmp_path):
     """TTT step j's logits at position t = the proposer's logits for draft j + 1 after the
     context 0..t + 1 with drafts x_{t+2} .. x_{t+1+j} fed back (float32)."""
@@ -178,12 +208,13 @@ def test_training_forward_equals_inference(tmp_path):
             logits, out = proposer._head_forward([0], [tokens[1:n]], aux[: n - 1], True)
             for i in range(j):
                 logits, out = proposer._head_forward([0], [[tokens[n + i]]], out, False)
-            torch.testing.assert_close(logits[0], logits_by_step[j][0, t], atol=1e-4,
+            torch.testing.assert_close(logits[0], logits_by_step[j][t], atol=1e-4,
                                        rtol=1e-4)
 
 
 def _ttt_logits(head, tokens, aux, steps):
-    """The head's logits at every TTT step, read through ``ttt_loss``'s own computation."""
+    """The head's logits at every TTT step, read through ``ttt_loss``'s own computation: step
+    j's [S - 1 - j, V_draft] rows of the positions t whose label t + 1 + j exists."""
     captured = []
     real = torch.nn.functional.log_softmax
 

@@ -15,6 +15,7 @@ it holds out the prompts of ``verispec bench --prompts free``.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,8 @@ import torch
 
 from verispec.engine.bench_utils import progress
 from verispec.train.prompts import builtin_prompts
+
+logger = logging.getLogger("verispec")
 
 __all__ = ["Sample", "builtin_prompts", "generate_samples", "load_prompt_file",
            "select_draft_vocab"]
@@ -79,8 +82,14 @@ class Sample:
 
 def generate_samples(llm, prompts: list, aux_layers: tuple[int, ...], max_new_tokens: int,
                      temperature: float, seed: int, batch_size: int) -> list[Sample]:
-    """Generate a response to every prompt with ``llm`` (an ``LLM``), then record the hidden
-    states of prompt + response with one target forward per batch (``capture_layers``)."""
+    """Generate a response to every prompt with ``llm`` (an ``LLM``) and record the hidden
+    states of prompt + response.
+
+    The states are kept as the engine computes them (``capture_layers`` on every step), so
+    no second pass is needed: a sequence keeps the tokens that were fed, the prompt and all but
+    the last response token. Where a step runs a graph captured without those states (the
+    CUDA engine), one target forward per ``llm.max_num_seqs`` sequences records them after
+    generation instead."""
     from verispec.sampling_params import SamplingParams
 
     chat = getattr(llm.tokenizer, "chat_template", None)
@@ -88,43 +97,114 @@ def generate_samples(llm, prompts: list, aux_layers: tuple[int, ...], max_new_to
                 for p in prompts]
     samples: list[Sample] = []
     runner = llm.runner
-    H = llm.model_config.hidden_size
     layers = tuple(aux_layers) + (llm.model_config.num_hidden_layers,)
     bar = progress(total=len(requests), desc="generating", unit="prompt")
+    runner.capture_layers = layers
+    record_after = False
+    errors: list[str] = []  # why each refused prompt was refused
     try:
         for start in range(0, len(requests), batch_size):
             chunk = requests[start:start + batch_size]
             params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
                                      seed=seed + start + i) for i in range(len(chunk))]
-            outputs = llm.generate(chunk, params)
-            done = [o for o in outputs if o.error is None]
-            sequences = [(o.prompt_token_ids + o.token_ids)[: llm.max_model_len] for o in done]
-            starts = [len(o.prompt_token_ids) for o in done]
-            runner.capture_layers = layers
-            try:
-                for s0 in range(0, len(sequences), llm.max_num_seqs):
-                    group = sequences[s0:s0 + llm.max_num_seqs]
-                    group_starts = starts[s0:s0 + llm.max_num_seqs]
-                    slots = list(range(len(group)))
-                    runner.forward(slots, group, logits="none")
-                    rows = runner.captured_hidden.rows
-                    for slot in slots:
-                        runner.kv_cache.free(slot)
-                    offset = 0
-                    for seq, response_start in zip(group, group_starts):
-                        part = rows[offset:offset + len(seq)]
-                        offset += len(seq)
-                        # kept on the CPU (a GPU run's data is saved and trained in batches)
-                        samples.append(Sample(np.asarray(seq, dtype=np.int64),
-                                              part[:, :-H].cpu().clone(),
-                                              part[:, -H:].cpu().clone(), response_start))
-            finally:
-                runner.capture_layers = ()
-                runner.captured_hidden = None
+            recorded = None if record_after else _generate_recording(llm, chunk, params, errors)
+            if recorded is None:  # a step did not capture: record with one forward afterwards
+                record_after = True
+                recorded = _record(llm, _generate(llm, chunk, params, errors))
+            samples += [_sample(llm, ids, rows, response_start)
+                        for ids, rows, response_start in recorded]
             bar.update(len(chunk))
     finally:
+        runner.capture_layers = ()
+        runner.captured_hidden = None
         bar.close()
+    if errors:
+        logger.warning("train-draft: %d of %d prompts were refused and are not in the data; "
+                       "the first: %s", len(errors), len(requests), errors[0])
     return samples
+
+
+def _sample(llm, token_ids: list[int], rows: torch.Tensor, response_start: int) -> Sample:
+    H = llm.model_config.hidden_size
+    rows = rows.cpu()  # kept on the CPU (a GPU run trains in batches moved to the GPU)
+    return Sample(np.asarray(token_ids, dtype=np.int64), rows[:, :-H].clone(),
+                  rows[:, -H:].clone(), response_start)
+
+
+def _generate(llm, requests: list, params: list, errors: list[str]
+              ) -> list[tuple[list[int], int]]:
+    """(prompt + response token ids, response start) of each request that did not fail."""
+    outputs = llm.generate(requests, params)
+    errors += [o.error for o in outputs if o.error is not None]
+    return [((o.prompt_token_ids + o.token_ids)[: llm.max_model_len], len(o.prompt_token_ids))
+            for o in outputs if o.error is None]
+
+
+def _generate_recording(llm, requests: list, params: list, errors: list[str]):
+    """Generate while keeping each step's captured states; None as soon as a step captured
+    none (the caller then records afterwards). Returns (fed token ids, their states, response
+    start) per request that did not fail."""
+    runner = llm.runner
+    pieces: dict[int, list[torch.Tensor]] = {}
+    started = []
+    num_errors = len(errors)
+    for request, p in zip(requests, params):
+        try:
+            started.append(llm.add_request(request, p))
+        except ValueError as e:
+            errors.append(str(e))
+            continue
+        pieces[started[-1].request_id] = []
+    try:
+        while llm.has_unfinished_requests:
+            running = list(llm.scheduler.running) + list(llm.scheduler.waiting)
+            runner.captured_hidden = None
+            finished = llm.step()
+            captured = runner.captured_hidden
+            if captured is None:
+                for r in started:
+                    if not r.finished:
+                        llm.abort_request(r)
+                del errors[num_errors:]  # the caller generates these requests again
+                return None
+            by_slot = {r.slot: r for r in running + finished if r.slot >= 0}
+            for b, slot in enumerate(captured.slots):
+                first = int(captured.row_start[b])
+                pieces[by_slot[slot].request_id].append(
+                    captured.rows[first:first + int(captured.counts[b])].clone())
+    except BaseException:
+        for r in started:
+            if not r.finished:
+                llm.abort_request(r)
+        raise
+    recorded = []
+    for r in started:
+        output = llm.get_output(r)
+        if output.error is not None or not pieces[r.request_id]:
+            continue
+        rows = torch.cat(pieces[r.request_id])
+        ids = (output.prompt_token_ids + output.token_ids)[: rows.shape[0]]
+        recorded.append((ids, rows[: len(ids)], len(output.prompt_token_ids)))
+    return recorded
+
+
+def _record(llm, sequences: list[tuple[list[int], int]]):
+    """One target forward per ``llm.max_num_seqs`` sequences: (token ids, states, response
+    start) of each."""
+    runner = llm.runner
+    recorded = []
+    for s0 in range(0, len(sequences), llm.max_num_seqs):
+        group = sequences[s0:s0 + llm.max_num_seqs]
+        slots = list(range(len(group)))
+        runner.forward(slots, [ids for ids, _ in group], logits="none")
+        rows = runner.captured_hidden.rows
+        for slot in slots:
+            runner.kv_cache.free(slot)
+        offset = 0
+        for ids, response_start in group:
+            recorded.append((ids, rows[offset:offset + len(ids)], response_start))
+            offset += len(ids)
+    return recorded
 
 
 def select_draft_vocab(samples: list[Sample], vocab_size: int, draft_vocab_size: int,

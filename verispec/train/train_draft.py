@@ -33,7 +33,7 @@ import torch
 
 from verispec.engine.bench_utils import progress
 from verispec.models import cpu_kernels
-from verispec.models.config import ModelConfig
+from verispec.models.config import ModelConfig, read_hf_config
 from verispec.models.eagle import (
     EAGLE3_ARCHITECTURE,
     EagleConfig,
@@ -41,6 +41,7 @@ from verispec.models.eagle import (
     default_aux_layer_ids,
     save_eagle_head,
 )
+from verispec.models.loader import resolve_model_path
 from verispec.train.data import (
     Sample,
     builtin_prompts,
@@ -62,7 +63,7 @@ class TrainDraftConfig:
     output_dir: str
     model: str | None = None  # the target (None: the bundled model)
     prompts: str | None = None  # JSONL file; None: the built-in set
-    num_prompts: int | None = 2048  # use the first N prompts of the set (None: all)
+    num_prompts: int | None = None  # use the first N prompts of the set (None: all)
     max_new_tokens: int = 128
     temperature: float = 0.0  # of the generated responses
     draft_vocab_size: int = 8192
@@ -76,7 +77,7 @@ class TrainDraftConfig:
     seed: int = 0
     dtype: str = "bfloat16"  # the target's, for generation and hidden states
     device: str = "cpu"
-    max_num_seqs: int = 64  # generation batch
+    max_num_seqs: int = 256  # generation batch
     amp: bool = True  # bfloat16 matmuls in training where the CPU has fast ones
 
     def __post_init__(self) -> None:
@@ -160,7 +161,7 @@ def _load_or_generate(cfg: TrainDraftConfig, llm, aux_layers) -> list[Sample]:
     prompts = builtin_prompts(cfg.seed) if cfg.prompts is None else load_prompt_file(cfg.prompts)
     prompts = prompts[: cfg.num_prompts]
     samples = generate_samples(llm, prompts, aux_layers, cfg.max_new_tokens, cfg.temperature,
-                               cfg.seed, batch_size=cfg.max_num_seqs * 4)
+                               cfg.seed, batch_size=cfg.max_num_seqs * 8)
     torch.save([(s.token_ids, s.aux, s.final, s.response_start) for s in samples], path)
     return samples
 
@@ -176,8 +177,10 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
     torch.manual_seed(cfg.seed)
     if llm is None:
         # The data needs the target's distribution, not batch-invariant bits: faster matmuls.
-        llm = LLM(cfg.model, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
-                  device=cfg.device, max_model_len=None, batch_invariant=False)
+        model_dir = resolve_model_path(cfg.model)
+        llm = LLM(model_dir, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
+                  device=cfg.device, max_model_len=_data_model_len(cfg, model_dir),
+                  batch_invariant=False)
     target = llm.loaded.model
     if llm.device.type == "cpu" and cpu_kernels.torch_has_fast_bf16():
         # torch's bfloat16 matmul is fast here: keep it for many rows instead of the runner's
@@ -294,6 +297,16 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
         f"step {[round(x, 3) for x in summary['loss_per_step']]}, accuracy "
         f"{[round(x, 3) for x in summary['acc_per_step']]}; head written to {cfg.output_dir}")
     return summary
+
+
+def _data_model_len(cfg: TrainDraftConfig, model_dir: str) -> int | None:
+    """The generating engine's max_model_len: the longest sequence trained on plus a response
+    (a longer prompt trains nothing: its response starts past the cut), within the model's
+    own limit. It bounds the KV cache, which at ``max_num_seqs`` = 256 must not be sized for
+    the engine's default 2048 tokens per sequence."""
+    limit = read_hf_config(model_dir).get("max_position_embeddings")
+    length = cfg.max_seq_len + cfg.max_new_tokens
+    return min(length, limit) if isinstance(limit, int) and limit > 0 else length
 
 
 def _resumable(cfg: TrainDraftConfig) -> dict:
