@@ -371,10 +371,10 @@ TRAIN_DRAFT_HELP = {
     "save_every": "write the head and the training state every N steps",
     "seed": "seed of the data order and the initial weights",
     "dtype": "target dtype for generating and recording hidden states",
-    "device": "cpu, cuda or cuda:N",
+    "device": "cpu, cuda or cuda:N: where the target generates and the head trains",
     "max_num_seqs": "requests generated at once",
-    "amp": "train with bfloat16 matmuls (float32 weights and optimizer) where the CPU has a "
-           "fast bfloat16 matmul; --no-amp trains in float32",
+    "amp": "train with bfloat16 matmuls (float32 weights and optimizer) on a GPU and where "
+           "the CPU has a fast bfloat16 matmul; --no-amp trains in float32",
 }
 
 
