@@ -17,23 +17,33 @@ from bench_rejection import call, make_inputs, print_json, time_gpu  # noqa: E40
 
 from verispec.ops import triton_ops  # noqa: E402
 
-SHAPES = list(itertools.product((1, 2, 4), (2, 4, 8), (2048, 4096)))  # (group, warps, chunk)
+SHAPES = list(itertools.product((1, 2), (2, 4, 8), (2048, 4096)))  # (group, warps, chunk)
+
+
+class _Launch(triton_ops._Launch):
+    """The plan's launch, with the statistics launch's warps replaced (``warps``)."""
+
+    warps: int | None = None
+
+    def __init__(self, kernel, grid, num_warps, constexprs, **static):
+        if kernel is triton_ops._rows_kernel and self.warps is not None:
+            num_warps = self.warps
+        super().__init__(kernel, grid, num_warps, constexprs, **static)
 
 
 def timed(B: int, with_probs: bool, sets, flush, shape) -> float:
     """Median µs of the op with the launch ``shape`` (None: the current rule)."""
-    rule = triton_ops._rows_group, triton_ops._rows_warps, triton_ops._MAX_CHUNK
+    rule = triton_ops._Launch, triton_ops._GROUP_BATCH, triton_ops._MAX_CHUNK
     triton_ops._PLANS.clear()
     if shape is not None:
-        group, warps, chunk = shape
-        triton_ops._rows_group = lambda batch_size, synthetic: group
-        triton_ops._rows_warps = lambda chunk_size, batch_size: warps
-        triton_ops._MAX_CHUNK = chunk
+        group, _Launch.warps, triton_ops._MAX_CHUNK = shape
+        triton_ops._Launch = _Launch
+        triton_ops._GROUP_BATCH = 0 if group == 2 else 1 << 30  # GROUP 2 from this batch size
     try:
         return time_gpu(lambda s: call(triton_ops.rejection_sample, s, with_probs), sets,
                         flush, 0.15, max_reps=60)
     finally:
-        triton_ops._rows_group, triton_ops._rows_warps, triton_ops._MAX_CHUNK = rule
+        triton_ops._Launch, triton_ops._GROUP_BATCH, triton_ops._MAX_CHUNK = rule
         triton_ops._PLANS.clear()
 
 

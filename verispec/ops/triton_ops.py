@@ -61,17 +61,6 @@ def _aligned(n: int) -> int:
     return triton.cdiv(n, 32) * 32
 
 
-def _rows_group(batch_size: int, synthetic: bool) -> int:
-    """Chunks per statistics program (GROUP)."""
-    return 2 if batch_size >= (_GROUP_BATCH_SYNTHETIC if synthetic else _GROUP_BATCH) else 1
-
-
-def _rows_warps(chunk: int, batch_size: int) -> int:
-    """Warps per statistics program: 8 for a 4096-token chunk below batch 8 (the latency of
-    one program matters), 4 from it on (more programs in flight)."""
-    return max(1, max(1, min(8, chunk // 512)) // (1 if batch_size < 8 else 2))
-
-
 def chunk_size(vocab_size: int) -> int:
     """Tokens per statistics chunk: 4096, or the whole row when smaller; never more than a
     block of the two-level race (``sampling.SAMPLING_BLOCK``), so that no chunk straddles two."""
@@ -235,7 +224,7 @@ class _Plan:
         race_chunk = min(_ROW_RACE_CHUNK if has_draft_probs else _BLOCK_RACE_CHUNK, block_span)
         num_programs = (triton.cdiv(vocab_size, race_chunk) if has_draft_probs
                         else block_span // race_chunk)
-        group = _rows_group(batch_size, synthetic)
+        group = 2 if batch_size >= (_GROUP_BATCH_SYNTHETIC if synthetic else _GROUP_BATCH) else 1
         plane = num_rows * num_chunks
         f_sizes = [_aligned(n) for n in (4 * plane, 2 * num_rows, 2 * batch_size * num_programs,
                                           8 * num_rows)]
@@ -258,9 +247,12 @@ class _Plan:
                 dict(TILE=min(1024 * warps, _p2(vocab_size)), NO_DRAFTS=no_drafts, **has),
                 logits_stride=logits.stride(0), row_stats_ptr=self.row_stats,
                 vocab_size=vocab_size)
+        # warps: 8 for a 4096-token chunk below batch 8 (the latency of one program matters),
+        # 4 from it on (more programs in flight)
+        warps = max(1, min(8, chunk // 512)) // (1 if batch_size < 8 else 2)
         self.rows = _Launch(
             _rows_kernel, (batch_size * rows_per_request * triton.cdiv(num_chunks, group),),
-            _rows_warps(chunk, batch_size),
+            max(1, warps),
             dict(ROWS=rows_per_request, NUM_CHUNKS=num_chunks, CHUNK=chunk,
                  NC_P2=_p2(num_chunks), GROUP=group, ROWS_P2=rows_p2,
                  HAS_DRAFT_PROBS=has_draft_probs, **blocks, **flags),
