@@ -157,25 +157,22 @@ def _generate_recording(llm, requests: list, params: list, errors: list[str]):
         pieces[started[-1].request_id] = []
     try:
         while llm.has_unfinished_requests:
-            running = list(llm.scheduler.running) + list(llm.scheduler.waiting)
+            # the step's requests: those running, and those it admits (a slot is set then)
+            candidates = list(llm.scheduler.running) + list(llm.scheduler.waiting)
             runner.captured_hidden = None
-            finished = llm.step()
+            llm.step()
             captured = runner.captured_hidden
             if captured is None:
-                for r in started:
-                    if not r.finished:
-                        llm.abort_request(r)
+                _abort_unfinished(llm, started)
                 del errors[num_errors:]  # the caller generates these requests again
                 return None
-            by_slot = {r.slot: r for r in running + finished if r.slot >= 0}
+            by_slot = {r.slot: r for r in candidates if r.slot >= 0}
             for b, slot in enumerate(captured.slots):
                 first = int(captured.row_start[b])
                 pieces[by_slot[slot].request_id].append(
                     captured.rows[first:first + int(captured.counts[b])].clone())
     except BaseException:
-        for r in started:
-            if not r.finished:
-                llm.abort_request(r)
+        _abort_unfinished(llm, started)
         raise
     recorded = []
     for r in started:
@@ -186,6 +183,12 @@ def _generate_recording(llm, requests: list, params: list, errors: list[str]):
         ids = (output.prompt_token_ids + output.token_ids)[: rows.shape[0]]
         recorded.append((ids, rows[: len(ids)], len(output.prompt_token_ids)))
     return recorded
+
+
+def _abort_unfinished(llm, requests: list) -> None:
+    for r in requests:
+        if not r.finished:
+            llm.abort_request(r)
 
 
 def _record(llm, sequences: list[tuple[list[int], int]]):
