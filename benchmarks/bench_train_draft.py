@@ -103,8 +103,11 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     model_dir = trainer.resolve_model_path(args.model)
-    llm = LLM(model_dir, dtype="bfloat16", device=args.device, max_num_seqs=256,
-              max_model_len=640, batch_invariant=False)
+    # the engine train-draft would make for the longest responses asked for
+    longest = trainer.TrainDraftConfig(output_dir=args.workdir,
+                                       max_new_tokens=max(max(args.max_new_tokens), 128))
+    llm = LLM(model_dir, dtype="bfloat16", device=args.device, max_num_seqs=longest.max_num_seqs,
+              max_model_len=trainer._data_model_len(longest, model_dir), batch_invariant=False)
     held_out = generate_samples(llm, list(FREE_PROMPTS), default_aux_layer_ids(
         llm.model_config.num_hidden_layers), 128, 0.0, 0, 64)
     rows = []

@@ -13,7 +13,7 @@ import sys
 import torch
 
 sys.path.insert(0, "benchmarks")
-from bench_rejection import call, make_inputs, print_json, time_gpu  # noqa: E402
+from bench_rejection import call, copy_bandwidth, make_inputs, print_json, time_gpu  # noqa: E402
 
 from verispec.ops import triton_ops  # noqa: E402
 
@@ -70,7 +70,8 @@ def main() -> None:
             results.append(dict(batch_size=B, rule=rule, current_us=round(current, 1),
                                 fastest_us=round(times[best], 1), fastest=best,
                                 all={str(k): round(v, 1) for k, v in times.items()}))
-    print_json("sweep_rejection_launch", torch.cuda.get_device_name(device), 0.0, results)
+    print_json("sweep_rejection_launch", torch.cuda.get_device_name(device),
+               copy_bandwidth(device), results)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ class TrainDraftConfig:
     dtype: str = "bfloat16"  # the target's, for generation and hidden states
     device: str = "cpu"
     max_num_seqs: int = 256  # generation batch
-    amp: bool = True  # bfloat16 matmuls in training where the CPU has fast ones
+    amp: bool = True  # bfloat16 matmuls in training on a GPU and where the CPU has fast ones
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "draft_vocab_size", "ttt_steps", "epochs", "batch_size",
