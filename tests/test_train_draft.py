@@ -80,9 +80,10 @@ def test_train_draft_learns_and_round_trips(tmp_path, target_dir, prompts_file):
     head = load_eagle_head(str(out), "eagle3", target.model)
     assert head.eagle.draft_vocab_size == 48 and head.eagle.aux_layer_ids == (2, 3, 3)
     saved = eagle_state_dict(head)
-    for name, param in (("fc.weight", state["params"][0]),
-                        ("lm_head.weight", state["params"][9])):
-        torch.testing.assert_close(saved[name], param)
+    # fc trained on standardised aux states is saved for the raw ones: W = W' / s
+    torch.testing.assert_close(saved["fc.weight"] * trainer._feature_rms(samples),
+                               state["params"][0])
+    torch.testing.assert_close(saved["lm_head.weight"], state["params"][9])
     # the trained head drafts in the engine; greedy output is the plain greedy output
     prompts = [[5, 9, 14, 3], [40, 41, 7, 7, 12]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -91,6 +92,43 @@ def test_train_draft_learns_and_round_trips(tmp_path, target_dir, prompts_file):
         "method": "eagle3", "model": str(out), "num_speculative_tokens": 3})
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
     assert llm.spec.stats.num_drafts > 0
+
+
+def test_head_starts_from_the_target_layer(target_dir):
+    """A fresh head's layer starts as the target's layer that reads the last aux state: its
+    attention over the hidden half of the input, its MLP and norms; a target whose layer does
+    not fit (another shape, no attention) leaves the random start."""
+    target = load_model(target_dir).model
+    head = trainer.EagleHead(trainer._head_config(target.config, 48), target.embed_weight.float())
+    layer = trainer._copyable_layer(target, 3, head)
+    assert layer is target.layers[3]
+    draft_ids = torch.arange(48)
+    recipe.init_head(head, target.lm_head_weight, draft_ids, target.norm.weight, 0, layer)
+    H = head.eagle.hidden_size
+    torch.testing.assert_close(head.attn.qkv_weight[:, H:], layer.attn.qkv_weight.float())
+    for mine, theirs in ((head.attn.o_weight, layer.attn.o_weight),
+                         (head.mlp.gate_up_weight, layer.mlp.gate_up_weight),
+                         (head.mlp.down_weight, layer.mlp.down_weight),
+                         (head.hidden_norm.weight, layer.input_norm.weight),
+                         (head.post_attn_norm.weight, layer.post_attn_norm.weight)):
+        torch.testing.assert_close(mine, theirs.float())
+    random_half = head.attn.qkv_weight[:, :H]
+    assert 0 < random_half.abs().mean() < 1  # the embedding half: small and random
+    assert trainer._copyable_layer(target, 99, head) is None
+    assert trainer._copyable_layer(torch.nn.Module(), 3, head) is None
+    other = trainer.EagleHead(trainer._head_config(target.config, 48),
+                              target.embed_weight.float())
+    other.mlp.down_weight = torch.nn.Parameter(torch.zeros(H, 7))  # another MLP width
+    assert trainer._copyable_layer(target, 3, other) is None
+
+
+def test_feature_rms_is_over_response_tokens():
+    aux = torch.ones(6, 4)
+    aux[:2] = 100.0  # the prompt (massive activations there do not set the scale)
+    aux[2:, 1] = 3.0
+    sample = trainer.Sample(torch.arange(6).numpy(), aux, torch.zeros(6, 2), response_start=2)
+    torch.testing.assert_close(trainer._feature_rms([sample]),
+                               torch.tensor([1.0, 3.0, 1.0, 1.0]))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -181,6 +219,30 @@ def test_states_recorded_while_generating(target_dir, prompts_file, monkeypatch,
         torch.testing.assert_close(a.final, b.final[:n], atol=1e-4, rtol=1e-4)
 
 
+def test_response_temperatures_taken_in_turn(target_dir, prompts_file, monkeypatch):
+    """Several temperatures answer the prompts in turn (prompt i at temperature[i % n], each
+    with its own seed), across generation batches; the greedy ones are the plain greedy
+    responses."""
+    from verispec.train import data
+
+    llm = LLM(target_dir, dtype="float32", max_num_seqs=4)
+    prompts = data.load_prompt_file(prompts_file)[:6]
+    seen = []
+    add_request = llm.add_request
+    monkeypatch.setattr(llm, "add_request", lambda prompt, params: (
+        seen.append((params.temperature, params.seed)), add_request(prompt, params))[1])
+    samples = data.generate_samples(llm, prompts, (2, 3, 3), 12, (0.0, 1.0), 7, batch_size=4)
+    assert seen == [(0.0, 7), (1.0, 8), (0.0, 9), (1.0, 10), (0.0, 11), (1.0, 12)]
+    monkeypatch.undo()
+    greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    for i, (sample, plain) in enumerate(zip(samples, greedy)):
+        response = list(sample.token_ids[sample.response_start:])
+        if i % 2 == 0:  # the sample keeps all but the last response token
+            assert response == plain.token_ids[:len(response)]
+    assert any(list(s.token_ids[s.response_start:]) != g.token_ids[:len(s.token_ids)
+               - s.response_start] for s, g in zip(samples[1::2], greedy[1::2]))
+
+
 def test_training_forward_equals_inference(tmp_path):
     """TTT step j's logits at position t = the proposer's logits for draft j + 1 after the
     context 0..t + 1 with drafts x_{t+2} .. x_{t+1+j} fed back (float32)."""
@@ -210,11 +272,18 @@ def test_training_forward_equals_inference(tmp_path):
                 logits, out = proposer._head_forward([0], [[tokens[n + i]]], out, False)
             torch.testing.assert_close(logits[0], logits_by_step[j][t], atol=1e-4,
                                        rtol=1e-4)
+    # with a response start, steps >= 1 skip the leading positions no step trains; the trained
+    # rows (labels from position 6 on: t >= 5 - j) keep their logits
+    with torch.no_grad():
+        trained = _ttt_logits(head, torch.tensor([tokens]), aux[None], steps, 6)
+    for j in range(steps):
+        torch.testing.assert_close(trained[j], logits_by_step[j][5 - j:], atol=1e-5, rtol=1e-5)
 
 
-def _ttt_logits(head, tokens, aux, steps):
+def _ttt_logits(head, tokens, aux, steps, response_start=None):
     """The head's logits at every TTT step, read through ``ttt_loss``'s own computation: step
-    j's [S - 1 - j, V_draft] rows of the positions t whose label t + 1 + j exists."""
+    j's [S - 1 - j, V_draft] rows of the positions t whose label t + 1 + j exists (from
+    position ``response_start`` on, if given)."""
     captured = []
     real = torch.nn.functional.log_softmax
 
@@ -226,7 +295,8 @@ def _ttt_logits(head, tokens, aux, steps):
     try:
         V = head.eagle.draft_vocab_size
         recipe.ttt_loss(head, tokens, aux, torch.zeros(1, tokens.shape[1], V),
-                        torch.tensor([tokens.shape[1]]), steps)
+                        torch.tensor([tokens.shape[1]]), steps,
+                        None if response_start is None else torch.tensor([response_start]))
     finally:
         torch.nn.functional.log_softmax = real
     return captured

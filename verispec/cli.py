@@ -360,7 +360,8 @@ TRAIN_DRAFT_HELP = {
                "built-in set)",
     "num_prompts": "use the first N prompts of the set",
     "max_new_tokens": "tokens generated per response",
-    "temperature": "temperature of the generated responses (0 = greedy)",
+    "temperature": "temperatures of the generated responses, taken in turn over the prompts "
+                   "(0 = greedy)",
     "draft_vocab_size": "tokens of the head's own LM head (the most frequent in the data)",
     "ttt_steps": "draft steps unrolled per position in training (training-time test)",
     "epochs": "passes over the data",
@@ -390,6 +391,8 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
             continue
         if f.name == "dtype":
             options["choices"] = ["bfloat16", "float32"]
+        if f.name == "temperature":
+            kind, options["nargs"] = float, "+"
         if f.type in (bool, "bool"):
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=f.default, **options)

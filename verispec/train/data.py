@@ -81,9 +81,11 @@ class Sample:
 
 
 def generate_samples(llm, prompts: list, aux_layers: tuple[int, ...], max_new_tokens: int,
-                     temperature: float, seed: int, batch_size: int) -> list[Sample]:
+                     temperature: float | tuple[float, ...], seed: int,
+                     batch_size: int) -> list[Sample]:
     """Generate a response to every prompt with ``llm`` (an ``LLM``) and record the hidden
-    states of prompt + response.
+    states of prompt + response. ``temperature``: one, or several taken in turn over the
+    prompts (prompt i is answered at ``temperature[i % len(temperature)]``).
 
     The states are kept as the engine computes them (``capture_layers`` on every step), so
     no second pass is needed: a sequence keeps the tokens that were fed, the prompt and all but
@@ -92,6 +94,7 @@ def generate_samples(llm, prompts: list, aux_layers: tuple[int, ...], max_new_to
     generation instead."""
     from verispec.sampling_params import SamplingParams
 
+    temperatures = (temperature,) if isinstance(temperature, (int, float)) else temperature
     chat = getattr(llm.tokenizer, "chat_template", None)
     requests = [[{"role": "user", "content": p}] if isinstance(p, str) and chat else p
                 for p in prompts]
@@ -105,8 +108,9 @@ def generate_samples(llm, prompts: list, aux_layers: tuple[int, ...], max_new_to
     try:
         for start in range(0, len(requests), batch_size):
             chunk = requests[start:start + batch_size]
-            params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
-                                     seed=seed + start + i) for i in range(len(chunk))]
+            params = [SamplingParams(temperature=temperatures[(start + i) % len(temperatures)],
+                                     max_tokens=max_new_tokens, seed=seed + start + i)
+                      for i in range(len(chunk))]
             recorded = None if record_after else _generate_recording(llm, chunk, params, errors)
             if recorded is None:  # a step did not capture: record with one forward afterwards
                 record_after = True

@@ -84,6 +84,20 @@ SUBJECTS = (
     "keeping a journal", "video games", "breakfast", "a lost umbrella", "a haunted house",
     "a friendly dragon", "a pirate ship", "a treasure map", "a snowy holiday",
     "volunteering", "football", "swimming", "homework", "a birthday cake", "bread",
+    # more of each kind
+    "a waterfall", "hummingbirds", "the northern lights", "octopuses", "rainbows",
+    "hurricanes", "a meadow in spring", "ants", "dolphins", "tigers", "a bamboo forest",
+    "frogs", "comets", "snowflakes", "fossils", "dinosaurs", "the periodic table",
+    "nuclear energy", "submarines", "rockets", "wind turbines", "cameras", "the human skeleton",
+    "antibiotics", "clean drinking water", "search engines", "maps and navigation", "lasers",
+    "weather forecasts", "a beekeeper", "a lifeguard", "a bus driver", "a veterinarian",
+    "an architect", "a tailor", "a fisherman", "a pharmacist", "a journalist", "a park ranger",
+    "a watchmaker", "the Great Wall of China", "the Renaissance", "samurai", "the Aztecs",
+    "the Industrial Revolution", "the steam engine", "the first cars", "opera", "ballet",
+    "calligraphy", "the Moon landing", "a farmers' market", "a snow day", "a first job",
+    "a school play", "a road trip", "a power cut", "growing tomatoes", "a wedding",
+    "pancakes", "knitting", "yoga", "a lost key", "online shopping", "a science fair",
+    "a ferry ride",
 )
 
 

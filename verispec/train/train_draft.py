@@ -1,10 +1,11 @@
 """``verispec train-draft``: train an EAGLE-3 head for a target from the target's own generations.
 
 1. **Data**: the engine generates a response to every prompt and keeps the hidden states its
-   steps compute (``verispec.train.data``). Kept in ``<output_dir>/data.pt``, so a resumed run
-   does not generate again. The defaults (every built-in prompt, 4288, x 96 tokens, 256 at
-   once, three epochs) fit the whole run in under 30 minutes on a 2-core CPU for the bundled
-   model (docs/benchmarks.md): more prompts raise held-out acceptance more than more epochs.
+   steps compute (``verispec.train.data``); the responses alternate between greedy and sampled
+   at 0.7 (``temperature``). Kept in ``<output_dir>/data.pt``, so a resumed run does not
+   generate again. The defaults (5000 of the 6400 built-in prompts x 96 tokens, 256 at once,
+   three epochs) fit the whole run in under 30 minutes on a 2-core CPU for the bundled model
+   (docs/benchmarks.md): more prompts raise held-out acceptance as much as more epochs.
 2. **Draft vocabulary**: the ``draft_vocab_size`` most frequent tokens of the data (the target's
    EOS tokens always among them); ``d2t`` maps them onto the target vocabulary.
 3. **Training** (where the target runs, ``device``; bfloat16 autocast on a GPU and where the
@@ -65,9 +66,11 @@ class TrainDraftConfig:
     output_dir: str
     model: str | None = None  # the target (None: the bundled model)
     prompts: str | None = None  # JSONL file; None: the built-in set
-    num_prompts: int | None = None  # use the first N prompts of the set (None: all)
+    num_prompts: int | None = 5000  # use the first N prompts of the set (None: all)
     max_new_tokens: int = 96
-    temperature: float = 0.0  # of the generated responses
+    # of the generated responses, taken in turn over the prompts: half greedy, half sampled
+    # (the head then drafts both kinds of text better than from either alone)
+    temperature: tuple[float, ...] = (0.0, 0.7)
     draft_vocab_size: int = 8192
     ttt_steps: int = 3
     epochs: int = 3
@@ -93,8 +96,15 @@ class TrainDraftConfig:
             raise ValueError(f"num_prompts must be an integer >= 1, got {self.num_prompts!r}")
         if not (isinstance(self.lr, (int, float)) and 0 < self.lr < 1):
             raise ValueError(f"lr must be a number in (0, 1), got {self.lr!r}")
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        temperature = self.temperature
+        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+            temperature = (float(temperature),)
+        if not (isinstance(temperature, (tuple, list)) and temperature
+                and all(isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0
+                        for t in temperature)):
+            raise ValueError(f"temperature must be one or more numbers >= 0, got "
+                             f"{self.temperature!r}")
+        object.__setattr__(self, "temperature", tuple(float(t) for t in temperature))
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
         if not isinstance(self.amp, bool):
@@ -133,9 +143,10 @@ def _batches(samples: list[Sample], batch_size: int, rng: random.Random) -> list
     return batches
 
 
-def _collate(samples: list[Sample], max_len: int, draft_head: torch.Tensor):
-    """Padded [B, S] tokens, [B, S, D] aux, [B, S, V_draft] target logits, [B] lengths and [B]
-    response starts (``ttt_loss``'s arguments)."""
+def _collate(samples: list[Sample], max_len: int, draft_head: torch.Tensor,
+             aux_scale: torch.Tensor | None = None):
+    """Padded [B, S] tokens, [B, S, D] aux (divided by ``aux_scale`` [D] if given), [B, S,
+    V_draft] target logits, [B] lengths and [B] response starts (``ttt_loss``'s arguments)."""
     lengths = torch.tensor([min(len(s.token_ids), max_len) for s in samples])
     S = int(lengths.max())
     B = len(samples)
@@ -151,7 +162,35 @@ def _collate(samples: list[Sample], max_len: int, draft_head: torch.Tensor):
     device = draft_head.device
     tokens, aux, final, lengths, starts = (t.to(device) for t in (tokens, aux, final, lengths,
                                                                    starts))
-    return tokens, aux.float(), final.float() @ draft_head.T, lengths, starts
+    aux = aux.float() if aux_scale is None else aux.float() / aux_scale
+    # the labels' logits in draft_head's dtype (bfloat16 with amp: 41 -> 15 ms a step on a
+    # 2-core CPU with AMX; the target's own bfloat16 LM head rounds its logits alike)
+    return tokens, aux, (final.to(draft_head.dtype) @ draft_head.T).float(), lengths, starts
+
+
+def _feature_rms(samples: list[Sample]) -> torch.Tensor:
+    """[D] root mean square of each aux feature over the response tokens of up to 512 of the
+    samples (spread over the set), at least 1e-6."""
+    picked = samples[:: max(1, len(samples) // 512)]
+    rows = torch.cat([s.aux[s.response_start:] if s.response_start < len(s.token_ids) else s.aux
+                      for s in picked]).float()
+    return rows.pow(2).mean(0).sqrt().clamp_min(1e-6)
+
+
+def _copyable_layer(target, index: int, head: EagleHead):
+    """The target's decoder layer ``index`` if the head's layer can start as it (the same
+    attention and MLP shapes; a hybrid target's SSM layer cannot), else None."""
+    try:
+        layer = target.layers[index]
+        theirs = (layer.attn.qkv_weight, layer.attn.o_weight, layer.mlp.gate_up_weight,
+                  layer.mlp.down_weight, layer.input_norm.weight, layer.post_attn_norm.weight)
+    except (AttributeError, IndexError, TypeError):
+        return None
+    H = head.eagle.hidden_size
+    mine = (head.attn.qkv_weight[:, H:], head.attn.o_weight, head.mlp.gate_up_weight,
+            head.mlp.down_weight, head.hidden_norm.weight, head.post_attn_norm.weight)
+    fits = all(isinstance(t, torch.Tensor) and t.shape == m.shape for t, m in zip(theirs, mine))
+    return layer if fits else None
 
 
 def _load_or_generate(cfg: TrainDraftConfig, llm, aux_layers) -> list[Sample]:
@@ -219,9 +258,22 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
     embed = target.embed_weight.detach().float()
     head = EagleHead(eagle, embed, dtype=torch.float32)
     init_head(head, target.lm_head_weight.detach(), draft_ids, target.norm.weight.detach(),
-              cfg.seed)
+              cfg.seed, _copyable_layer(target, aux_layers[-1], head))
+    # fc trains on standardised inputs, aux / s with s each feature's RMS, as W' = W * s (saved
+    # as W = W' / s, so the head reads the raw states): the aux layers' streams differ ~7x in
+    # scale and a few features ~100x, and this way one optimizer step moves every input
+    # feature's contribution alike (held-out acceptance +0.02-0.03, docs/benchmarks.md)
+    aux_scale = _feature_rms(samples)
+    with torch.no_grad():
+        head.fc_weight.mul_(aux_scale)
+    aux_scale = aux_scale.to(device)
     head.to(device)
-    draft_head = target.lm_head_weight.detach().float()[draft_ids.to(device)]  # [V_draft, H]
+    # bfloat16 autocast: float32 weights, gradients and optimizer, the matmuls in bfloat16
+    # (1.35 -> 0.80 s a step on a 2-core Xeon with AMX); on a CPU without a fast bfloat16
+    # matmul, float32 (there autocast would be slower).
+    amp = cfg.amp and (device.type == "cuda" or cpu_kernels.torch_has_fast_bf16())
+    draft_head = target.lm_head_weight.detach()[draft_ids.to(device)].to(  # [V_draft, H]
+        torch.bfloat16 if amp else torch.float32)
     params = trainable_parameters(head)
     for p in params:
         p.requires_grad_(True)
@@ -247,7 +299,11 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
         log(f"train-draft: resuming at step {step} of {total_steps}")
 
     def save() -> None:
-        save_eagle_head(head, cfg.output_dir)
+        with torch.no_grad():  # the checkpoint's fc reads the raw aux states: W' / s
+            trained_fc = head.fc_weight.clone()
+            head.fc_weight.div_(aux_scale)
+            save_eagle_head(head, cfg.output_dir)
+            head.fc_weight.copy_(trained_fc)
         torch.save({"config": _resumable(cfg), "draft_ids": draft_ids,
                     "params": [p.detach().clone() for p in params],
                     "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
@@ -255,10 +311,6 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
                    state_path + ".tmp")
         os.replace(state_path + ".tmp", state_path)
 
-    # bfloat16 autocast: float32 weights, gradients and optimizer, the matmuls in bfloat16
-    # (1.35 -> 0.80 s a step on a 2-core Xeon with AMX); on a CPU without a fast bfloat16
-    # matmul, float32 (there autocast would be slower).
-    amp = cfg.amp and (device.type == "cuda" or cpu_kernels.torch_has_fast_bf16())
     bar = progress(total=total_steps, desc="train-draft", unit="step", disable=None)
     bar.update(step)
     epoch_batches: list[list[int]] = []
@@ -271,7 +323,8 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
             epoch += 1
             epoch_batches = _batches(samples, cfg.batch_size, random.Random(cfg.seed + epoch))
         batch = [samples[i] for i in epoch_batches.pop(0)]
-        tokens, aux, target_logits, lengths, starts = _collate(batch, cfg.max_seq_len, draft_head)
+        tokens, aux, target_logits, lengths, starts = _collate(batch, cfg.max_seq_len, draft_head,
+                                                               aux_scale)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             loss, losses, accs = ttt_loss(head, tokens, aux, target_logits, lengths,
                                           cfg.ttt_steps, starts)
