@@ -122,6 +122,24 @@ def test_head_starts_from_the_target_layer(target_dir):
     assert trainer._copyable_layer(target, 3, other) is None
 
 
+def test_prompt_counts(tmp_path, prompts_file, monkeypatch):
+    """By default every prompt of a user's file is answered, and the first 5000 of the 6400
+    built-in ones (what fits the 30-minute CPU run); --num-prompts takes the first N."""
+    seen = []
+
+    def generate(llm, prompts, *args, **kwargs):
+        seen.append(len(prompts))
+        raise KeyboardInterrupt  # (nothing is generated here)
+
+    monkeypatch.setattr(trainer, "generate_samples", generate)
+    for prompts, num_prompts in ((None, None), (prompts_file, None), (None, 7),
+                                 (prompts_file, 5)):
+        config = TrainDraftConfig(str(tmp_path / "out"), prompts=prompts, num_prompts=num_prompts)
+        with pytest.raises(KeyboardInterrupt):
+            trainer._load_or_generate(config, None, (1, 2, 3))
+    assert seen == [trainer.BUILTIN_PROMPTS, 12, 7, 5] and trainer.BUILTIN_PROMPTS == 5000
+
+
 def test_feature_rms_is_over_response_tokens():
     aux = torch.ones(6, 4)
     aux[:2] = 100.0  # the prompt (massive activations there do not set the scale)

@@ -56,6 +56,7 @@ from verispec.train.eagle3 import init_head, trainable_parameters, ttt_loss
 
 logger = logging.getLogger("verispec")
 STATE_FILE = "trainer_state.pt"
+BUILTIN_PROMPTS = 5000  # of the 6400: what fits the 30-minute CPU run (docs/benchmarks.md)
 DATA_FILE = "data.pt"
 
 
@@ -66,7 +67,8 @@ class TrainDraftConfig:
     output_dir: str
     model: str | None = None  # the target (None: the bundled model)
     prompts: str | None = None  # JSONL file; None: the built-in set
-    num_prompts: int | None = 5000  # use the first N prompts of the set (None: all)
+    # the first N prompts (None: all of a prompts file, the first BUILTIN_PROMPTS built-in ones)
+    num_prompts: int | None = None
     max_new_tokens: int = 96
     # of the generated responses, taken in turn over the prompts: half greedy, half sampled
     # (the head then drafts both kinds of text better than from either alone)
@@ -200,7 +202,10 @@ def _load_or_generate(cfg: TrainDraftConfig, llm, aux_layers) -> list[Sample]:
         data = torch.load(path, weights_only=False, map_location="cpu")
         return [Sample(*s) for s in data]
     prompts = builtin_prompts(cfg.seed) if cfg.prompts is None else load_prompt_file(cfg.prompts)
-    prompts = prompts[: cfg.num_prompts]
+    limit = cfg.num_prompts
+    if limit is None and cfg.prompts is None:
+        limit = BUILTIN_PROMPTS
+    prompts = prompts[:limit]
     samples = generate_samples(llm, prompts, aux_layers, cfg.max_new_tokens, cfg.temperature,
                                cfg.seed, batch_size=cfg.max_num_seqs * 8)
     torch.save([(s.token_ids, s.aux, s.final, s.response_start) for s in samples], path)
