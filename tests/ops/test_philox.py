@@ -71,6 +71,23 @@ def test_vocab_layout_is_word_index_mod_4_of_counter_index_div_4():
     assert torch.equal(scalar, torch.clamp_min(philox.rand(seeds, offset), philox.MIN_UNIFORM))
 
 
+def test_block_noise_is_the_noise_at_those_indices():
+    """``exponential_block`` (the race's in-block noise, one Philox evaluation per four
+    indices) gives exactly ``exponential_at`` over the same consecutive indices, and the full
+    row's noise there; per-row streams too."""
+    g = torch.Generator().manual_seed(0)
+    seeds = torch.randint(-2 ** 62, 2 ** 62, (6,), generator=g)
+    positions = torch.randint(0, 10_000, (6,), generator=g)
+    start = torch.randint(0, 8, (6,), generator=g) * 16
+    ids = start[:, None] + torch.arange(16)
+    for stream in (philox.RESIDUAL_STREAM, torch.randint(0, philox.NUM_STREAMS, (6,), generator=g)):
+        block = philox.exponential_block(seeds, positions, stream, start, 16)
+        assert torch.equal(block, philox.exponential_at(seeds, positions, stream, ids))
+    row = philox.exponential(seeds, positions, philox.SAMPLE_STREAM, 144)
+    block = philox.exponential_block(seeds, positions, philox.SAMPLE_STREAM, start, 16)
+    assert torch.equal(block, row.gather(1, ids))
+
+
 def test_streams_and_positions_are_independent_draws():
     seed = torch.tensor([11])
     a = philox.vocab_uniform(seed, torch.tensor([5]), philox.DRAFT_STREAM, 64)

@@ -127,9 +127,8 @@ def race(
     block_noise = philox.exponential_at(seeds, positions, stream,
                                         (BLOCK_NOISE_INDEX + block_ids).expand(num_rows, -1))
     chosen = torch.argmax(blocks.sum(-1) / block_noise, dim=-1)  # [R]
-    ids = chosen[:, None] * block + torch.arange(block, device=weights.device)  # [R, block]
     in_block = blocks[torch.arange(num_rows, device=weights.device), chosen]  # [R, block]
-    noise = philox.exponential_at(seeds, positions, stream, ids)
+    noise = philox.exponential_block(seeds, positions, stream, chosen * block, block)
     return chosen * block + torch.argmax(in_block / noise, dim=-1)
 
 
