@@ -131,3 +131,28 @@ def test_sample_uses_the_named_stream_and_position():
     assert torch.equal(a, torch.argmax(1.0 / noise, dim=-1))
     c = sampling.sample(logits, temps, None, None, None, seeds, positions, philox.DRAFT_STREAM)
     assert not torch.equal(a, c)
+
+
+def test_mixed_batch_tokens_are_each_rows_own():
+    """Greedy and sampled rows in one batch (over a vocabulary of several race blocks, with
+    per-row top-k / top-p / min-p) get the tokens each row gets alone and the tokens of every
+    row processed and raced (the CPU samples only the sampled rows of a mixed batch)."""
+    g = torch.Generator().manual_seed(3)
+    R, V = 7, 2 * sampling.SAMPLING_BLOCK + 123
+    logits = torch.randn(R, V, generator=g) * 3
+    temps = torch.tensor([0.0, 0.7, 0.0, 1.0, 0.5, 0.0, 1.3])
+    top_k = torch.tensor([0, 0, 5, 50, 0, 0, 0])
+    top_p = torch.tensor([1.0, 0.9, 1.0, 1.0, 1.0, 1.0, 0.8])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.0])
+    seeds, positions = torch.arange(R) * 7 + 1, torch.arange(R) + 40
+    mixed = sampling.sample(logits, temps, top_k, top_p, min_p, seeds, positions)
+    for r in range(R):
+        one = slice(r, r + 1)
+        alone = sampling.sample(logits[one], temps[one], top_k[one], top_p[one], min_p[one],
+                                seeds[one], positions[one])
+        assert mixed[r] == alone[0], r
+    every_row = sampling.race(sampling.processed_probs(logits, temps, top_k, top_p, min_p),
+                              seeds, positions, philox.SAMPLE_STREAM)
+    expected = torch.where(temps == 0, logits.argmax(-1), every_row)
+    assert torch.equal(mixed, expected)
+    assert torch.equal(mixed[temps == 0], logits.argmax(-1)[temps == 0])

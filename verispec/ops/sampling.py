@@ -161,6 +161,18 @@ def sample(
     greedy_ids = torch.argmax(logits, dim=-1)
     if all_greedy:
         return greedy_ids
+    if logits.device.type == "cpu" and not bool((temperature > 0).all()):
+        # A mixed batch on the CPU processes and races its sampled rows only (there is no
+        # device to keep in step): a row's draw depends on its own seed and position alone, so
+        # the tokens are the same.
+        rows = (temperature > 0).nonzero().squeeze(1)
+        ids = greedy_ids.clone()
+        if rows.numel():
+            pick = [None if x is None else x[rows] for x in (top_k, top_p, min_p)]
+            probs = processed_probs(logits[rows], temperature[rows], *pick)
+            ids[rows] = race(probs, seeds[rows], positions[rows],
+                             stream[rows] if isinstance(stream, torch.Tensor) else stream)
+        return ids
     probs = processed_probs(logits, temperature, top_k, top_p, min_p)
     random_ids = race(probs, seeds, positions, stream)
     return torch.where(temperature == 0, greedy_ids, random_ids)
