@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from verispec.engine.bench_prompts import FREE_PROMPTS
 from verispec.engine.llm import LLM
-from verispec.models.eagle import default_aux_layer_ids, load_eagle_head
+from verispec.models.eagle import load_eagle_head
 from verispec.train import eagle3
 from verispec.train.data import generate_samples
 
@@ -133,7 +133,7 @@ def main() -> None:
                                        max_new_tokens=max(max(args.max_new_tokens), 128))
     llm = LLM(model_dir, dtype="bfloat16", device=args.device, max_num_seqs=longest.max_num_seqs,
               max_model_len=trainer._data_model_len(longest, model_dir), batch_invariant=False)
-    aux_layers = default_aux_layer_ids(llm.model_config.num_hidden_layers)
+    aux_layers = trainer.aux_layer_ids(llm.model_config.num_hidden_layers)
     held_out = generate_samples(llm, list(FREE_PROMPTS), aux_layers, 128, 0.0, 0, 64)
     held_out_sampled = generate_samples(llm, list(FREE_PROMPTS), aux_layers, 128, 0.7, 0, 64)
     rows = []

@@ -65,7 +65,8 @@ def test_train_draft_learns_and_round_trips(tmp_path, target_dir, prompts_file):
     state = torch.load(out / "trainer_state.pt", weights_only=False)
     target = load_model(target_dir)
     # the loss over all the data, before training (the initial head) and after
-    samples = [trainer.Sample(*s) for s in torch.load(out / "data.pt", weights_only=False)]
+    samples = [trainer.Sample(*s)
+               for s in torch.load(out / "data.pt", weights_only=False)["samples"]]
     draft_ids = state["draft_ids"]
     *batch, starts = trainer._collate(samples, 512, target.model.lm_head_weight.float()[draft_ids])
     fresh = trainer.EagleHead(trainer._head_config(target.config, 48),
@@ -78,7 +79,7 @@ def test_train_draft_learns_and_round_trips(tmp_path, target_dir, prompts_file):
     assert after < before - 0.2 and acc_after[0] > acc_before[0] + 0.1, (before, after, acc_before,
                                                                       acc_after)
     head = load_eagle_head(str(out), "eagle3", target.model)
-    assert head.eagle.draft_vocab_size == 48 and head.eagle.aux_layer_ids == (2, 3, 3)
+    assert head.eagle.draft_vocab_size == 48 and head.eagle.aux_layer_ids == (3, 4, 5)
     saved = eagle_state_dict(head)
     # fc trained on standardised aux states is saved for the raw ones: W = W' / s
     torch.testing.assert_close(saved["fc.weight"] * trainer._feature_rms(samples),
@@ -162,7 +163,7 @@ def test_train_draft_on_cuda(tmp_path, prompts_file):
                          map_location="cpu")["history"]
     assert history[-1]["loss"][0] < history[0]["loss"][0] - 0.2, history
     assert summary["steps"] == 18
-    data = torch.load(out / "data.pt", weights_only=False)
+    data = torch.load(out / "data.pt", weights_only=False)["samples"]
     assert all(s[1].device.type == "cpu" and s[2].device.type == "cpu" for s in data)
     prompts = [[5, 9, 14, 3], [40, 41, 7, 7, 12]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -205,6 +206,29 @@ def test_resume_gives_the_uninterrupted_result(tmp_path, target_dir, prompts_fil
     with pytest.raises(ValueError, match="other settings"):
         train_draft(_config(cut, target_dir, prompts_file, epochs=2, lr=1e-3),
                     log=lambda _: None)
+    # data recorded at other layers (or before the layers were recorded) is refused, not
+    # trained on as if it were this run's
+    data = torch.load(cut / "data.pt", weights_only=False)
+    for stale in ({**data, "aux_layers": [2, 3, 3]}, data["samples"]):
+        other = tmp_path / "other"
+        other.mkdir(exist_ok=True)
+        torch.save(stale, other / "data.pt")
+        with pytest.raises(ValueError, match=r"layers .* this run reads layers \(3, 4, 5\)"):
+            train_draft(_config(other, target_dir, prompts_file, epochs=2), log=lambda _: None)
+
+
+def test_aux_layers_of_trained_heads():
+    """The middle layer, one halfway to the last, the last; three distinct layers of any
+    target of at least 3 (for 3 or 4 layers, the last three)."""
+    assert trainer.aux_layer_ids(30) == (15, 22, 29)
+    assert trainer.aux_layer_ids(32) == (16, 23, 31)
+    assert trainer.aux_layer_ids(6) == (3, 4, 5)
+    assert trainer.aux_layer_ids(4) == (1, 2, 3)
+    assert trainer.aux_layer_ids(3) == (0, 1, 2)
+    for n in range(3, 100):
+        ids = trainer.aux_layer_ids(n)
+        assert len(set(ids)) == 3 and 0 <= min(ids) and max(ids) == n - 1
+        assert list(ids) == sorted(ids)
 
 
 def test_states_recorded_while_generating(target_dir, prompts_file, monkeypatch, capsys):

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from verispec.ops.sampling import first_argmax
+
 
 def rms_norm(
     x: torch.Tensor,  # [T, H]
@@ -161,8 +163,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """[R, V] -> [R] int64: the first index of each row's maximum (NaN counts as the
-    maximum), as ``torch.argmax``."""
-    return torch.argmax(logits, dim=-1)
+    maximum), as ``torch.argmax`` (``sampling.first_argmax``: faster on the CPU)."""
+    return first_argmax(logits)
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,

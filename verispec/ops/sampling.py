@@ -34,6 +34,16 @@ SAMPLING_BLOCK = 4096
 BLOCK_NOISE_INDEX = 1 << 33
 
 
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """[R, V] -> [R] int64: the first index of each row's maximum (NaN counts as the maximum),
+    as ``torch.argmax``. On the CPU through ``torch.max(dim).indices``, which returns the same
+    index (documented: the first maximal value) and is 3-4x faster there (256 rows of a 49k
+    vocabulary on 2 cores: 16.5 -> 3.7 ms; one row 68 -> 23 us)."""
+    if x.device.type == "cpu":
+        return x.max(dim=-1).indices
+    return torch.argmax(x, dim=-1)
+
+
 def _kth_largest(z: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """[R, 1] threshold: the k-th largest value of each row (-inf where top-k is off)."""
     vocab_size = z.shape[-1]
@@ -119,17 +129,17 @@ def race(
     block = SAMPLING_BLOCK
     if vocab_size <= block:
         noise = philox.exponential(seeds, positions, stream, vocab_size)
-        return torch.argmax(weights / noise, dim=-1)
+        return first_argmax(weights / noise)
     num_blocks = -(-vocab_size // block)
     padded = torch.nn.functional.pad(weights, (0, num_blocks * block - vocab_size))
     blocks = padded.view(num_rows, num_blocks, block)
     block_ids = torch.arange(num_blocks, device=weights.device, dtype=torch.int64)
     block_noise = philox.exponential_at(seeds, positions, stream,
                                         (BLOCK_NOISE_INDEX + block_ids).expand(num_rows, -1))
-    chosen = torch.argmax(blocks.sum(-1) / block_noise, dim=-1)  # [R]
+    chosen = first_argmax(blocks.sum(-1) / block_noise)  # [R]
     in_block = blocks[torch.arange(num_rows, device=weights.device), chosen]  # [R, block]
     noise = philox.exponential_block(seeds, positions, stream, chosen * block, block)
-    return chosen * block + torch.argmax(in_block / noise, dim=-1)
+    return chosen * block + first_argmax(in_block / noise)
 
 
 def sample(
@@ -158,7 +168,7 @@ def sample(
     -------
     [R] int64 token ids. Ties in the argmax go to the smallest index.
     """
-    greedy_ids = torch.argmax(logits, dim=-1)
+    greedy_ids = first_argmax(logits)
     if all_greedy:
         return greedy_ids
     if logits.device.type == "cpu" and not bool((temperature > 0).all()):
@@ -206,7 +216,7 @@ def sample_draft(
     q = draft_probs(logits, temperature)
     ids = torch.where(
         temperature == 0,
-        torch.argmax(logits, dim=-1),
+        first_argmax(logits),
         race(q, seeds, positions, philox.DRAFT_STREAM),
     )
     return ids, q

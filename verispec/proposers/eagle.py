@@ -68,6 +68,7 @@ import torch
 from verispec import ops
 from verispec.config import SpeculativeConfig
 from verispec.ops.rejection import PLACEHOLDER_TOKEN_ID
+from verispec.ops.sampling import first_argmax
 from verispec.proposers.base import ProposalRequest, ProposerContext, register_proposer
 from verispec.proposers.draft_model import ModelProposer, _AheadDraft
 
@@ -171,7 +172,7 @@ class EagleProposer(ModelProposer):
     def _choose(self, logits: torch.Tensor, temperature, seeds, positions):
         """Drafts from the head's logits ([R, V_draft]): target ids [R] and q [R, V] or None."""
         if self.greedy:
-            ids = self.runner.ops.argmax(logits) if self.runner.flat else torch.argmax(logits, -1)
+            ids = self.runner.ops.argmax(logits) if self.runner.flat else first_argmax(logits)
             return (ids if self.draft_to_target is None else self.draft_to_target[ids]), None
         if self.draft_to_target is not None:
             # q over the target vocabulary: the draft vocabulary's logits at their target ids,
