@@ -1,6 +1,6 @@
 """How an EAGLE-3 head's held-out acceptance grows with its training data: ``train-draft`` over
-prompt counts, response lengths, response temperatures and epochs, each head scored offline on
-the ``free`` bench prompts.
+prompt counts, response lengths, response temperatures, epochs and seeds, for one choice of aux
+layers, each head scored offline on the ``free`` bench prompts (or 40 held-out prompts).
 
 The offline score runs the head's own training-time-test drafts (``verispec.train.eagle3``)
 over the target's responses to the held-out prompts. On greedy responses: at every response
@@ -14,6 +14,8 @@ and for a greedy one (E p(argmax q), the one-hot rule).
 
     python benchmarks/bench_train_draft.py --device cuda --num-prompts 4288 6400 --epochs 3 \
         --temperatures 0 0,0.7
+    python benchmarks/bench_train_draft.py --device cuda --num-prompts 4500 --seeds 0 1 \
+        --held-out all --aux-layers 2 15 27      # vLLM's default layers, against train-draft's
 """
 from __future__ import annotations
 
@@ -33,8 +35,44 @@ from verispec.engine.llm import LLM
 from verispec.models.eagle import load_eagle_head
 from verispec.train import eagle3
 from verispec.train.data import generate_samples
+from verispec.train.prompts import builtin_prompts
 
 trainer = importlib.import_module("verispec.train.train_draft")
+
+# 30 more held-out requests (``--held-out all``: 40 with the ``free`` ones, for differences
+# the 10 alone cannot resolve); none is a built-in training prompt (checked at start).
+MORE_HELD_OUT = (
+    "How do airplanes stay in the air?",
+    "Write a recipe for a simple vegetable soup.",
+    "What are the benefits of regular exercise?",
+    "Tell me about the history of the bicycle.",
+    "Write a short story about a girl who finds a secret door in her school.",
+    "Explain how a refrigerator works.",
+    "Give me some tips for writing a good essay.",
+    "What is the difference between weather and climate?",
+    "Write a song about the sea.",
+    "Describe your ideal weekend.",
+    "Why is sleep important for children?",
+    "Explain what a black hole is.",
+    "Write a thank-you note to a neighbour who helped you move.",
+    "What makes a good leader?",
+    "How do plants know which way is up?",
+    "Write a story about an old man and his dog walking in the snow.",
+    "What should I pack for a week-long hiking trip?",
+    "Describe the life cycle of a butterfly.",
+    "What are some fun things to do on a rainy day?",
+    "Explain how money works to a child.",
+    "Write a short mystery story set on a train.",
+    "Why do leaves change colour in the fall?",
+    "What is the best way to prepare for an exam?",
+    "Write a poem about a city at dawn.",
+    "How does the internet send messages across the world?",
+    "What are the main causes of pollution?",
+    "Tell a bedtime story about a little star.",
+    "Explain the rules of basketball.",
+    "What would happen if the moon disappeared?",
+    "Write a letter to your future self.",
+)
 
 
 def ttt_logits(head, sample, k: int, device) -> list[torch.Tensor]:
@@ -124,6 +162,12 @@ def main() -> None:
     parser.add_argument("--temperatures", nargs="+", default=["0,0.7"],
                         help="response temperatures, comma-separated per run (train-draft's "
                              "--temperature)")
+    parser.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="LAYER",
+                        help="the target layers the heads read (default: train-draft's)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="train-draft seeds (initial weights and data order) per run")
+    parser.add_argument("--held-out", choices=["free", "all"], default="free",
+                        help="score on the 10 free bench prompts or on 40 (30 more)")
     parser.add_argument("--workdir", default="/tmp/bench_train_draft")
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
@@ -133,20 +177,24 @@ def main() -> None:
                                        max_new_tokens=max(max(args.max_new_tokens), 128))
     llm = LLM(model_dir, dtype="bfloat16", device=args.device, max_num_seqs=longest.max_num_seqs,
               max_model_len=trainer._data_model_len(longest, model_dir), batch_invariant=False)
-    aux_layers = trainer.aux_layer_ids(llm.model_config.num_hidden_layers)
-    held_out = generate_samples(llm, list(FREE_PROMPTS), aux_layers, 128, 0.0, 0, 64)
-    held_out_sampled = generate_samples(llm, list(FREE_PROMPTS), aux_layers, 128, 0.7, 0, 64)
+    aux_layers = tuple(args.aux_layers or trainer.aux_layer_ids(
+        llm.model_config.num_hidden_layers))
+    prompts = list(FREE_PROMPTS) + (list(MORE_HELD_OUT) if args.held_out == "all" else [])
+    assert not set(prompts) & set(builtin_prompts()), "a held-out prompt is a training prompt"
+    held_out = generate_samples(llm, prompts, aux_layers, 128, 0.0, 0, 64)
+    held_out_sampled = generate_samples(llm, prompts, aux_layers, 128, 0.7, 0, 64)
     rows = []
-    print(f"{'prompts':>7} {'tokens':>6} {'temps':>7} {'epochs':>6} {'gen s':>6} "
+    print(f"aux layers {aux_layers}, held out: {len(prompts)} prompts")
+    print(f"{'prompts':>7} {'tokens':>6} {'temps':>7} {'epochs':>6} {'seed':>4} {'gen s':>6} "
           f"{'train s':>7} {'accept len':>10} {'walk len':>8} {'per position':>20} "
           f"{'T=0.7 len':>9} {'a0 sampled':>10} {'a0 greedy':>9}")
     for num_prompts, max_new_tokens, temps in itertools.product(
             args.num_prompts, args.max_new_tokens, args.temperatures):
         temperature = tuple(float(t) for t in temps.split(","))
-        tag = f"{num_prompts}_{max_new_tokens}_{temps}"
+        tag = f"{num_prompts}_{max_new_tokens}_{temps}_{'_'.join(map(str, aux_layers))}"
         data_dir = os.path.join(args.workdir, f"data_{tag}")
-        for epochs in args.epochs:
-            out = os.path.join(args.workdir, f"head_{tag}_{epochs}")
+        for epochs, seed in itertools.product(args.epochs, args.seeds):
+            out = os.path.join(args.workdir, f"head_{tag}_{epochs}_{seed}")
             os.makedirs(out, exist_ok=True)
             for name in (trainer.STATE_FILE, "model.safetensors"):
                 if os.path.exists(os.path.join(out, name)):
@@ -157,7 +205,8 @@ def main() -> None:
             start = time.perf_counter()
             summary = trainer.train_draft(trainer.TrainDraftConfig(
                 output_dir=out, model=model_dir, num_prompts=num_prompts, epochs=epochs,
-                max_new_tokens=max_new_tokens, temperature=temperature, device=args.device),
+                max_new_tokens=max_new_tokens, temperature=temperature, device=args.device,
+                seed=seed, aux_layers=aux_layers),
                 log=lambda line: None,
                 llm=llm)
             seconds = time.perf_counter() - start
@@ -168,13 +217,14 @@ def main() -> None:
             result = score(out, llm, held_out, held_out_sampled)
             gen = summary["generate_seconds"]
             rows.append(dict(num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-                             temperatures=list(temperature), epochs=epochs,
+                             temperatures=list(temperature), epochs=epochs, seed=seed,
+                             aux_layers=list(aux_layers), held_out=len(prompts),
                              generate_s=round(gen, 1), train_s=round(seconds - gen, 1),
                              tokens=summary["tokens"],
                              **{k: (np.round(v, 4).tolist() if isinstance(v, list)
                                     else round(v, 4)) for k, v in result.items()}))
             r = rows[-1]
-            print(f"{num_prompts:>7} {max_new_tokens:>6} {temps:>7} {epochs:>6} "
+            print(f"{num_prompts:>7} {max_new_tokens:>6} {temps:>7} {epochs:>6} {seed:>4} "
                   f"{r['generate_s']:>6.0f} {r['train_s']:>7.0f} {r['accept_len']:>10.3f} "
                   f"{r['walk_len']:>8.3f} "
                   f"{str([round(x, 2) for x in r['per_position']]):>20} {r['t07_len']:>9.3f} "

@@ -355,6 +355,25 @@ def test_cli_refuses_bad_flags(tmp_path, capsys):
         load_prompt_file(str(bad))
 
 
+def test_aux_layers_flag(tmp_path, target_dir, prompts_file, capsys):
+    """--aux-layers picks the three layers a head reads: refused unless three distinct layers
+    of the target; a head trained on them names them in its config and reads them."""
+    assert main(["train-draft", "--output-dir", str(tmp_path / "x"),
+                 "--aux-layers", "1", "1", "2"]) == 2
+    assert "aux_layers must be three distinct layer indices >= 0, got [1, 1, 2]" in \
+        capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"aux_layers=\(1, 2, 6\) must be layers of the "
+                                         r"target, 0..5 \(num_hidden_layers=6\)"):
+        train_draft(_config(tmp_path / "y", target_dir, prompts_file, aux_layers=(1, 2, 6)),
+                    log=lambda _: None)
+    out = tmp_path / "z"
+    train_draft(_config(out, target_dir, prompts_file, aux_layers=(0, 2, 5), epochs=1),
+                log=lambda _: None)
+    head = load_eagle_head(str(out), "eagle3", load_model(target_dir).model)
+    assert head.eagle.aux_layer_ids == (0, 2, 5)
+    assert torch.load(out / "data.pt", weights_only=False)["aux_layers"] == [0, 2, 5]
+
+
 def test_builtin_prompts_hold_out_the_free_bench_prompts():
     """The built-in set is large and diverse, and ``bench --prompts free`` measures prompts the
     head never trained on: none of them, nor any of their subjects, is in the set."""

@@ -375,6 +375,8 @@ TRAIN_DRAFT_HELP = {
     "dtype": "target dtype for generating and recording hidden states",
     "device": "cpu, cuda or cuda:N: where the target generates and the head trains",
     "max_num_seqs": "requests generated at once",
+    "aux_layers": "the three target layers the head reads (default: L // 2, halfway from it "
+                  "to the last, the last: 15 22 29 for the bundled model)",
     "amp": "train with bfloat16 matmuls (float32 weights and optimizer) on a GPU and where "
            "the CPU has a fast bfloat16 matmul; --no-amp trains in float32",
 }
@@ -394,6 +396,8 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
             options["choices"] = ["bfloat16", "float32"]
         if f.name == "temperature":
             kind, options["nargs"] = float, "+"
+        if f.name == "aux_layers":
+            kind, options["nargs"], options["metavar"] = int, 3, "LAYER"
         if f.type in (bool, "bool"):
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=f.default, **options)

@@ -87,6 +87,8 @@ class TrainDraftConfig:
     device: str = "cpu"
     max_num_seqs: int = 256  # generation batch
     amp: bool = True  # bfloat16 matmuls in training on a GPU and where the CPU has fast ones
+    # the three target layers the head reads (None: ``aux_layer_ids`` of the target)
+    aux_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "draft_vocab_size", "ttt_steps", "epochs", "batch_size",
@@ -110,6 +112,14 @@ class TrainDraftConfig:
         object.__setattr__(self, "temperature", tuple(float(t) for t in temperature))
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.aux_layers is not None:
+            ids = self.aux_layers
+            if not (isinstance(ids, (tuple, list)) and len(ids) == 3 and len(set(ids)) == 3
+                    and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                            for i in ids)):
+                raise ValueError(f"aux_layers must be three distinct layer indices >= 0, got "
+                                 f"{ids!r}")
+            object.__setattr__(self, "aux_layers", tuple(ids))
         if not isinstance(self.amp, bool):
             raise ValueError(f"amp must be True or False, got {self.amp!r}")
         if not self.output_dir:
@@ -118,8 +128,10 @@ class TrainDraftConfig:
             raise ValueError(f"output_dir {self.output_dir!r} exists and is not a directory")
 
 
-def _head_config(target: ModelConfig, draft_vocab_size: int) -> EagleConfig:
-    """An EAGLE-3 head shaped like one of the target's layers, reading ``aux_layer_ids``."""
+def _head_config(target: ModelConfig, draft_vocab_size: int,
+                 aux_layers: tuple[int, ...] | None = None) -> EagleConfig:
+    """An EAGLE-3 head shaped like one of the target's layers, reading ``aux_layers`` (default
+    ``aux_layer_ids``)."""
     L = target.num_hidden_layers
     hf = {"hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
           "num_attention_heads": target.num_attention_heads,
@@ -130,7 +142,7 @@ def _head_config(target: ModelConfig, draft_vocab_size: int) -> EagleConfig:
           "vocab_size": target.vocab_size, "num_hidden_layers": 1}
     layer = ModelConfig.from_hf_dict(hf, EAGLE3_ARCHITECTURE)
     return EagleConfig("eagle3", layer, target.vocab_size, draft_vocab_size,
-                       target.hidden_size, aux_layer_ids(L))
+                       target.hidden_size, aux_layers or aux_layer_ids(L))
 
 
 def aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -260,10 +272,14 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
     if cfg.draft_vocab_size > tc.vocab_size:
         raise ValueError(f"draft_vocab_size={cfg.draft_vocab_size} exceeds the target's "
                          f"vocab_size={tc.vocab_size}")
-    aux_layers = aux_layer_ids(tc.num_hidden_layers)
+    L = tc.num_hidden_layers
+    aux_layers = cfg.aux_layers or aux_layer_ids(L)
     if min(aux_layers) < 0:
-        raise ValueError(f"the target has num_hidden_layers={tc.num_hidden_layers}; an EAGLE-3 "
-                         "head reads three of its layers, so it needs at least 3")
+        raise ValueError(f"the target has num_hidden_layers={L}; an EAGLE-3 head reads three "
+                         "of its layers, so it needs at least 3")
+    if max(aux_layers) >= L:
+        raise ValueError(f"aux_layers={aux_layers} must be layers of the target, 0..{L - 1} "
+                         f"(num_hidden_layers={L})")
     # a sequence trains every unrolled step: at least ttt_steps + 2 tokens
     samples = [s for s in _load_or_generate(cfg, llm, aux_layers)
                if len(s.token_ids) >= cfg.ttt_steps + 2]
@@ -280,7 +296,7 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
     if own_engine:  # its KV cache (7.5 GB for the bundled model at 256 sequences) is not needed
         del llm
         gc.collect()
-    eagle = _head_config(tc, cfg.draft_vocab_size)
+    eagle = _head_config(tc, cfg.draft_vocab_size, aux_layers)
     embed = target.embed_weight.detach().float()
     head = EagleHead(eagle, embed, dtype=torch.float32)
     init_head(head, target.lm_head_weight.detach(), draft_ids, target.norm.weight.detach(),
