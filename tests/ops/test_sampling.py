@@ -156,3 +156,17 @@ def test_mixed_batch_tokens_are_each_rows_own():
     expected = torch.where(temps == 0, logits.argmax(-1), every_row)
     assert torch.equal(mixed, expected)
     assert torch.equal(mixed[temps == 0], logits.argmax(-1)[temps == 0])
+
+
+def test_first_argmax_is_torch_argmax():
+    """``sampling.first_argmax`` (torch.max's indices on the CPU) returns torch.argmax's index:
+    the first maximum on ties, the first NaN where a row has one, in every dtype of logits."""
+    g = torch.Generator().manual_seed(0)
+    for rows, vocab in ((1, 7), (3, 4096), (5, 49152), (64, 50000)):
+        x = torch.randint(0, 4, (rows, vocab), generator=g).float()  # many ties
+        x[0, vocab // 3] = float("nan")
+        x[0, vocab // 2] = float("nan")
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            y = x.to(dtype)
+            assert torch.equal(sampling.first_argmax(y), torch.argmax(y, dim=-1)), (rows, vocab,
+                                                                                   dtype)

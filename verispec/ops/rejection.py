@@ -107,11 +107,7 @@ def rejection_sample(
     )
 
     greedy = temperature == 0  # [B]
-    # every row's argmax, needed by greedy requests only (the CPU reads on the host whether
-    # there are any: no device to keep in step)
-    argmax_rows = None  # [N + B]
-    if all_greedy or device.type != "cpu" or bool(greedy.any()):
-        argmax_rows = first_argmax(target_logits)
+    argmax_rows = first_argmax(target_logits)  # [N + B]
     if all_greedy:
         probs = None
     else:
@@ -127,8 +123,7 @@ def rejection_sample(
     u = philox.uniform(
         seeds[draft_req], positions[draft_req] + draft_index, philox.ACCEPT_STREAM
     )  # [N] in (0, 1)
-    accepted = (draft_ids == argmax_rows[verify_rows] if argmax_rows is not None
-                else torch.zeros_like(draft_ids, dtype=torch.bool))
+    accepted = draft_ids == argmax_rows[verify_rows]
     if synthetic_conditional_rates is not None:
         accepted = u < synthetic_conditional_rates.to(torch.float32)[draft_index]
     elif probs is not None:
@@ -149,7 +144,7 @@ def rejection_sample(
 
     # --- the one token sampled per request: recovered at the first rejection, else bonus ---
     final_rows = cu[:-1] + req_ids + num_accepted  # verify row of draft num_accepted, or bonus row
-    final_ids = argmax_rows[final_rows] if argmax_rows is not None else None
+    final_ids = argmax_rows[final_rows]
     if probs is not None:
         p = probs[final_rows]  # [B, V]
         weights = p
@@ -164,8 +159,7 @@ def rejection_sample(
             weights = torch.where(use_residual, residual, p)
         stream = torch.where(rejected, philox.RESIDUAL_STREAM, philox.SAMPLE_STREAM)
         random_ids = race(weights, seeds, positions + num_accepted, stream)
-        final_ids = random_ids if final_ids is None else torch.where(greedy, final_ids,
-                                                                      random_ids)
+        final_ids = torch.where(greedy, final_ids, random_ids)
 
     # --- output: accepted drafts, the final token, -1 padding ---
     token_ids = torch.full((batch_size, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
