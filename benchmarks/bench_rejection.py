@@ -22,19 +22,30 @@ configuration also checks that the two ops return the same tokens. Both ops are 
 ``check_draft_ids=False`` (the engine's call): the default range check of the draft ids reads
 them on the host, a sync that would land inside the timed call.
 
+With ``--before DIR`` (DIR holds an earlier ``verispec/ops``, e.g. from ``git archive REV
+verispec/ops | tar -x -C DIR``) that revision's Triton op is timed too, right after ours on the
+same inputs, as ``before us`` and ``now / before``: a like-for-like comparison in one run.
+
 Prints a human table, then one JSON line.
 
     python benchmarks/bench_rejection.py                  # the full table
     python benchmarks/bench_rejection.py --batch-sizes 1 8 --vocab-sizes 151936 --quick
+    python benchmarks/bench_rejection.py --vocab-sizes 128256 --skip-torch --before /tmp/before
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
+import inspect
 import json
 import math
+import os
+import shutil
 import statistics
+import sys
+import tempfile
 import time
 
 import torch
@@ -93,6 +104,35 @@ def call(op, inputs, with_draft_probs, **kwargs):
         inputs["draft_probs"] if with_draft_probs else None, inputs["temperature"], None, None,
         None, inputs["seeds"], inputs["positions"], K, check_draft_ids=False, **kwargs,
     )
+
+
+def load_before(path: str):
+    """The ``triton_ops`` module of the ``verispec/ops`` under ``path``, imported as the
+    package ``ops_before`` (a copy whose ``verispec.ops`` imports point at itself)."""
+    source = os.path.join(path, "verispec", "ops")
+    if not os.path.isfile(os.path.join(source, "triton_ops.py")):
+        raise SystemExit(f"--before {path}: no verispec/ops/triton_ops.py there")
+    root = tempfile.mkdtemp()
+    package = os.path.join(root, "ops_before")
+    shutil.copytree(source, package)
+    for name in os.listdir(package):
+        if name.endswith(".py"):
+            file = os.path.join(package, name)
+            with open(file) as f:
+                text = f.read().replace("verispec.ops", "ops_before")
+            with open(file, "w") as f:
+                f.write(text)
+    sys.path.insert(0, root)
+    return importlib.import_module("ops_before.triton_ops")
+
+
+def call_any(op, inputs, with_draft_probs):
+    """``call`` for an op that may predate ``check_draft_ids``."""
+    if "check_draft_ids" in inspect.signature(op).parameters:
+        return call(op, inputs, with_draft_probs)
+    return op(inputs["target_logits"], inputs["draft_token_ids"], inputs["cu_num_draft_tokens"],
+              inputs["draft_probs"] if with_draft_probs else None, inputs["temperature"], None,
+              None, None, inputs["seeds"], inputs["positions"], K)
 
 
 def time_gpu(fn, sets, flush, budget_s, max_reps=200) -> float:
@@ -236,6 +276,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     parser.add_argument("--vocab-sizes", type=int, nargs="+", default=[151936, 128256])
     parser.add_argument("--graph-batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--before", metavar="DIR",
+                        help="also time the Triton op of the verispec/ops under DIR")
     add_timing_args(parser)
     args = parser.parse_args()
 
@@ -243,11 +285,13 @@ def main() -> None:
 
     from verispec.ops import triton_ops
 
+    before_ops = load_before(args.before) if args.before else None
     device, name, bandwidth, budget, flush = timing_setup(args, "")
     results = []
     header = (f"{'V':>7} {'B':>4} {'rule':>8} {'floor us':>9} {'read us':>8} {'x floor':>8} "
               f"{'triton us':>10} {'x floor':>8} {'x read':>7} {'graph us':>9} {'host us':>8} "
-              f"{'torch us':>9} {'x floor':>8} {'accept len':>10} {'same':>5}")
+              f"{'torch us':>9} {'x floor':>8} {'accept len':>10} {'same':>5}"
+              + (f" {'before us':>10} {'now/before':>10}" if before_ops else ""))
     print(header)
     print("-" * len(header))
     for vocab_size in args.vocab_sizes:
@@ -282,6 +326,11 @@ def main() -> None:
                     return call(triton_ops.rejection_sample, s, q)
 
                 triton_us = time_gpu(op, sets, flush, budget)
+                before_us = None
+                if before_ops is not None:
+                    before_us = time_gpu(
+                        lambda s, q=with_q: call_any(before_ops.rejection_sample, s, q), sets,
+                        flush, budget)
                 host_us = time_host(op, sets[0])
                 graph_us = None
                 if batch_size in args.graph_batch_sizes:
@@ -298,13 +347,18 @@ def main() -> None:
                     torch_x_floor=None if torch_us is None else round(torch_us / floor_us, 3),
                     mean_acceptance_length=round(accept_len, 3), same_tokens=same,
                 )
+                if before_us is not None:
+                    row.update(before_us=round(before_us, 2),
+                               now_x_before=round(triton_us / before_us, 3))
                 results.append(row)
                 print(f"{vocab_size:>7} {batch_size:>4} {rule:>8} {floor_us:>9.1f} "
                       f"{read_us:>8.1f} {row['read_x_floor']:>8.2f} {triton_us:>10.1f} "
                       f"{row['triton_x_floor']:>8.2f} {row['triton_x_read']:>7.2f} "
                       f"{fmt(graph_us, '9.1f'):>9} {host_us:>8.1f} {fmt(torch_us, '9.1f'):>9} "
                       f"{fmt(row['torch_x_floor'], '8.2f'):>8} {accept_len:>10.2f} "
-                      f"{str(same):>5}", flush=True)
+                      f"{str(same):>5}" + ("" if before_us is None else
+                                          f" {before_us:>10.1f} {triton_us / before_us:>10.3f}"),
+                      flush=True)
             del sets
             torch.cuda.empty_cache()
     print_json("bench_rejection", name, bandwidth, results)

@@ -18,7 +18,9 @@ that row's token. So:
     candidate draft row sets its bit in the request's *early* word first; a program that
     starts after a candidate before its row is known reads no logits and does not count, so
     that row is never decided (nor needed). At 80 % acceptance up to a third of the rows are
-    never read. Synthetic rates need no logits to accept: there every program knows the
+    never read. Under the full rule, where a row is rarely skipped, a program loads its first
+    chunk before that check instead of after its round trip (and drops it if skipped).
+    Synthetic rates need no logits to accept: there every program knows the
     final row from the acceptance uniforms and only that row is read.
 ``_finish_kernel``  grid (B, NUM_PROGRAMS): finds request r's first candidate row from the
     records (rows before it were all read and decided, so no record is stale), races
@@ -30,7 +32,10 @@ that row's token. So:
 No program of either launch waits for another: work that needs the results of several
 programs is done by the last of them to count (an acq_rel atomic add that returns the old
 count), never by one that polls; what depends on programs not known to have finished is in the
-second launch. So no counter is zeroed before a launch.
+second launch. So no counter is zeroed before a launch. On Hopper and later (``PDL``) the
+second launch may start early, once every program of the first has started: it reads the
+call's inputs, then waits in hardware for the first launch to finish (``gdc_wait``), which
+needs no program to be scheduled before another.
 
 Masks (top-k, top-p, min-p) need row-wide thresholds first (``triton_kernels_masks``); then the
 partials hold each chunk's mass of p (with and without the draft) instead of its softmax sums.
@@ -44,6 +49,7 @@ import triton.language as tl
 from verispec.ops.triton_kernels import (
     ACCEPT_STREAM,
     BIG_INDEX,
+    INTERPRET,
     RESIDUAL_STREAM,
     _argmax_tile,
     _argmax_vec,
@@ -59,6 +65,16 @@ from verispec.ops.triton_kernels import (
     _uniform_at,
     _write_output,
 )
+
+if INTERPRET:  # no grid dependency control there (launches run one after another anyway)
+    def _launch_dependents():
+        pass
+
+    def _wait_for_primary():
+        pass
+else:  # pragma: no cover - CUDA
+    from triton.language.extra.cuda import gdc_launch_dependents as _launch_dependents
+    from triton.language.extra.cuda import gdc_wait as _wait_for_primary
 
 EARLY_ROWS = tl.constexpr(30)  # rows with a bit in the early word (later rows are never skipped)
 ACCEPTED = tl.constexpr(1)  # row states in row_i[row, 0]
@@ -89,18 +105,26 @@ def _rows_kernel(
     NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr, NO_DRAFTS: tl.constexpr,
     ALL_GREEDY: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr, SYNTHETIC: tl.constexpr,
     MASKED: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
-    HAS_MIN_P: tl.constexpr,
+    HAS_MIN_P: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (B * ROWS * ceil(NUM_CHUNKS / GROUP),): statistics of GROUP chunks of one row;
     the row's last program to count decides it. See the module docstring."""
+    if PDL:  # the finish launch may start as soon as every program here has
+        _launch_dependents()
     NUM_GROUPS: tl.constexpr = (NUM_CHUNKS + GROUP - 1) // GROUP
     order = tl.program_id(0) // NUM_GROUPS
     group = tl.program_id(0) % NUM_GROUPS
     j = order // batch_size
     req = order % batch_size
+    first_chunk = tl.minimum(group * GROUP, NUM_CHUNKS - 1)
     draft_start, num_drafts = _request_span(cu_ptr, req, NO_DRAFTS)
     if j <= num_drafts:
         row = draft_start + req + j
+        row_ptr = logits_ptr + row * logits_stride
+        if HAS_DRAFT_PROBS:
+            # the full rule rarely skips a row (a draft sampled from q passes more often than
+            # not): its first tile is loaded before the early check, not after its round trip
+            x = _chunk_load(row_ptr, first_chunk, vocab_size, CHUNK)
         d = tl.full((), -1, tl.int32)  # the row's draft; -1 on the bonus row
         if not NO_DRAFTS:
             d = tl.load(draft_ids_ptr + draft_start + j, mask=j < num_drafts,
@@ -123,10 +147,14 @@ def _rows_kernel(
         # a skipped program reads nothing and does not count: its row is never decided (it
         # follows a candidate, so it is not needed) and exits after one round trip
         if skip == 0:
+            if not HAS_DRAFT_PROBS:
+                x = _chunk_load(row_ptr, first_chunk, vocab_size, CHUNK)
             for g in tl.static_range(GROUP):  # past the row's last chunk: that chunk again
-                _chunk_stats(logits_ptr + row * logits_stride, row_stats_ptr + row * 8,
-                             part_f_ptr, part_i_ptr, row * NUM_CHUNKS, num_rows * NUM_CHUNKS,
-                             tl.minimum(group * GROUP + g, NUM_CHUNKS - 1), vocab_size, greedy,
+                chunk = tl.minimum(group * GROUP + g, NUM_CHUNKS - 1)
+                if g > 0:
+                    x = _chunk_load(row_ptr, chunk, vocab_size, CHUNK)
+                _chunk_stats(x, row_stats_ptr + row * 8, part_f_ptr, part_i_ptr,
+                             row * NUM_CHUNKS, num_rows * NUM_CHUNKS, chunk, vocab_size, greedy,
                              t_eff, d, CHUNK, ALL_GREEDY, MASKED, HAS_TOP_K, HAS_TOP_P,
                              HAS_MIN_P)
             tl.debug_barrier()  # every thread's partials, released by the count
@@ -155,18 +183,25 @@ def _synthetic_final_row(drafts_ptr, num_drafts, seed, position, rates_ptr,
 
 
 @_helper
-def _chunk_stats(row_ptr, stats_ptr, part_f_ptr, part_i_ptr, row_part, plane, chunk,
+def _chunk_load(row_ptr, chunk, vocab_size, CHUNK: tl.constexpr):
+    """One chunk's logits as a [CHUNK / 4, 4] float32 tile (-inf past the vocabulary)."""
+    ids = _tile_ids(chunk * CHUNK, CHUNK // 4)
+    return tl.load(row_ptr + ids, mask=ids < vocab_size, other=float("-inf")).to(tl.float32)
+
+
+@_helper
+def _chunk_stats(x, stats_ptr, part_f_ptr, part_i_ptr, row_part, plane, chunk,
                  vocab_size, greedy, t_eff, excluded_id, CHUNK: tl.constexpr,
                  ALL_GREEDY: tl.constexpr, MASKED: tl.constexpr, HAS_TOP_K: tl.constexpr,
                  HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
-    """One chunk of one row: a greedy row's raw argmax (ties: the smallest index, as
-    torch.argmax); the softmax partials m_c, sum exp(z - m_c) and the same sum without token
-    ``excluded_id`` (the row's draft: the one-hot residual's mass, summed directly rather than
-    as a difference that could cancel; only the chunk holding the draft sums again). MASKED:
-    the chunk's mass of p instead, with and without the draft."""
+    """One chunk of one row from its logits ``x`` (``_chunk_load``): a greedy row's raw
+    argmax (ties: the smallest index, as torch.argmax); the softmax partials m_c,
+    sum exp(z - m_c) and the same sum without token ``excluded_id`` (the row's draft: the
+    one-hot residual's mass, summed directly rather than as a difference that could cancel;
+    only the chunk holding the draft sums again). MASKED: the chunk's mass of p instead, with
+    and without the draft."""
     ids = _tile_ids(chunk * CHUNK, CHUNK // 4)  # [CHUNK / 4, 4]
     valid = ids < vocab_size
-    x = tl.load(row_ptr + ids, mask=valid, other=float("-inf")).to(tl.float32)
     out = row_part + chunk
     amax = float("-inf")
     aidx = BIG_INDEX
@@ -298,7 +333,7 @@ def _finish_kernel(
     BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr,
     NO_DRAFTS: tl.constexpr, ALL_GREEDY: tl.constexpr, SYNTHETIC: tl.constexpr,
     MASKED: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
-    HAS_MIN_P: tl.constexpr,
+    HAS_MIN_P: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (B, NUM_PROGRAMS): request r's final row, RACE_CHUNK tokens of its race per
     program; the last program to count writes the output row. See the module docstring."""
@@ -307,7 +342,11 @@ def _finish_kernel(
     draft_start, num_drafts = _request_span(cu_ptr, req, NO_DRAFTS)
     seed = tl.load(seeds_ptr + req)
     position = tl.load(positions_ptr + req)
+    temperature = tl.load(temperature_ptr + req)
     i = tl.arange(0, ROWS_P2)
+    if PDL:  # launched early (programmatic dependent launch): the inputs above were ready;
+        # what _rows_kernel wrote, and its counters, only once it has finished
+        _wait_for_primary()
     if c == 0:  # the row counters and the early word, zero for the next launch
         tl.store(sync_ptr + draft_start + req + i, 0, mask=i <= num_drafts)
         tl.store(sync_ptr + num_rows + req, 0)
@@ -320,7 +359,6 @@ def _finish_kernel(
         final = tl.min(tl.where(state == CANDIDATE, i, ROWS_P2), axis=0)
     row = draft_start + req + final
     first = tl.load(row_i_ptr + row * 4 + 1)  # a greedy row's token, or the race's block
-    temperature = tl.load(temperature_ptr + req)
     if (temperature == 0.0) | ALL_GREEDY:
         if c == 0:
             _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,

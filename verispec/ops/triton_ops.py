@@ -85,9 +85,11 @@ class _Launch:
     ``static``: runtime arguments fixed by the plan, by name; a call passes the stream and
     the others (tensors) in the kernel's order."""
 
-    def __init__(self, kernel, grid: tuple, num_warps: int, constexprs: dict, **static):
+    def __init__(self, kernel, grid: tuple, num_warps: int, constexprs: dict,
+                 launch_pdl: bool = False, **static):
         self.kernel, self.grid, self.num_warps, self.constexprs = (
             kernel, grid, num_warps, constexprs)
+        self.options = dict(launch_pdl=True) if launch_pdl else {}
         self.static = list(static.values())  # kept alive: the launches hold their pointers
         # the compiled kernel's arguments; where the call's go; the runtime ones (first call)
         self.template, self.slots, self.runtime = [], [], []
@@ -114,7 +116,8 @@ class _Launch:
         for slot, arg in zip(self.slots, args):
             full[slot] = arg
         compiled = self.kernel[self.grid](*[full[i] for i in self.runtime],
-                                          num_warps=self.num_warps, **self.constexprs)
+                                          num_warps=self.num_warps, **self.options,
+                                          **self.constexprs)
         if not INTERPRET:  # [grid x, y, z, stream, function, metadata, no hooks] + arguments
             grid = (*self.grid, *(1,) * (3 - len(self.grid)))
             head = [*grid, None, compiled.function, getattr(compiled, "packed_metadata", None),
@@ -194,6 +197,15 @@ def _mask_warps(num_programs: int, device: torch.device) -> int:
 
 
 @functools.cache
+def _pdl(index: int) -> bool:
+    """Whether the finish launch may start before the rows launch ends (programmatic dependent
+    launch: Hopper and later; not under the interpreter)."""
+    if INTERPRET or index < 0:
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -237,8 +249,9 @@ class _Plan:
         blocks = dict(BLOCK=block, NUM_BLOCKS=num_blocks, NB_P2=_p2(num_blocks))
         self.has = has = dict(zip(("HAS_TOP_K", "HAS_TOP_P", "HAS_MIN_P"),
                                   (self.masked and t is not None for t in masks)))
+        pdl = _pdl(logits.get_device())
         flags = dict(NO_DRAFTS=no_drafts, ALL_GREEDY=all_greedy, SYNTHETIC=synthetic,
-                     MASKED=self.masked, **has)
+                     MASKED=self.masked, PDL=pdl, **has)
         self.mask_search = None
         if self.masked:
             warps = _mask_warps(batch_size * rows_per_request, device)
@@ -264,7 +277,7 @@ class _Plan:
             _finish_kernel, (batch_size, num_programs), 4,
             dict(NUM_PROGRAMS=num_programs, NP_P2=_p2(num_programs), RACE_CHUNK=race_chunk,
                  BLOCK_SPAN=block_span, ROWS_P2=rows_p2, WIDTH_P2=_p2(rows_per_request),
-                 **blocks, **flags),
+                 **blocks, **flags), launch_pdl=pdl,
             logits_stride=logits.stride(0), draft_probs_stride=draft_probs_stride,
             row_stats_ptr=self.row_stats, row_i_ptr=row_i, row_f_ptr=row_f, race_f_ptr=race_f,
             race_i_ptr=race_i, sync_ptr=sync, token_ids_stride=out.stride(0) if out.dim() == 2
