@@ -16,6 +16,8 @@ seeded inputs do not contain. A bug shows up as many mismatches, not one.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -364,6 +366,30 @@ def test_adversarial_one_hot_empty_residual(group, device):
     random = (batch["temperature"] > 0).cpu() & (n > 0)
     first = batch["draft_token_ids"].cpu()[cu[:-1].clamp_max(int(cu[-1]) - 1)]
     assert torch.equal(expected[random, 0].cpu().long(), first[random])
+
+
+@pytest.mark.parametrize("share", [0.7, 0.002])
+def test_one_hot_residual_when_the_draft_holds_its_chunk_or_not(share, device):
+    """One-hot rule, every draft rejected (synthetic rates 0), each draft holding ``share`` of
+    its request's p: over half of its chunk's mass (0.7: the residual of that chunk, a
+    difference, would cancel if formed as one) or a sliver of it (0.002); the same tokens as
+    the twin either way, never the draft (its residual weight is 0)."""
+    vocab_size = _vocab_size(device, 150)
+    batch = make_batch([1] * 16, vocab_size, device, seed=43, temperatures=(1.0,))
+    logits = batch["target_logits"].cpu()
+    drafts = batch["draft_token_ids"].cpu()
+    rows = torch.arange(16) * 2
+    rest = torch.logsumexp(logits[rows].scatter(1, drafts[:, None], float("-inf")), -1)
+    logits[rows, drafts] = rest + math.log(share / (1 - share))
+    batch["target_logits"] = logits.to(device)
+    expected, actual = _run_both(batch, draft_probs=False, rates=torch.zeros(K, device=device))
+    _assert_same(expected, actual)
+    assert not bool((expected[:, 0].cpu().long() == drafts).any())
+    chunk = triton_ops.chunk_size(vocab_size)
+    p = torch.softmax(logits[rows], -1)
+    in_chunk = (torch.arange(vocab_size)[None, :] // chunk) == (drafts[:, None] // chunk)
+    holds = p.gather(1, drafts[:, None])[:, 0] > 0.5 * (p * in_chunk).sum(1)
+    assert bool(holds.all()) if share > 0.5 else not bool(holds.any())
 
 
 def test_adversarial_disjoint_supports_and_zero_target(device):

@@ -3,42 +3,38 @@
 Under every rule of REFERENCE §3 a verify row decides itself: its draft passes or not from this
 row alone (u_i < p_i(d_i); u_i q_i(d_i) < p_i(d_i) under the full rule; d_i == argmax for a
 greedy target; u_i < c_i for synthetic rates), and the token the request emits if this row is
-its final one is sampled from this row alone. A request's output is its accepted drafts up to its
-first *candidate* row (a rejected draft, a draft of -1 "no draft here", or the bonus row), then
-that row's token. So:
+its final one is sampled from this row alone. A request's output is its accepted drafts up to
+its first *candidate* row (a rejected draft, a draft of -1 "no draft here", or the bonus row),
+then that row's token. So:
 
 ``_rows_kernel``    grid (B * ROWS * NUM_GROUPS,), program (j * B + r) * NUM_GROUPS + g: GROUP
     chunks of CHUNK tokens of row j of request r, all requests' first rows first, then all
-    second rows, and so on. Each program writes its chunks' partials (max, sum of exp, the
-    same sum without the row's draft, raw argmax) and counts on the row's counter with an
-    atomic add that returns the old value; the program that sees it is the last decides the
-    row from the partials (``_decide_row``) and records: accepted, or a candidate with its
-    greedy token, or the block of the two-level race its token will come from (the chunk
-    masses choose it), or (full rule, rejected) a race over the whole residual row. A
-    candidate draft row sets its bit in the request's *early* word first; a program that
-    starts after a candidate before its row is known reads no logits and does not count, so
-    that row is never decided (nor needed). At 80 % acceptance up to a third of the rows are
-    never read. Under the full rule, where a row is rarely skipped, a program loads its first
-    chunk before that check instead of after its round trip (and drops it if skipped).
-    Synthetic rates need no logits to accept: there every program knows the
-    final row from the acceptance uniforms and only that row is read.
+    second rows, and so on. Each program writes its chunks' partials (max, sum of exp, raw
+    argmax) and counts on the row's counter with an atomic add that returns the old value; the
+    program that sees it is the last decides the row from the partials (``_decide_row``) and
+    records: accepted, or a candidate with its greedy token or the block of p its token would
+    be raced in. A candidate draft row first sets its bit in the request's *early* word; a
+    program that starts after that reads no logits and does not count, so rows after a known
+    first rejection are never read (at 80 % acceptance up to a third of them). Under the full
+    rule, where a row is rarely skipped, a program loads its first chunk before that check
+    rather than after its round trip. Synthetic rates need no logits to accept: every program
+    knows the final row from the acceptance uniforms and only that row is read.
 ``_finish_kernel``  grid (B, NUM_PROGRAMS): finds request r's first candidate row from the
-    records (rows before it were all read and decided, so no record is stale), races
-    RACE_CHUNK tokens of it per program (of the chosen block, every token scored as the twin
-    scores it; or of the whole residual row, ``_residual_chunk_winner``), and the last program
-    to count picks the token (``_chosen_block`` first for a whole row) and writes the output
-    row. It also zeroes the request's row counters and early word for the next launch.
+    records (rows before it were all read and decided, so no record is stale); for a rejected
+    draft under the one-hot rule chooses the residual's block (``_residual_block``); races
+    RACE_CHUNK tokens of the block per program (or, full rule, of the whole row's max(0, p - q),
+    ``_residual_chunk_winner``); the last program to count picks the token and writes the
+    output row. It also zeroes the request's row counters and early word for the next launch.
 
-No program of either launch waits for another: work that needs the results of several
-programs is done by the last of them to count (an acq_rel atomic add that returns the old
-count), never by one that polls; what depends on programs not known to have finished is in the
-second launch. So no counter is zeroed before a launch. On Hopper and later (``PDL``) the
-second launch may start early, once every program of the first has started: it reads the
-call's inputs, then waits in hardware for the first launch to finish (``gdc_wait``), which
-needs no program to be scheduled before another.
+Work that needs the results of several programs is done by the last of them to count (an
+acq_rel atomic add that returns the old count), never by one that polls; what depends on
+programs not known to have finished is in the second launch. On Hopper and later (``PDL``) the
+second launch may start once every program of the first has started: it reads the call's
+inputs, then waits in hardware for the first launch to finish (``gdc_wait``), which needs no
+program to be scheduled before another.
 
 Masks (top-k, top-p, min-p) need row-wide thresholds first (``triton_kernels_masks``); then the
-partials hold each chunk's mass of p (with and without the draft) instead of its softmax sums.
+partials hold each chunk's mass of p instead of its softmax sums.
 """
 
 from __future__ import annotations
@@ -92,11 +88,10 @@ def _rows_kernel(
     seeds_ptr, positions_ptr,  # [B] int64
     rates_ptr,  # [>= ROWS - 1] float32 conditional rates (SYNTHETIC)
     row_stats_ptr,  # [num_rows, 8] float32 (MASKED): m, S, kth, tau, s_p, floor, s3
-    part_f_ptr,  # [4, num_rows, NUM_CHUNKS] float32: m_c, S_c, raw max, S_c without the
-    #              draft (MASKED: -, mass of p, raw max, mass of p without the draft)
+    part_f_ptr,  # [3, num_rows, NUM_CHUNKS] float32: m_c, S_c, raw max (MASKED: -, mass
+    #              of p, raw max)
     part_i_ptr,  # [num_rows, NUM_CHUNKS] int32: raw argmax
-    row_i_ptr,  # [num_rows, 4] int32 out: state, greedy token or block start (-1: whole
-    #             row), excluded token (whole row: block start of p), stream
+    row_i_ptr,  # [num_rows, 2] int32 out: state, greedy token or start of p's block
     row_f_ptr,  # [num_rows, 2] float32 out: m, S
     sync_ptr,  # [num_rows + B] int32, zero: row counters, early words
     batch_size, num_rows, vocab_size, bonus_stream,
@@ -155,18 +150,17 @@ def _rows_kernel(
                     x = _chunk_load(row_ptr, chunk, vocab_size, CHUNK)
                 _chunk_stats(x, row_stats_ptr + row * 8, part_f_ptr, part_i_ptr,
                              row * NUM_CHUNKS, num_rows * NUM_CHUNKS, chunk, vocab_size, greedy,
-                             t_eff, d, CHUNK, ALL_GREEDY, MASKED, HAS_TOP_K, HAS_TOP_P,
-                             HAS_MIN_P)
+                             t_eff, CHUNK, ALL_GREEDY, MASKED, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
             tl.debug_barrier()  # every thread's partials, released by the count
             if tl.atomic_add(sync_ptr + row, 1, sem="acq_rel") == NUM_GROUPS - 1:
                 _decide_row(
-                    logits_ptr + row * logits_stride, draft_probs_ptr, draft_probs_stride,
-                    rates_ptr, row_stats_ptr + row * 8, part_f_ptr, part_i_ptr,
-                    row_i_ptr + row * 4, row_f_ptr + row * 2, early_ptr, row * NUM_CHUNKS,
-                    num_rows * NUM_CHUNKS, j, num_drafts, draft_start + j, d, greedy, t_eff,
-                    seed, position + j, bonus_stream, NUM_CHUNKS, NC_P2, CHUNK, BLOCK,
-                    NUM_BLOCKS, NB_P2, ALL_GREEDY, HAS_DRAFT_PROBS, SYNTHETIC, MASKED,
-                    HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+                    row_ptr, draft_probs_ptr, draft_probs_stride, rates_ptr,
+                    row_stats_ptr + row * 8, part_f_ptr, part_i_ptr, row_i_ptr + row * 2,
+                    row_f_ptr + row * 2, early_ptr, row * NUM_CHUNKS, num_rows * NUM_CHUNKS, j,
+                    num_drafts, draft_start + j, d, greedy, t_eff, seed, position + j,
+                    bonus_stream, NUM_CHUNKS, NC_P2, CHUNK, BLOCK, NUM_BLOCKS, NB_P2,
+                    ALL_GREEDY, HAS_DRAFT_PROBS, SYNTHETIC, MASKED, HAS_TOP_K, HAS_TOP_P,
+                    HAS_MIN_P)
 
 
 @_helper
@@ -190,16 +184,16 @@ def _chunk_load(row_ptr, chunk, vocab_size, CHUNK: tl.constexpr):
 
 
 @_helper
-def _chunk_stats(x, stats_ptr, part_f_ptr, part_i_ptr, row_part, plane, chunk,
-                 vocab_size, greedy, t_eff, excluded_id, CHUNK: tl.constexpr,
-                 ALL_GREEDY: tl.constexpr, MASKED: tl.constexpr, HAS_TOP_K: tl.constexpr,
-                 HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
+def _chunk_stats(x, stats_ptr, part_f_ptr, part_i_ptr, row_part, plane, chunk, vocab_size,
+                 greedy, t_eff, CHUNK: tl.constexpr, ALL_GREEDY: tl.constexpr,
+                 MASKED: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
+                 HAS_MIN_P: tl.constexpr):
     """One chunk of one row from its logits ``x`` (``_chunk_load``): a greedy row's raw
-    argmax (ties: the smallest index, as torch.argmax); the softmax partials m_c,
-    sum exp(z - m_c) and the same sum without token ``excluded_id`` (the row's draft: the
-    one-hot residual's mass, summed directly rather than as a difference that could cancel;
-    only the chunk holding the draft sums again). MASKED: the chunk's mass of p instead, with
-    and without the draft."""
+    argmax (ties: the smallest index, as torch.argmax) and the softmax partials m_c and
+    sum exp(z - m_c); MASKED: the chunk's mass of p instead. The tile is reduced once and
+    dropped: anything more on it here (the same sum without the draft, which the one-hot
+    residual needs) keeps it live, 80-120 registers a thread instead of 56-64, and the
+    launch, which streams the logits, is then 1.2x slower (fewer programs an SM)."""
     ids = _tile_ids(chunk * CHUNK, CHUNK // 4)  # [CHUNK / 4, 4]
     valid = ids < vocab_size
     out = row_part + chunk
@@ -219,11 +213,7 @@ def _chunk_stats(x, stats_ptr, part_f_ptr, part_i_ptr, row_part, plane, chunk,
             m_c = tl.max(tl.max(z, axis=1), axis=0)
             w = tl.exp(z - tl.where(m_c == float("-inf"), 0.0, m_c))
             tl.store(part_f_ptr + out, m_c)
-        s_c = tl.sum(tl.sum(w, axis=1), axis=0)
-        tl.store(part_f_ptr + plane + out, s_c)
-        if (excluded_id >= chunk * CHUNK) & (excluded_id < chunk * CHUNK + CHUNK):
-            s_c = tl.sum(tl.sum(tl.where(ids == excluded_id, 0.0, w), axis=1), axis=0)
-        tl.store(part_f_ptr + 3 * plane + out, s_c)
+        tl.store(part_f_ptr + plane + out, tl.sum(tl.sum(w, axis=1), axis=0))
 
 
 @_helper
@@ -237,7 +227,9 @@ def _decide_row(row_ptr, draft_probs_ptr, draft_probs_stride, rates_ptr, stats_p
                 HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
     """Row j of a request (``position`` = the request's position + j) from its chunk
     partials, written by other programs of this launch (read from L2, .cg): accept its draft
-    or record it as a candidate (see ``_rows_kernel``'s row_i for what is recorded)."""
+    or mark it a candidate. Records its state, m and S, and a candidate's greedy token or the
+    block of p its token is raced in (the chunk masses choose it); a rejected draft's residual
+    block, under the one-hot rule, is the finish launch's (``_residual_block``)."""
     c = tl.arange(0, NC_P2)
     c_ok = c < NUM_CHUNKS
     part = row_part + c
@@ -253,21 +245,15 @@ def _decide_row(row_ptr, draft_probs_ptr, draft_probs_stride, rates_ptr, stats_p
     m = 0.0
     s = 1.0
     masses = tl.zeros([NC_P2], dtype=tl.float32)  # the chunks' masses of p
-    residual = masses  # the same without the draft
     if not ALL_GREEDY:
         kth, tau, s_p, floor, s3 = 0.0, 0.0, 1.0, 0.0, 1.0
-        masses = tl.load(part_f_ptr + plane + part, mask=c_ok, other=0.0, cache_modifier=".cg")
-        residual = tl.load(part_f_ptr + 3 * plane + part, mask=c_ok, other=0.0,
-                           cache_modifier=".cg")
         if MASKED:
             m, s, kth, tau, s_p, floor, s3 = _load_row_stats(stats_ptr)
-        else:  # m = max m_c, S = sum_c S_c exp(m_c - m)
-            pm = tl.load(part_f_ptr + part, mask=c_ok, other=float("-inf"),
-                         cache_modifier=".cg")
-            m = tl.max(pm, axis=0)
-            scale = tl.exp(pm - tl.where(m == float("-inf"), 0.0, m))
-            masses = masses * scale
-            residual = residual * scale
+        else:  # m = max m_c
+            m = tl.max(tl.load(part_f_ptr + part, mask=c_ok, other=float("-inf"),
+                               cache_modifier=".cg"), axis=0)
+        masses = _masses(part_f_ptr, part, plane, c_ok, m, MASKED)
+        if not MASKED:  # S = sum_c S_c exp(m_c - m)
             s = tl.sum(masses, axis=0)
         if not SYNTHETIC:
             x_d = tl.load(row_ptr + d, mask=is_draft, other=0.0).to(tl.float32)
@@ -286,30 +272,54 @@ def _decide_row(row_ptr, draft_probs_ptr, draft_probs_stride, rates_ptr, stats_p
         # known before the block is chosen: later rows that start from now on read nothing
         tl.atomic_or(early_ptr, 1 << j, sem="relaxed")
     tl.store(info_ptr, tl.where(candidate, CANDIDATE, ACCEPTED))
-    if candidate:
-        first = argmax  # a greedy row's token
-        excluded = tl.where(is_draft, d, -1)
-        stream = tl.where(is_draft, RESIDUAL_STREAM, bonus_stream)
-        if greedy == 0:
-            # the residual (p without the draft) where a draft was rejected, else p; an
-            # empty residual (p(d) = 1 in float32) falls back to p, on the residual stream
-            use_residual = is_draft & (tl.max(residual, axis=0) > 0.0)
-            p_first = _chosen_block(masses, c, c_ok, seed, position, stream, CHUNK, BLOCK,
-                                    NUM_BLOCKS, NB_P2) * BLOCK
-            first = tl.where(is_draft, _chosen_block(
-                residual, c, c_ok, seed, position, stream, CHUNK, BLOCK, NUM_BLOCKS, NB_P2,
-            ) * BLOCK, p_first)
-            first = tl.where(use_residual, first, p_first)
-            excluded = tl.where(use_residual, d, -1)
-            if HAS_DRAFT_PROBS:  # a rejected row races max(0, p - q) over the whole row,
-                # and falls back to p's block when that is empty
-                first = tl.where(is_draft, -1, first)
-                excluded = tl.where(is_draft, p_first, excluded)
-        tl.store(info_ptr + 1, first.to(tl.int32))
-        tl.store(info_ptr + 2, excluded.to(tl.int32))
-        tl.store(info_ptr + 3, stream.to(tl.int32))
-        tl.store(info_f_ptr, m)
-        tl.store(info_f_ptr + 1, s)
+    first = argmax  # a greedy row's token
+    if not ALL_GREEDY:
+        if candidate & (greedy == 0):
+            stream = tl.where(is_draft, RESIDUAL_STREAM, bonus_stream)
+            first = _chosen_block(masses, c, c_ok, seed, position, stream, CHUNK, BLOCK,
+                                  NUM_BLOCKS, NB_P2) * BLOCK
+    tl.store(info_ptr + 1, first.to(tl.int32))
+    tl.store(info_f_ptr, m)
+    tl.store(info_f_ptr + 1, s)
+
+
+@_helper
+def _masses(part_f_ptr, part, plane, c_ok, m, MASKED: tl.constexpr):
+    """A row's chunk masses of p from its partials: S_c exp(m_c - m), or (MASKED) as stored."""
+    masses = tl.load(part_f_ptr + plane + part, mask=c_ok, other=0.0, cache_modifier=".cg")
+    if not MASKED:
+        pm = tl.load(part_f_ptr + part, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+        masses = masses * tl.exp(pm - tl.where(m == float("-inf"), 0.0, m))
+    return masses
+
+
+@_helper
+def _residual_block(row_ptr, part_f_ptr, row_part, plane, d, t_eff, seed, position, m, s, kth,
+                    tau, s_p, floor, s3, vocab_size, NUM_CHUNKS: tl.constexpr,
+                    NC_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                    NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr, MASKED: tl.constexpr,
+                    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
+    """One-hot rule, draft ``d`` rejected: the start of the block its token is raced in,
+    chosen from the chunk masses of the residual (p without the draft): p's masses but for the
+    draft's chunk, summed again without it (directly, not as a difference that could cancel);
+    -1 when the residual is empty (p(d) = 1 in float32: then p's block is raced)."""
+    c = tl.arange(0, NC_P2)
+    ids = _tile_ids(d // CHUNK * CHUNK, CHUNK // 4)
+    valid = ids < vocab_size
+    z = _scale(tl.load(row_ptr + ids, mask=valid & (ids != d),
+                       other=float("-inf")).to(tl.float32), t_eff)
+    if MASKED:
+        w = tl.where(valid, _processed(z, m, s, kth, tau, s_p, floor, s3, HAS_TOP_K,
+                                       HAS_TOP_P, HAS_MIN_P), 0.0)
+    else:  # the unit of ``_masses``: exp(z - m)
+        w = tl.exp(z - tl.where(m == float("-inf"), 0.0, m))
+    residual = tl.where(c == d // CHUNK, tl.sum(tl.sum(w, axis=1), axis=0),
+                        _masses(part_f_ptr, row_part + c, plane, c < NUM_CHUNKS, m, MASKED))
+    first = tl.full((), -1, tl.int32)
+    if tl.max(residual, axis=0) > 0.0:
+        first = _chosen_block(residual, c, c < NUM_CHUNKS, seed, position, RESIDUAL_STREAM,
+                              CHUNK, BLOCK, NUM_BLOCKS, NB_P2) * BLOCK
+    return first
 
 
 @triton.jit(do_not_specialize=["batch_size", "num_rows", "width"])
@@ -322,13 +332,16 @@ def _finish_kernel(
     seeds_ptr, positions_ptr,  # [B] int64
     rates_ptr,  # [>= ROWS - 1] float32 (SYNTHETIC)
     row_stats_ptr,  # [num_rows, 8] float32 (MASKED)
+    part_f_ptr,  # [3, num_rows, NUM_CHUNKS] the chunk partials, written by _rows_kernel
     row_i_ptr, row_f_ptr,  # the rows' records, written by _rows_kernel
     race_f_ptr,  # [2, B, NUM_PROGRAMS] float32: the programs' best scores, residual masses
     race_i_ptr,  # [B, NUM_PROGRAMS] int32: their winners
     sync_ptr,  # [num_rows + 2 B] int32: row counters, early words, race counters
     token_ids_ptr, token_ids_stride,  # [B, width] int32 (sampling: [B] int64)
-    batch_size, num_rows, vocab_size, width,
+    batch_size, num_rows, vocab_size, width, bonus_stream,
     NUM_PROGRAMS: tl.constexpr, NP_P2: tl.constexpr, RACE_CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
+    HAS_DRAFT_PROBS: tl.constexpr,
     BLOCK_SPAN: tl.constexpr, ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr,
     BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr,
     NO_DRAFTS: tl.constexpr, ALL_GREEDY: tl.constexpr, SYNTHETIC: tl.constexpr,
@@ -344,6 +357,9 @@ def _finish_kernel(
     position = tl.load(positions_ptr + req)
     temperature = tl.load(temperature_ptr + req)
     i = tl.arange(0, ROWS_P2)
+    drafts = tl.full([ROWS_P2], -1, tl.int32)  # the request's drafts (-1: none)
+    if not NO_DRAFTS:
+        drafts = tl.load(draft_ids_ptr + draft_start + i, mask=i < num_drafts, other=-1)
     if PDL:  # launched early (programmatic dependent launch): the inputs above were ready;
         # what _rows_kernel wrote, and its counters, only once it has finished
         _wait_for_primary()
@@ -354,18 +370,19 @@ def _finish_kernel(
         final = _synthetic_final_row(draft_ids_ptr + draft_start, num_drafts, seed, position,
                                      rates_ptr, ROWS_P2)
     else:
-        state = tl.load(row_i_ptr + (draft_start + req + i) * 4, mask=i <= num_drafts,
+        state = tl.load(row_i_ptr + (draft_start + req + i) * 2, mask=i <= num_drafts,
                         other=CANDIDATE)
         final = tl.min(tl.where(state == CANDIDATE, i, ROWS_P2), axis=0)
     row = draft_start + req + final
-    first = tl.load(row_i_ptr + row * 4 + 1)  # a greedy row's token, or the race's block
     if (temperature == 0.0) | ALL_GREEDY:
         if c == 0:
             _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
-                          final, first, width, WIDTH_P2, NO_DRAFTS)
+                          final, tl.load(row_i_ptr + row * 2 + 1), width, WIDTH_P2, NO_DRAFTS)
     else:
-        excluded = tl.load(row_i_ptr + row * 4 + 2)
-        stream = tl.load(row_i_ptr + row * 4 + 3)
+        p_first = tl.load(row_i_ptr + row * 2 + 1)  # the start of p's block
+        # the final row's draft if it was rejected, else -1
+        d = tl.max(tl.where(i == final, drafts, -1), axis=0).to(tl.int32)
+        stream = tl.where(d >= 0, RESIDUAL_STREAM, bonus_stream)
         m = tl.load(row_f_ptr + row * 2)
         s = tl.load(row_f_ptr + row * 2 + 1)
         kth, tau, s_p, floor, s3 = 0.0, 0.0, 1.0, 0.0, 1.0
@@ -373,6 +390,21 @@ def _finish_kernel(
             _, _, kth, tau, s_p, floor, s3 = _load_row_stats(row_stats_ptr + row * 8)
         row_ptr = logits_ptr + row * logits_stride
         position = position + final
+        first = p_first
+        excluded = tl.full((), -1, tl.int32)
+        if d >= 0:
+            if HAS_DRAFT_PROBS:  # a rejected row races max(0, p - q) over the whole row,
+                # and falls back to p's block when that is empty
+                first = -1
+                excluded = p_first
+            else:
+                first = _residual_block(
+                    row_ptr, part_f_ptr, row * NUM_CHUNKS, num_rows * NUM_CHUNKS, d,
+                    temperature, seed, position, m, s, kth, tau, s_p, floor, s3, vocab_size,
+                    NUM_CHUNKS, NC_P2, CHUNK, BLOCK, NUM_BLOCKS, NB_P2, MASKED, HAS_TOP_K,
+                    HAS_TOP_P, HAS_MIN_P)
+                excluded = tl.where(first >= 0, d, -1)
+                first = tl.where(first >= 0, first, p_first)
         score = -1.0
         idx = 0
         mass = 0.0

@@ -36,10 +36,10 @@ _MAX_CHUNK = 4096  # tokens per statistics chunk: 16 KB of float32 logits
 # 8 programs per 4096-token block), or of a rejected row's whole residual (full rule)
 _BLOCK_RACE_CHUNK = 512
 _ROW_RACE_CHUNK = 2048
-# batch size from which a statistics program reads two chunks of its row (H100, k = 4, one-hot
-# rule: B = 128 V = 151 936 106.5 vs 124.5 us, B = 256 202.5 vs 242.0; slower at B = 32, where
-# a row is decided later); with synthetic rates, where most programs skip, from 32
-_GROUP_BATCH = 64
+# batch size from which a statistics program reads two chunks of its row (H200, k = 4,
+# V = 128 256, one-hot rule: B = 128 77.6 vs 82.4 us, B = 256 143.7 vs 157.9; B = 64 47.3 vs
+# 45.8, where a row is decided later); with synthetic rates, where most programs skip, from 32
+_GROUP_BATCH = 128
 _GROUP_BATCH_SYNTHETIC = 32
 # warps per program of the mask search (one program per row, a latency-bound loop of passes
 # over the row): 32 where the rows fit one per SM (H100, V = 151 936, B = 8: top-k 50 516 ->
@@ -238,9 +238,9 @@ class _Plan:
                         else block_span // race_chunk)
         group = 2 if batch_size >= (_GROUP_BATCH_SYNTHETIC if synthetic else _GROUP_BATCH) else 1
         plane = num_rows * num_chunks
-        f_sizes = [_aligned(n) for n in (4 * plane, 2 * num_rows, 2 * batch_size * num_programs,
+        f_sizes = [_aligned(n) for n in (3 * plane, 2 * num_rows, 2 * batch_size * num_programs,
                                           8 * num_rows)]
-        i_sizes = [_aligned(n) for n in (plane, 4 * num_rows, batch_size * num_programs)]
+        i_sizes = [_aligned(n) for n in (plane, 2 * num_rows, batch_size * num_programs)]
         f32, i32, sync = _scratch(device, _stream(logits), sum(f_sizes), sum(i_sizes),
                                   num_rows + 2 * batch_size)
         self.part_f, row_f, race_f, self.row_stats = f32[:sum(f_sizes)].split(f_sizes)
@@ -276,13 +276,15 @@ class _Plan:
         self.finish = _Launch(
             _finish_kernel, (batch_size, num_programs), 4,
             dict(NUM_PROGRAMS=num_programs, NP_P2=_p2(num_programs), RACE_CHUNK=race_chunk,
-                 BLOCK_SPAN=block_span, ROWS_P2=rows_p2, WIDTH_P2=_p2(rows_per_request),
-                 **blocks, **flags), launch_pdl=pdl,
+                 NUM_CHUNKS=num_chunks, NC_P2=_p2(num_chunks), CHUNK=chunk,
+                 HAS_DRAFT_PROBS=has_draft_probs, BLOCK_SPAN=block_span, ROWS_P2=rows_p2,
+                 WIDTH_P2=_p2(rows_per_request), **blocks, **flags), launch_pdl=pdl,
             logits_stride=logits.stride(0), draft_probs_stride=draft_probs_stride,
-            row_stats_ptr=self.row_stats, row_i_ptr=row_i, row_f_ptr=row_f, race_f_ptr=race_f,
+            row_stats_ptr=self.row_stats, part_f_ptr=self.part_f, row_i_ptr=row_i,
+            row_f_ptr=row_f, race_f_ptr=race_f,
             race_i_ptr=race_i, sync_ptr=sync, token_ids_stride=out.stride(0) if out.dim() == 2
             else 1, batch_size=batch_size, num_rows=num_rows, vocab_size=vocab_size,
-            width=out.shape[1] if out.dim() == 2 else 1)
+            width=out.shape[1] if out.dim() == 2 else 1, bonus_stream=bonus_stream)
 
     def __call__(self, stream: int, logits, draft_ids, cu, draft_probs, temperature, masks,
                  seeds, positions, rates) -> torch.Tensor:
