@@ -62,15 +62,22 @@ from verispec.ops.triton_kernels import (
     _write_output,
 )
 
-if INTERPRET:  # no grid dependency control there (launches run one after another anyway)
+try:  # grid dependency control (Triton >= 3.3); the interpreter runs launches in turn anyway
+    if INTERPRET:
+        raise ImportError
+    from triton.language.extra.cuda import gdc_launch_dependents as _launch_dependents
+    from triton.language.extra.cuda import gdc_wait as _wait_for_primary
+    HAS_GDC = True
+except ImportError:
+    HAS_GDC = False
+
+    @_helper
     def _launch_dependents():
         pass
 
+    @_helper
     def _wait_for_primary():
         pass
-else:  # pragma: no cover - CUDA
-    from triton.language.extra.cuda import gdc_launch_dependents as _launch_dependents
-    from triton.language.extra.cuda import gdc_wait as _wait_for_primary
 
 EARLY_ROWS = tl.constexpr(30)  # rows with a bit in the early word (later rows are never skipped)
 ACCEPTED = tl.constexpr(1)  # row states in row_i[row, 0]

@@ -26,7 +26,7 @@ from verispec.ops.backend import Backend
 from verispec.ops.rejection import check_draft_token_ids
 from verispec.ops.triton_kernels import INTERPRET
 from verispec.ops.triton_kernels_masks import _mask_stats_kernel, _probs_kernel
-from verispec.ops.triton_kernels_rows import _finish_kernel, _rows_kernel
+from verispec.ops.triton_kernels_rows import HAS_GDC, _finish_kernel, _rows_kernel
 
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT = (torch.int32, torch.int64)
@@ -199,8 +199,9 @@ def _mask_warps(num_programs: int, device: torch.device) -> int:
 @functools.cache
 def _pdl(index: int) -> bool:
     """Whether the finish launch may start before the rows launch ends (programmatic dependent
-    launch: Hopper and later; not under the interpreter)."""
-    if INTERPRET or index < 0:
+    launch: Hopper and later, a Triton with grid dependency control; not under the
+    interpreter)."""
+    if INTERPRET or index < 0 or not HAS_GDC:
         return False
     return torch.cuda.get_device_capability(index)[0] >= 9
 
