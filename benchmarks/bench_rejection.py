@@ -98,11 +98,20 @@ def make_inputs(batch_size, vocab_size, device, seed, accept_prob=0.8):
     )
 
 
+@functools.cache
+def _has_draft_id_check(op) -> bool:
+    return "check_draft_ids" in inspect.signature(op).parameters
+
+
 def call(op, inputs, with_draft_probs, **kwargs):
+    """One verify call of ``op`` on a buffer set, without the host-side draft id check (an op
+    from before that check, ``--before``, has no such argument)."""
+    if _has_draft_id_check(op):
+        kwargs["check_draft_ids"] = False
     return op(
         inputs["target_logits"], inputs["draft_token_ids"], inputs["cu_num_draft_tokens"],
         inputs["draft_probs"] if with_draft_probs else None, inputs["temperature"], None, None,
-        None, inputs["seeds"], inputs["positions"], K, check_draft_ids=False, **kwargs,
+        None, inputs["seeds"], inputs["positions"], K, **kwargs,
     )
 
 
@@ -124,15 +133,6 @@ def load_before(path: str):
                 f.write(text)
     sys.path.insert(0, root)
     return importlib.import_module("ops_before.triton_ops")
-
-
-def call_any(op, inputs, with_draft_probs):
-    """``call`` for an op that may predate ``check_draft_ids``."""
-    if "check_draft_ids" in inspect.signature(op).parameters:
-        return call(op, inputs, with_draft_probs)
-    return op(inputs["target_logits"], inputs["draft_token_ids"], inputs["cu_num_draft_tokens"],
-              inputs["draft_probs"] if with_draft_probs else None, inputs["temperature"], None,
-              None, None, inputs["seeds"], inputs["positions"], K)
 
 
 def time_gpu(fn, sets, flush, budget_s, max_reps=200) -> float:
@@ -329,7 +329,7 @@ def main() -> None:
                 before_us = None
                 if before_ops is not None:
                     before_us = time_gpu(
-                        lambda s, q=with_q: call_any(before_ops.rejection_sample, s, q), sets,
+                        lambda s, q=with_q: call(before_ops.rejection_sample, s, q), sets,
                         flush, budget)
                 host_us = time_host(op, sets[0])
                 graph_us = None
