@@ -14,6 +14,7 @@ import torch
 from verispec import ops
 from verispec.config import SpeculativeConfig
 from verispec.ops import sampling
+from verispec.ops.backend import load_backend
 from verispec.sample import RejectionSampler, SamplingTensors
 from verispec.sampling_params import SamplingParams
 
@@ -233,3 +234,63 @@ def test_draft_ids_outside_the_vocabulary_raise(bad, device):
     """One ValueError naming the field and the value, whichever backend runs the op."""
     with pytest.raises(ValueError, match=f"draft_token_ids must lie in .*{bad}"):
         run([[1, bad]], [[1, 2]], [4], 1.0, device)
+
+
+def _good_call(device):
+    """The arguments of a valid two-request verify call (drafts 2 and 1, V tokens)."""
+    longs = dict(dtype=torch.int64, device=device)
+    return dict(
+        target_logits=torch.zeros(5, V, device=device),
+        draft_token_ids=torch.tensor([1, 2, 3], device=device),
+        cu_num_draft_tokens=torch.tensor([0, 2, 3], device=device),
+        draft_probs=torch.full((3, V), 1.0 / V, device=device),
+        temperature=torch.ones(2, device=device), top_k=torch.full((2,), 5, device=device),
+        top_p=torch.ones(2, device=device), min_p=torch.zeros(2, device=device),
+        seeds=torch.zeros(2, **longs), positions=torch.zeros(2, **longs),
+        max_num_draft_tokens=2, synthetic_conditional_rates=None)
+
+
+BAD_INPUTS = [
+    ("temperature", lambda c: c["temperature"][:1]),
+    ("temperature", lambda c: c["temperature"].to(torch.int32)),
+    ("top_k", lambda c: c["top_k"].float()),
+    ("top_p", lambda c: c["top_p"][:, None]),
+    ("min_p", lambda c: [0.0, 0.0]),
+    ("seeds", lambda c: c["seeds"].float()),
+    ("positions", lambda c: c["positions"][:1]),
+    ("cu_num_draft_tokens", lambda c: c["cu_num_draft_tokens"][None]),
+    ("draft_token_ids", lambda c: c["draft_token_ids"].float()),
+    ("target_logits", lambda c: c["target_logits"].to(torch.int32)),
+    ("draft_probs", lambda c: c["draft_probs"].half()),
+    ("synthetic_conditional_rates", lambda c: torch.ones(1, device=c["seeds"].device)),
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("field, bad", BAD_INPUTS, ids=[f"{f}-{i}" for i, (f, _) in
+                                                        enumerate(BAD_INPUTS)])
+def test_every_input_is_checked_naming_it(field, bad, backend, device):
+    """Both backends check every input against the contract (the Triton op once per kind of
+    call, when it makes the plan) and raise one ValueError naming the field."""
+    op = load_backend(backend).rejection_sample
+    call = _good_call(device)
+    op(**call)
+    call[field] = bad(call)
+    with pytest.raises(ValueError, match=field):
+        op(**call)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sampling_inputs_are_checked_naming_them(backend, device):
+    ops_ = load_backend(backend)
+    logits = torch.zeros(2, V, device=device)
+    ones = torch.ones(2, device=device)
+    zeros = torch.zeros(2, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="seeds"):
+        ops_.sample(logits, ones, None, None, None, zeros[:1], zeros)
+    with pytest.raises(ValueError, match="top_p"):
+        ops_.sample(logits, ones, None, ones.to(torch.int64), None, zeros, zeros)
+    with pytest.raises(ValueError, match="temperature"):
+        ops_.sample_draft(logits, ones[:1], zeros, zeros)
+    with pytest.raises(ValueError, match="temperature"):
+        ops_.processed_probs(logits, ones[:1])

@@ -26,7 +26,17 @@ from __future__ import annotations
 import torch
 
 from verispec.ops import philox
-from verispec.ops.sampling import first_argmax, processed_probs, race
+from verispec.ops.sampling import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    LOGITS_DTYPES,
+    check_logits,
+    check_params,
+    check_tensor,
+    first_argmax,
+    processed_probs,
+    race,
+)
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -81,11 +91,13 @@ def rejection_sample(
         Row r: the accepted drafts, then the recovered or bonus token, then -1 padding. The number
         of output tokens of request r is ``(token_ids[r] != -1).sum()``.
     """
+    check_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
+                 top_k, top_p, min_p, seeds, positions, max_num_draft_tokens,
+                 synthetic_conditional_rates)
     device = target_logits.device
     num_draft_tokens = draft_token_ids.shape[0]
     batch_size = cu_num_draft_tokens.shape[0] - 1
     width = max_num_draft_tokens + 1
-    _check_inputs(target_logits, draft_token_ids, draft_probs, batch_size, num_draft_tokens)
     if check_draft_ids:
         check_draft_token_ids(draft_token_ids, target_logits.shape[1])
 
@@ -171,30 +183,48 @@ def rejection_sample(
     return token_ids.to(torch.int32)
 
 
-def _check_inputs(
-    target_logits: torch.Tensor,
-    draft_token_ids: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    batch_size: int,
-    num_draft_tokens: int,
-) -> None:
-    if target_logits.dim() != 2 or target_logits.shape[0] != num_draft_tokens + batch_size:
+def check_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
+                 top_k, top_p, min_p, seeds, positions, max_num_draft_tokens: int, rates=None,
+                 contiguous: bool = False) -> None:
+    """``ValueError`` naming the first input of a ``rejection_sample`` call outside its contract
+    (shapes, dtypes, devices; ``contiguous``: last dimensions contiguous, as kernels read
+    them). The draft ids' values are ``check_draft_token_ids``'s."""
+    check_logits("target_logits", target_logits, contiguous)
+    device = target_logits.device
+    check_tensor("cu_num_draft_tokens", cu_num_draft_tokens, (None,), INT_DTYPES, device,
+                 contiguous)
+    if cu_num_draft_tokens.shape[0] < 1:
+        raise ValueError("cu_num_draft_tokens must be [B + 1] with a leading 0, got [0]")
+    check_tensor("draft_token_ids", draft_token_ids, (None,), INT_DTYPES, device, contiguous)
+    batch_size = cu_num_draft_tokens.shape[0] - 1
+    check_rows(target_logits, draft_token_ids, draft_probs, batch_size, max_num_draft_tokens,
+               contiguous)
+    check_params(batch_size, device, temperature, top_k, top_p, min_p, seeds, positions,
+                 contiguous)
+    if rates is not None and (not isinstance(rates, torch.Tensor) or rates.dim() != 1
+                              or rates.shape[0] < max_num_draft_tokens or rates.device != device
+                              or rates.dtype not in FLOAT_DTYPES
+                              or (contiguous and rates.shape[0] > 1 and rates.stride(0) != 1)):
+        got = (f"{tuple(rates.shape)} {rates.dtype} on {rates.device}"
+               if isinstance(rates, torch.Tensor) else type(rates).__name__)
         raise ValueError(
-            f"target_logits must be [num_draft_tokens + B, V] = [{num_draft_tokens + batch_size}, "
-            f"V], got {tuple(target_logits.shape)}"
-        )
-    if draft_token_ids.dim() != 1:
+            f"synthetic_conditional_rates must be 1-D, contiguous, with >= "
+            f"{max_num_draft_tokens} floats on {device}, got {got}")
+
+
+def check_rows(target_logits, draft_token_ids, draft_probs, batch_size: int,
+               max_num_draft_tokens: int, contiguous: bool = False) -> None:
+    """The row counts of one call agree with each other and with the batch."""
+    num_draft_tokens = draft_token_ids.shape[0]
+    if num_draft_tokens > batch_size * max_num_draft_tokens:
         raise ValueError(
-            f"draft_token_ids must be 1-D [num_draft_tokens], got {tuple(draft_token_ids.shape)}"
-        )
-    if draft_probs is not None and (
-        draft_probs.shape != (num_draft_tokens, target_logits.shape[1])
-        or draft_probs.dtype != torch.float32
-    ):
-        raise ValueError(
-            f"draft_probs must be [num_draft_tokens, V] = [{num_draft_tokens}, "
-            f"{target_logits.shape[1]}] float32, got {tuple(draft_probs.shape)} {draft_probs.dtype}"
-        )
+            f"draft_token_ids has {num_draft_tokens} drafts, more than max_num_draft_tokens = "
+            f"{max_num_draft_tokens} for each of {batch_size} requests")
+    check_tensor("target_logits", target_logits, (num_draft_tokens + batch_size, None),
+                 LOGITS_DTYPES, target_logits.device, contiguous)
+    if draft_probs is not None:
+        check_tensor("draft_probs", draft_probs, (num_draft_tokens, target_logits.shape[-1]),
+                     (torch.float32,), target_logits.device, contiguous)
 
 
 def check_draft_token_ids(draft_token_ids: torch.Tensor, vocab_size: int) -> None:

@@ -34,6 +34,48 @@ SAMPLING_BLOCK = 4096
 BLOCK_NOISE_INDEX = 1 << 33
 
 
+LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT_DTYPES = (torch.int32, torch.int64)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_tensor(name: str, t: torch.Tensor, shape: tuple, dtypes: tuple, device,
+                 contiguous: bool = False) -> None:
+    """``ValueError`` naming ``name`` unless ``t`` is a tensor of ``shape`` (None: any size), a
+    dtype in ``dtypes``, on ``device`` (``contiguous``: and contiguous along its last
+    dimension, as the kernels read it)."""
+    want = "[" + ", ".join("any" if n is None else str(n) for n in shape) + "]"
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor {want}, got {type(t).__name__}")
+    if t.dim() != len(shape) or any(n is not None and n != m for n, m in zip(shape, t.shape)):
+        raise ValueError(f"{name} must be {want}, got {list(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if contiguous and t.numel() > 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last dimension")
+
+
+def check_params(num_rows: int, device, temperature, top_k=None, top_p=None, min_p=None,
+                 seeds=None, positions=None, contiguous: bool = False) -> None:
+    """Check the per-row (per-request) parameters of the ops: [num_rows] each, on ``device``;
+    temperature is required, the others may be None."""
+    for name, t, dtypes in (("temperature", temperature, FLOAT_DTYPES),
+                            ("top_k", top_k, INT_DTYPES), ("top_p", top_p, FLOAT_DTYPES),
+                            ("min_p", min_p, FLOAT_DTYPES), ("seeds", seeds, INT_DTYPES),
+                            ("positions", positions, INT_DTYPES)):
+        if t is not None or name == "temperature":
+            check_tensor(name, t, (num_rows,), dtypes, device, contiguous)
+
+
+def check_logits(name: str, logits: torch.Tensor, contiguous: bool = False) -> int:
+    """``logits`` is [R, V] in a logits dtype; returns R."""
+    check_tensor(name, logits, (None, None), LOGITS_DTYPES, getattr(logits, "device", None),
+                 contiguous)
+    return logits.shape[0]
+
+
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """[R, V] -> [R] int64: the first index of each row's maximum (NaN counts as the maximum),
     as ``torch.argmax``. On the CPU through ``torch.max(dim).indices``, which returns the same
@@ -85,6 +127,7 @@ def processed_probs(
     -------
     [R, V] float32 probabilities, each row summing to 1 over its kept tokens.
     """
+    check_params(check_logits("logits", logits), logits.device, temperature, top_k, top_p, min_p)
     temperature = torch.where(temperature > 0, temperature, 1.0).to(torch.float32)
     z = logits.to(torch.float32) / temperature[:, None]
     if top_k is not None:
@@ -168,6 +211,8 @@ def sample(
     -------
     [R] int64 token ids. Ties in the argmax go to the smallest index.
     """
+    check_params(check_logits("logits", logits), logits.device, temperature, top_k, top_p, min_p,
+                 seeds, positions)
     greedy_ids = first_argmax(logits)
     if all_greedy:
         return greedy_ids
@@ -213,6 +258,8 @@ def sample_draft(
     -------
     (draft_token_ids [R] int64, draft_probs [R, V] float32 = q)
     """
+    check_params(check_logits("logits", logits), logits.device, temperature, seeds=seeds,
+                 positions=positions)
     q = draft_probs(logits, temperature)
     ids = torch.where(
         temperature == 0,

@@ -12,16 +12,17 @@ then that row's token. So:
     second rows, and so on. Each program writes its chunks' partials (max, sum of exp, raw
     argmax) and counts on the row's counter with an atomic add that returns the old value; the
     program that sees it is the last decides the row from the partials (``_decide_row``) and
-    records: accepted, or a candidate with its greedy token or the block of p its token would
-    be raced in. A candidate draft row first sets its bit in the request's *early* word; a
-    program that starts after that reads no logits and does not count, so rows after a known
-    first rejection are never read (at 80 % acceptance up to a third of them). Under the full
-    rule, where a row is rarely skipped, a program loads its first chunk before that check
-    rather than after its round trip. Synthetic rates need no logits to accept: every program
-    knows the final row from the acceptance uniforms and only that row is read.
+    records: accepted, or a candidate with its greedy token or the block its token would be
+    raced in (of p; of the residual for a draft rejected under the one-hot rule, whose chunk the
+    decider sums again without the draft). A candidate draft row first sets its bit in the
+    request's *early* word; a program that starts after that reads no logits and does not count,
+    so rows after a known first rejection are never read (at 80 % acceptance up to a third of
+    them). Under the full rule, where a row is rarely skipped, a program loads its first chunk
+    before that check rather than after its round trip. Synthetic rates need no logits to
+    accept: every program knows the final row from the acceptance uniforms and only that row is
+    read.
 ``_finish_kernel``  grid (B, NUM_PROGRAMS): finds request r's first candidate row from the
-    records (rows before it were all read and decided, so no record is stale); for a rejected
-    draft under the one-hot rule chooses the residual's block (``_residual_block``); races
+    records (rows before it were all read and decided, so no record is stale); races
     RACE_CHUNK tokens of the block per program (or, full rule, of the whole row's max(0, p - q),
     ``_residual_chunk_winner``); the last program to count picks the token and writes the
     output row. It also zeroes the request's row counters and early word for the next launch.
@@ -41,11 +42,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from verispec.ops.triton_kernels import (
     ACCEPT_STREAM,
     BIG_INDEX,
-    INTERPRET,
     RESIDUAL_STREAM,
     _argmax_tile,
     _argmax_vec,
@@ -62,26 +63,10 @@ from verispec.ops.triton_kernels import (
     _write_output,
 )
 
-try:  # grid dependency control (Triton >= 3.3); the interpreter runs launches in turn anyway
-    if INTERPRET:
-        raise ImportError
-    from triton.language.extra.cuda import gdc_launch_dependents as _launch_dependents
-    from triton.language.extra.cuda import gdc_wait as _wait_for_primary
-    HAS_GDC = True
-except ImportError:
-    HAS_GDC = False
-
-    @_helper
-    def _launch_dependents():
-        pass
-
-    @_helper
-    def _wait_for_primary():
-        pass
-
 EARLY_ROWS = tl.constexpr(30)  # rows with a bit in the early word (later rows are never skipped)
 ACCEPTED = tl.constexpr(1)  # row states in row_i[row, 0]
-CANDIDATE = tl.constexpr(2)
+CANDIDATE = tl.constexpr(2)  # its token is raced over p (a bonus row, greedy, an empty residual)
+RESIDUAL = tl.constexpr(3)  # a rejected draft: over the residual
 
 
 # the batch's sizes vary step to step: not specialized on (so a new one compiles nothing)
@@ -112,7 +97,7 @@ def _rows_kernel(
     """Grid (B * ROWS * ceil(NUM_CHUNKS / GROUP),): statistics of GROUP chunks of one row;
     the row's last program to count decides it. See the module docstring."""
     if PDL:  # the finish launch may start as soon as every program here has
-        _launch_dependents()
+        gdc_launch_dependents()
     NUM_GROUPS: tl.constexpr = (NUM_CHUNKS + GROUP - 1) // GROUP
     order = tl.program_id(0) // NUM_GROUPS
     group = tl.program_id(0) % NUM_GROUPS
@@ -165,7 +150,7 @@ def _rows_kernel(
                     row_stats_ptr + row * 8, part_f_ptr, part_i_ptr, row_i_ptr + row * 2,
                     row_f_ptr + row * 2, early_ptr, row * NUM_CHUNKS, num_rows * NUM_CHUNKS, j,
                     num_drafts, draft_start + j, d, greedy, t_eff, seed, position + j,
-                    bonus_stream, NUM_CHUNKS, NC_P2, CHUNK, BLOCK, NUM_BLOCKS, NB_P2,
+                    bonus_stream, vocab_size, NUM_CHUNKS, NC_P2, CHUNK, BLOCK, NUM_BLOCKS, NB_P2,
                     ALL_GREEDY, HAS_DRAFT_PROBS, SYNTHETIC, MASKED, HAS_TOP_K, HAS_TOP_P,
                     HAS_MIN_P)
 
@@ -199,13 +184,13 @@ def _chunk_stats(x, stats_ptr, part_f_ptr, part_i_ptr, row_part, plane, chunk, v
     argmax (ties: the smallest index, as torch.argmax) and the softmax partials m_c and
     sum exp(z - m_c); MASKED: the chunk's mass of p instead. The tile is reduced once and
     dropped: anything more on it here (the same sum without the draft, which the one-hot
-    residual needs) keeps it live, 80-120 registers a thread instead of 56-64, and the
-    launch, which streams the logits, is then 1.2x slower (fewer programs an SM)."""
+    residual needs and the decider computes for the one chunk) keeps it live, 80-120
+    registers a thread instead of 56-64, and the launch, which streams the logits, is then
+    1.2x slower (fewer programs an SM)."""
     ids = _tile_ids(chunk * CHUNK, CHUNK // 4)  # [CHUNK / 4, 4]
     valid = ids < vocab_size
     out = row_part + chunk
-    amax = float("-inf")
-    aidx = BIG_INDEX
+    amax, aidx = float("-inf"), BIG_INDEX
     if greedy:
         amax, aidx = _argmax_tile(x, ids)
     tl.store(part_f_ptr + 2 * plane + out, amax)
@@ -226,7 +211,7 @@ def _chunk_stats(x, stats_ptr, part_f_ptr, part_i_ptr, row_part, plane, chunk, v
 @_helper
 def _decide_row(row_ptr, draft_probs_ptr, draft_probs_stride, rates_ptr, stats_ptr, part_f_ptr,
                 part_i_ptr, info_ptr, info_f_ptr, early_ptr, row_part, plane, j, num_drafts,
-                draft_index, d, greedy, t_eff, seed, position, bonus_stream,
+                draft_index, d, greedy, t_eff, seed, position, bonus_stream, vocab_size,
                 NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
                 BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr,
                 ALL_GREEDY: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr,
@@ -235,8 +220,8 @@ def _decide_row(row_ptr, draft_probs_ptr, draft_probs_stride, rates_ptr, stats_p
     """Row j of a request (``position`` = the request's position + j) from its chunk
     partials, written by other programs of this launch (read from L2, .cg): accept its draft
     or mark it a candidate. Records its state, m and S, and a candidate's greedy token or the
-    block of p its token is raced in (the chunk masses choose it); a rejected draft's residual
-    block, under the one-hot rule, is the finish launch's (``_residual_block``)."""
+    block its token is raced in, chosen from the chunk masses of p (full rule: of p, the
+    finish launch races max(0, p - q) over the whole row first) or of the one-hot residual."""
     c = tl.arange(0, NC_P2)
     c_ok = c < NUM_CHUNKS
     part = row_part + c
@@ -249,8 +234,7 @@ def _decide_row(row_ptr, draft_probs_ptr, draft_probs_stride, rates_ptr, stats_p
     u = _uniform_at(seed, position, ACCEPT_STREAM)
     if SYNTHETIC:  # accept iff u_i < c_i, whatever p and q say (benchmarking only)
         accepted = u < tl.load(rates_ptr + j, mask=is_draft, other=0.0)
-    m = 0.0
-    s = 1.0
+    m, s = 0.0, 1.0
     masses = tl.zeros([NC_P2], dtype=tl.float32)  # the chunks' masses of p
     if not ALL_GREEDY:
         kth, tau, s_p, floor, s3 = 0.0, 0.0, 1.0, 0.0, 1.0
@@ -278,13 +262,27 @@ def _decide_row(row_ptr, draft_probs_ptr, draft_probs_stride, rates_ptr, stats_p
     if candidate & (j < num_drafts) & (j < EARLY_ROWS):
         # known before the block is chosen: later rows that start from now on read nothing
         tl.atomic_or(early_ptr, 1 << j, sem="relaxed")
-    tl.store(info_ptr, tl.where(candidate, CANDIDATE, ACCEPTED))
+    state = tl.where(candidate, CANDIDATE, ACCEPTED)
     first = argmax  # a greedy row's token
     if not ALL_GREEDY:
         if candidate & (greedy == 0):
             stream = tl.where(is_draft, RESIDUAL_STREAM, bonus_stream)
+            if is_draft:  # rejected: its token is raced over the residual
+                state = RESIDUAL
+                if not HAS_DRAFT_PROBS:
+                    # one-hot rule: p's masses but for the draft's chunk, summed again without
+                    # the draft (directly, not as a difference that could cancel); p's block
+                    # when the residual is empty (p(d) = 1 in float32)
+                    residual = tl.where(c == d // CHUNK, _chunk_mass(
+                        row_ptr, d // CHUNK, d, vocab_size, t_eff, m, s, kth, tau, s_p, floor,
+                        s3, CHUNK, MASKED, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P), masses)
+                    if tl.max(residual, axis=0) > 0.0:
+                        masses = residual
+                    else:
+                        state = CANDIDATE
             first = _chosen_block(masses, c, c_ok, seed, position, stream, CHUNK, BLOCK,
                                   NUM_BLOCKS, NB_P2) * BLOCK
+    tl.store(info_ptr, state)
     tl.store(info_ptr + 1, first.to(tl.int32))
     tl.store(info_f_ptr, m)
     tl.store(info_f_ptr + 1, s)
@@ -301,45 +299,26 @@ def _masses(part_f_ptr, part, plane, c_ok, m, MASKED: tl.constexpr):
 
 
 @_helper
-def _residual_block(row_ptr, part_f_ptr, row_part, plane, d, t_eff, seed, position, m, s, kth,
-                    tau, s_p, floor, s3, vocab_size, NUM_CHUNKS: tl.constexpr,
-                    NC_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                    NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr, MASKED: tl.constexpr,
-                    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
-    """One-hot rule, draft ``d`` rejected: the start of the block its token is raced in,
-    chosen from the chunk masses of the residual (p without the draft): p's masses but for the
-    draft's chunk, summed again without it (directly, not as a difference that could cancel);
-    -1 when the residual is empty (p(d) = 1 in float32: then p's block is raced)."""
-    c = tl.arange(0, NC_P2)
-    ids = _tile_ids(d // CHUNK * CHUNK, CHUNK // 4)
+def _chunk_mass(row_ptr, chunk, excluded_id, vocab_size, t_eff, m, s, kth, tau, s_p, floor, s3,
+                CHUNK: tl.constexpr, MASKED: tl.constexpr, HAS_TOP_K: tl.constexpr,
+                HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
+    """A chunk's mass without token ``excluded_id``, in the unit of ``_masses``."""
+    ids = _tile_ids(chunk * CHUNK, CHUNK // 4)
     valid = ids < vocab_size
-    z = _scale(tl.load(row_ptr + ids, mask=valid & (ids != d),
+    z = _scale(tl.load(row_ptr + ids, mask=valid & (ids != excluded_id),
                        other=float("-inf")).to(tl.float32), t_eff)
     if MASKED:
         w = tl.where(valid, _processed(z, m, s, kth, tau, s_p, floor, s3, HAS_TOP_K,
                                        HAS_TOP_P, HAS_MIN_P), 0.0)
-    else:  # the unit of ``_masses``: exp(z - m)
+    else:  # exp(z - m)
         w = tl.exp(z - tl.where(m == float("-inf"), 0.0, m))
-    residual = tl.where(c == d // CHUNK, tl.sum(tl.sum(w, axis=1), axis=0),
-                        _masses(part_f_ptr, row_part + c, plane, c < NUM_CHUNKS, m, MASKED))
-    first = tl.full((), -1, tl.int32)
-    if tl.max(residual, axis=0) > 0.0:
-        first = _chosen_block(residual, c, c < NUM_CHUNKS, seed, position, RESIDUAL_STREAM,
-                              CHUNK, BLOCK, NUM_BLOCKS, NB_P2) * BLOCK
-    return first
+    return tl.sum(tl.sum(w, axis=1), axis=0)
 
 
 @triton.jit(do_not_specialize=["batch_size", "num_rows", "width"])
 def _finish_kernel(
-    logits_ptr, logits_stride,  # [num_rows, V]
-    draft_ids_ptr,  # [num_draft_tokens] int (unused with NO_DRAFTS)
-    cu_ptr,  # [B + 1] int, leading 0 (unused with NO_DRAFTS)
-    draft_probs_ptr, draft_probs_stride,  # [num_draft_tokens, V] float32 (HAS_DRAFT_PROBS)
-    temperature_ptr,  # [B] float32
-    seeds_ptr, positions_ptr,  # [B] int64
-    rates_ptr,  # [>= ROWS - 1] float32 (SYNTHETIC)
-    row_stats_ptr,  # [num_rows, 8] float32 (MASKED)
-    part_f_ptr,  # [3, num_rows, NUM_CHUNKS] the chunk partials, written by _rows_kernel
+    logits_ptr, logits_stride, draft_ids_ptr, cu_ptr, draft_probs_ptr, draft_probs_stride,
+    temperature_ptr, seeds_ptr, positions_ptr, rates_ptr, row_stats_ptr,  # as _rows_kernel's
     row_i_ptr, row_f_ptr,  # the rows' records, written by _rows_kernel
     race_f_ptr,  # [2, B, NUM_PROGRAMS] float32: the programs' best scores, residual masses
     race_i_ptr,  # [B, NUM_PROGRAMS] int32: their winners
@@ -347,7 +326,6 @@ def _finish_kernel(
     token_ids_ptr, token_ids_stride,  # [B, width] int32 (sampling: [B] int64)
     batch_size, num_rows, vocab_size, width, bonus_stream,
     NUM_PROGRAMS: tl.constexpr, NP_P2: tl.constexpr, RACE_CHUNK: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr, NC_P2: tl.constexpr, CHUNK: tl.constexpr,
     HAS_DRAFT_PROBS: tl.constexpr,
     BLOCK_SPAN: tl.constexpr, ROWS_P2: tl.constexpr, WIDTH_P2: tl.constexpr,
     BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, NB_P2: tl.constexpr,
@@ -369,7 +347,7 @@ def _finish_kernel(
         drafts = tl.load(draft_ids_ptr + draft_start + i, mask=i < num_drafts, other=-1)
     if PDL:  # launched early (programmatic dependent launch): the inputs above were ready;
         # what _rows_kernel wrote, and its counters, only once it has finished
-        _wait_for_primary()
+        gdc_wait()
     if c == 0:  # the row counters and the early word, zero for the next launch
         tl.store(sync_ptr + draft_start + req + i, 0, mask=i <= num_drafts)
         tl.store(sync_ptr + num_rows + req, 0)
@@ -379,17 +357,22 @@ def _finish_kernel(
     else:
         state = tl.load(row_i_ptr + (draft_start + req + i) * 2, mask=i <= num_drafts,
                         other=CANDIDATE)
-        final = tl.min(tl.where(state == CANDIDATE, i, ROWS_P2), axis=0)
+        final = tl.min(tl.where(state >= CANDIDATE, i, ROWS_P2), axis=0)
     row = draft_start + req + final
+    first = tl.load(row_i_ptr + row * 2 + 1)  # a greedy row's token, else a block's start
     if (temperature == 0.0) | ALL_GREEDY:
         if c == 0:
             _write_output(token_ids_ptr, token_ids_stride, draft_ids_ptr, draft_start, req,
-                          final, tl.load(row_i_ptr + row * 2 + 1), width, WIDTH_P2, NO_DRAFTS)
+                          final, first, width, WIDTH_P2, NO_DRAFTS)
     else:
-        p_first = tl.load(row_i_ptr + row * 2 + 1)  # the start of p's block
-        # the final row's draft if it was rejected, else -1
-        d = tl.max(tl.where(i == final, drafts, -1), axis=0).to(tl.int32)
+        d = tl.max(tl.where(i == final, drafts, -1), axis=0).to(tl.int32)  # -1: none
         stream = tl.where(d >= 0, RESIDUAL_STREAM, bonus_stream)
+        excluded = tl.full((), -1, tl.int32)
+        if tl.load(row_i_ptr + row * 2) == RESIDUAL:  # the final row's draft, rejected
+            excluded = d
+            if HAS_DRAFT_PROBS:  # races max(0, p - q) over the whole row, and falls back to
+                # p's block (``first``) when that is empty
+                excluded, first = first, -1
         m = tl.load(row_f_ptr + row * 2)
         s = tl.load(row_f_ptr + row * 2 + 1)
         kth, tau, s_p, floor, s3 = 0.0, 0.0, 1.0, 0.0, 1.0
@@ -397,24 +380,7 @@ def _finish_kernel(
             _, _, kth, tau, s_p, floor, s3 = _load_row_stats(row_stats_ptr + row * 8)
         row_ptr = logits_ptr + row * logits_stride
         position = position + final
-        first = p_first
-        excluded = tl.full((), -1, tl.int32)
-        if d >= 0:
-            if HAS_DRAFT_PROBS:  # a rejected row races max(0, p - q) over the whole row,
-                # and falls back to p's block when that is empty
-                first = -1
-                excluded = p_first
-            else:
-                first = _residual_block(
-                    row_ptr, part_f_ptr, row * NUM_CHUNKS, num_rows * NUM_CHUNKS, d,
-                    temperature, seed, position, m, s, kth, tau, s_p, floor, s3, vocab_size,
-                    NUM_CHUNKS, NC_P2, CHUNK, BLOCK, NUM_BLOCKS, NB_P2, MASKED, HAS_TOP_K,
-                    HAS_TOP_P, HAS_MIN_P)
-                excluded = tl.where(first >= 0, d, -1)
-                first = tl.where(first >= 0, first, p_first)
-        score = -1.0
-        idx = 0
-        mass = 0.0
+        score, idx, mass = -1.0, 0, 0.0
         if first >= 0:  # the chosen block, RACE_CHUNK tokens per program
             if c * RACE_CHUNK < BLOCK_SPAN:
                 score, idx = _exact_tile_winner(

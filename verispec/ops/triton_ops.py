@@ -23,14 +23,11 @@ import triton
 
 from verispec.ops import philox, sampling
 from verispec.ops.backend import Backend
-from verispec.ops.rejection import check_draft_token_ids
+from verispec.ops.rejection import check_draft_token_ids, check_inputs, check_rows
 from verispec.ops.triton_kernels import INTERPRET
 from verispec.ops.triton_kernels_masks import _mask_stats_kernel, _probs_kernel
-from verispec.ops.triton_kernels_rows import HAS_GDC, _finish_kernel, _rows_kernel
+from verispec.ops.triton_kernels_rows import _finish_kernel, _rows_kernel
 
-_LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_INT = (torch.int32, torch.int64)
-_FLOAT = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _MAX_CHUNK = 4096  # tokens per statistics chunk: 16 KB of float32 logits
 # tokens per program of the finishing race: of the chosen block (every token scored exactly;
 # 8 programs per 4096-token block), or of a rejected row's whole residual (full rule)
@@ -120,28 +117,11 @@ class _Launch:
                                           **self.constexprs)
         if not INTERPRET:  # [grid x, y, z, stream, function, metadata, no hooks] + arguments
             grid = (*self.grid, *(1,) * (3 - len(self.grid)))
-            head = [*grid, None, compiled.function, getattr(compiled, "packed_metadata", None),
-                    None, None, None]
+            head = [*grid, None, compiled.function, compiled.packed_metadata, None, None, None]
             self.template = head + [value.data_ptr() if isinstance(value, torch.Tensor)
                                     else value for value in self.template]
             self.slots = [len(head) + slot for slot in self.slots]
             self.run = compiled.run
-            if head[5] is None:  # a Triton without it: its own runner, given the stream
-                runner = compiled[grid]
-                self.run = lambda *full: runner(*full[len(head):], stream=full[3])
-
-
-def _check(name: str, t: torch.Tensor, shape: tuple, dtypes: tuple, device) -> None:
-    """``t`` has ``shape``, a dtype in ``dtypes``, lives on ``device`` and is contiguous along
-    its last dimension."""
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must be {list(shape)}, got {list(t.shape)}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device}, got {t.device}")
-    if t.numel() > 1 and shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous along its last dimension")
 
 
 def _as(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -151,9 +131,10 @@ def _as(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 def _signature(t: torch.Tensor | None, skip_rows: bool = False):
     """What a plan depends on in one input: everything Triton specializes on but the values
-    (``skip_rows``: but the first dimension, a row count the kernels read from the inputs)."""
-    if t is None:
-        return None
+    (``skip_rows``: but the first dimension, a row count the kernels read; not a tensor: its
+    type, in a key no plan can have, so the plan's checks name it)."""
+    if not isinstance(t, torch.Tensor):
+        return None if t is None else type(t)
     return (t.shape[1:] if skip_rows else t.shape), t.stride(), t.dtype, t.get_device(), \
         t.data_ptr() & 15
 
@@ -199,9 +180,8 @@ def _mask_warps(num_programs: int, device: torch.device) -> int:
 @functools.cache
 def _pdl(index: int) -> bool:
     """Whether the finish launch may start before the rows launch ends (programmatic dependent
-    launch: Hopper and later, a Triton with grid dependency control; not under the
-    interpreter)."""
-    if INTERPRET or index < 0 or not HAS_GDC:
+    launch: Hopper and later; not under the interpreter)."""
+    if INTERPRET or index < 0:
         return False
     return torch.cuda.get_device_capability(index)[0] >= 9
 
@@ -277,12 +257,10 @@ class _Plan:
         self.finish = _Launch(
             _finish_kernel, (batch_size, num_programs), 4,
             dict(NUM_PROGRAMS=num_programs, NP_P2=_p2(num_programs), RACE_CHUNK=race_chunk,
-                 NUM_CHUNKS=num_chunks, NC_P2=_p2(num_chunks), CHUNK=chunk,
                  HAS_DRAFT_PROBS=has_draft_probs, BLOCK_SPAN=block_span, ROWS_P2=rows_p2,
                  WIDTH_P2=_p2(rows_per_request), **blocks, **flags), launch_pdl=pdl,
             logits_stride=logits.stride(0), draft_probs_stride=draft_probs_stride,
-            row_stats_ptr=self.row_stats, part_f_ptr=self.part_f, row_i_ptr=row_i,
-            row_f_ptr=row_f, race_f_ptr=race_f,
+            row_stats_ptr=self.row_stats, row_i_ptr=row_i, row_f_ptr=row_f, race_f_ptr=race_f,
             race_i_ptr=race_i, sync_ptr=sync, token_ids_stride=out.stride(0) if out.dim() == 2
             else 1, batch_size=batch_size, num_rows=num_rows, vocab_size=vocab_size,
             width=out.shape[1] if out.dim() == 2 else 1, bonus_stream=bonus_stream)
@@ -337,8 +315,7 @@ def rejection_sample(
     inputs = (target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
               top_k, top_p, min_p, seeds, positions, synthetic_conditional_rates)
     stream = _stream(target_logits)
-    # one plan serves every draft count of a batch size (the rows are laid out for k + 1 per
-    # request), so a step whose drafts differ from the last one's compiles and plans nothing
+    # one plan serves every draft count of a batch size (rows laid out for k + 1 a request)
     num_draft_tokens = draft_token_ids.shape[0]
     key = (max_num_draft_tokens, all_greedy, sampling.SAMPLING_BLOCK, stream,
            num_draft_tokens == 0, _signature(target_logits, True),
@@ -351,13 +328,13 @@ def rejection_sample(
     if (target_logits.shape[0] != num_draft_tokens + batch_size
             or num_draft_tokens > batch_size * max_num_draft_tokens
             or (draft_probs is not None and draft_probs.shape[0] != num_draft_tokens)):
-        _check_rows(target_logits, draft_token_ids, draft_probs, batch_size,
-                    max_num_draft_tokens)
+        check_rows(target_logits, draft_token_ids, draft_probs, batch_size,
+                   max_num_draft_tokens, contiguous=True)
     if check_draft_ids:
         check_draft_token_ids(draft_token_ids, target_logits.shape[1])
-    if plan.batch_size == 0:
+    if batch_size == 0:
         return torch.empty(plan.out_shape, dtype=plan.out_dtype, device=target_logits.device)
-    if draft_token_ids.shape[0] == 0:  # keep a valid pointer; nothing is read from it
+    if num_draft_tokens == 0:  # keep a valid pointer; nothing is read from it
         draft_token_ids = cu_num_draft_tokens
     return plan(stream, target_logits, draft_token_ids, cu_num_draft_tokens,
                 target_logits if draft_probs is None else draft_probs, temperature,
@@ -366,56 +343,20 @@ def rejection_sample(
                 else _as(synthetic_conditional_rates, torch.float32))
 
 
-def _check_rows(target_logits, draft_token_ids, draft_probs, batch_size: int,
-                max_num_draft_tokens: int) -> None:
-    """The row counts of one call agree with each other and with the batch; raises if not."""
-    num_draft_tokens = draft_token_ids.shape[0]
-    if num_draft_tokens > batch_size * max_num_draft_tokens:
-        raise ValueError(
-            f"draft_token_ids has {num_draft_tokens} drafts, more than max_num_draft_tokens = "
-            f"{max_num_draft_tokens} for each of {batch_size} requests")
-    _check("target_logits", target_logits, (num_draft_tokens + batch_size,
-                                            target_logits.shape[-1]), _LOGITS_DTYPES,
-           target_logits.device)
-    if draft_probs is not None:
-        _check("draft_probs", draft_probs, (num_draft_tokens, target_logits.shape[-1]),
-               (torch.float32,), target_logits.device)
-
-
 def _verify_plan(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
                  top_k, top_p, min_p, seeds, positions, rates, max_num_draft_tokens: int,
                  all_greedy: bool) -> _Plan:
     """Check one kind of ``rejection_sample`` call and make its plan."""
+    check_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
+                 top_k, top_p, min_p, seeds, positions, max_num_draft_tokens, rates,
+                 contiguous=True)
     device = target_logits.device
     batch_size = cu_num_draft_tokens.shape[0] - 1
-    num_draft_tokens = draft_token_ids.shape[0]
-    _check_rows(target_logits, draft_token_ids, draft_probs, batch_size, max_num_draft_tokens)
-    _check("draft_token_ids", draft_token_ids, (num_draft_tokens,), _INT, device)
-    _check("cu_num_draft_tokens", cu_num_draft_tokens, (batch_size + 1,), _INT, device)
-    if rates is not None and (rates.dim() != 1 or rates.shape[0] < max_num_draft_tokens
-                              or rates.device != device or rates.dtype not in _FLOAT
-                              or (rates.shape[0] > 1 and rates.stride(0) != 1)):
-        raise ValueError(
-            f"synthetic_conditional_rates must be 1-D, contiguous, with >= "
-            f"{max_num_draft_tokens} floats on {device}, got {tuple(rates.shape)} "
-            f"{rates.dtype} on {rates.device}")
-    masks = _check_params(batch_size, device, temperature, top_k, top_p, min_p, seeds,
-                          positions, all_greedy)
+    masks = (None, None, None) if all_greedy else (top_k, top_p, min_p)
     out = torch.empty((batch_size, max_num_draft_tokens + 1), dtype=torch.int32, device=device)
-    return _Plan(target_logits, batch_size, max_num_draft_tokens + 1, num_draft_tokens, masks,
-                 draft_probs is not None, rates is not None, all_greedy, philox.SAMPLE_STREAM,
-                 0 if draft_probs is None else draft_probs.stride(0), out)
-
-
-def _check_params(batch_size, device, temperature, top_k, top_p, min_p, seeds, positions,
-                  all_greedy: bool) -> tuple:
-    """Check the per-request parameters; the masks that apply (None where off)."""
-    for name, t, dtypes in (("temperature", temperature, _FLOAT), ("top_k", top_k, _INT),
-                            ("top_p", top_p, _FLOAT), ("min_p", min_p, _FLOAT),
-                            ("seeds", seeds, _INT), ("positions", positions, _INT)):
-        if t is not None:
-            _check(name, t, (batch_size,), dtypes, device)
-    return (None, None, None) if all_greedy else (top_k, top_p, min_p)
+    return _Plan(target_logits, batch_size, max_num_draft_tokens + 1, draft_token_ids.shape[0],
+                 masks, draft_probs is not None, rates is not None, all_greedy,
+                 philox.SAMPLE_STREAM, 0 if draft_probs is None else draft_probs.stride(0), out)
 
 
 def sample(
@@ -448,10 +389,10 @@ def _sample(logits, temperature, top_k, top_p, min_p, seeds, positions, stream: 
            *map(_signature, inputs))
     plan = _PLANS.get(key)
     if plan is None:
-        num_rows = logits.shape[0] if logits.dim() == 2 else -1
-        _check("logits", logits, (num_rows, logits.shape[-1]), _LOGITS_DTYPES, logits.device)
-        masks = _check_params(num_rows, logits.device, temperature, top_k, top_p, min_p, seeds,
-                              positions, all_greedy)
+        num_rows = sampling.check_logits("logits", logits, contiguous=True)
+        sampling.check_params(num_rows, logits.device, temperature, top_k, top_p, min_p, seeds,
+                              positions, contiguous=True)
+        masks = (None, None, None) if all_greedy else (top_k, top_p, min_p)
         out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
         plan = _plan(key, lambda: _Plan(logits, num_rows, 1, None, masks, False, False,
                                         all_greedy, stream, 0, out))
