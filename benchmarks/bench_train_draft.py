@@ -1,6 +1,7 @@
 """How an EAGLE-3 head's held-out acceptance grows with its training data: ``train-draft`` over
 prompt counts, response lengths, response temperatures, epochs and seeds, for one choice of aux
-layers, each head scored offline on the ``free`` bench prompts (or 40 held-out prompts).
+layers, each head scored offline on the ``free`` bench prompts (or 40 held-out prompts, or 40
+built-in prompts of the training kind it did not train on, or 40 it trained on: one row each).
 
 The offline score runs the head's own training-time-test drafts (``verispec.train.eagle3``)
 over the target's responses to the held-out prompts. On greedy responses: at every response
@@ -16,6 +17,8 @@ and for a greedy one (E p(argmax q), the one-hot rule).
         --temperatures 0 0,0.7
     python benchmarks/bench_train_draft.py --device cuda --num-prompts 4500 --seeds 0 1 \
         --held-out all --aux-layers 2 15 27      # vLLM's default layers, against train-draft's
+    python benchmarks/bench_train_draft.py --device cuda --num-prompts 4500 --seeds 0 1 \
+        --held-out all builtin trained           # free-form prompts against the training kind
 """
 from __future__ import annotations
 
@@ -166,8 +169,11 @@ def main() -> None:
                         help="the target layers the heads read (default: train-draft's)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="train-draft seeds (initial weights and data order) per run")
-    parser.add_argument("--held-out", choices=["free", "all"], default="free",
-                        help="score on the 10 free bench prompts or on 40 (30 more)")
+    parser.add_argument("--held-out", choices=["free", "all", "builtin", "trained"], nargs="+",
+                        default=["free"],
+                        help="prompt sets each head is scored on: the 10 free bench prompts, 40 "
+                             "(30 more), the last 40 built-in prompts (of the training prompts' "
+                             "kind, none trained on), or the first 40 (trained on)")
     parser.add_argument("--workdir", default="/tmp/bench_train_draft")
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
@@ -179,14 +185,27 @@ def main() -> None:
               max_model_len=trainer._data_model_len(longest, model_dir), batch_invariant=False)
     aux_layers = tuple(args.aux_layers or trainer.aux_layer_ids(
         llm.model_config.num_hidden_layers))
-    prompts = list(FREE_PROMPTS) + (list(MORE_HELD_OUT) if args.held_out == "all" else [])
-    assert not set(prompts) & set(builtin_prompts()), "a held-out prompt is a training prompt"
-    held_out = generate_samples(llm, prompts, aux_layers, 128, 0.0, 0, 64)
-    held_out_sampled = generate_samples(llm, prompts, aux_layers, 128, 0.7, 0, 64)
+    builtin = builtin_prompts()
+    held_out_sets = {}
+    for name in args.held_out:
+        if name == "builtin":
+            prompts = builtin[-40:]
+            if max(args.num_prompts) > len(builtin) - 40:
+                raise SystemExit(f"--held-out builtin: --num-prompts must be <= "
+                                 f"{len(builtin) - 40} (the last 40 are held out)")
+        elif name == "trained":
+            prompts = builtin[:40]
+        else:
+            prompts = list(FREE_PROMPTS) + (list(MORE_HELD_OUT) if name == "all" else [])
+            assert not set(prompts) & set(builtin), "a held-out prompt is a training prompt"
+        held_out_sets[name] = (len(prompts),
+                               generate_samples(llm, prompts, aux_layers, 128, 0.0, 0, 64),
+                               generate_samples(llm, prompts, aux_layers, 128, 0.7, 0, 64))
     rows = []
-    print(f"aux layers {aux_layers}, held out: {len(prompts)} prompts")
-    print(f"{'prompts':>7} {'tokens':>6} {'temps':>7} {'epochs':>6} {'seed':>4} {'gen s':>6} "
-          f"{'train s':>7} {'accept len':>10} {'walk len':>8} {'per position':>20} "
+    print(f"aux layers {aux_layers}, held out: "
+          + ", ".join(f"{k} ({v[0]} prompts)" for k, v in held_out_sets.items()))
+    print(f"{'held out':>8} {'prompts':>7} {'tokens':>6} {'temps':>7} {'epochs':>6} {'seed':>4} "
+          f"{'gen s':>6} {'train s':>7} {'accept len':>10} {'walk len':>8} {'per position':>20} "
           f"{'T=0.7 len':>9} {'a0 sampled':>10} {'a0 greedy':>9}")
     for num_prompts, max_new_tokens, temps in itertools.product(
             args.num_prompts, args.max_new_tokens, args.temperatures):
@@ -214,21 +233,23 @@ def main() -> None:
                 os.makedirs(data_dir, exist_ok=True)
                 os.replace(os.path.join(out, trainer.DATA_FILE), data)
                 os.symlink(data, os.path.join(out, trainer.DATA_FILE))
-            result = score(out, llm, held_out, held_out_sampled)
             gen = summary["generate_seconds"]
-            rows.append(dict(num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-                             temperatures=list(temperature), epochs=epochs, seed=seed,
-                             aux_layers=list(aux_layers), held_out=len(prompts),
-                             generate_s=round(gen, 1), train_s=round(seconds - gen, 1),
-                             tokens=summary["tokens"],
-                             **{k: (np.round(v, 4).tolist() if isinstance(v, list)
-                                    else round(v, 4)) for k, v in result.items()}))
-            r = rows[-1]
-            print(f"{num_prompts:>7} {max_new_tokens:>6} {temps:>7} {epochs:>6} {seed:>4} "
-                  f"{r['generate_s']:>6.0f} {r['train_s']:>7.0f} {r['accept_len']:>10.3f} "
-                  f"{r['walk_len']:>8.3f} "
-                  f"{str([round(x, 2) for x in r['per_position']]):>20} {r['t07_len']:>9.3f} "
-                  f"{r['alpha_t07']:>10.3f} {r['alpha_t07_greedy_draft']:>9.3f}", flush=True)
+            for name, (num_held_out, held_out, held_out_sampled) in held_out_sets.items():
+                result = score(out, llm, held_out, held_out_sampled)
+                rows.append(dict(num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+                                 temperatures=list(temperature), epochs=epochs, seed=seed,
+                                 aux_layers=list(aux_layers), held_out=name,
+                                 held_out_prompts=num_held_out, generate_s=round(gen, 1),
+                                 train_s=round(seconds - gen, 1), tokens=summary["tokens"],
+                                 **{k: (np.round(v, 4).tolist() if isinstance(v, list)
+                                        else round(v, 4)) for k, v in result.items()}))
+                r = rows[-1]
+                print(f"{name:>8} {num_prompts:>7} {max_new_tokens:>6} {temps:>7} {epochs:>6} "
+                      f"{seed:>4} {r['generate_s']:>6.0f} {r['train_s']:>7.0f} "
+                      f"{r['accept_len']:>10.3f} {r['walk_len']:>8.3f} "
+                      f"{str([round(x, 2) for x in r['per_position']]):>20} "
+                      f"{r['t07_len']:>9.3f} {r['alpha_t07']:>10.3f} "
+                      f"{r['alpha_t07_greedy_draft']:>9.3f}", flush=True)
     print(json.dumps(dict(benchmark="train_draft", device=str(llm.device),
                           target=model_dir, results=rows)))
 
