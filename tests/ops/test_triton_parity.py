@@ -109,14 +109,16 @@ NUM_DRAFTS = [4, 0, 3, 4, 1, 2, 4, 0, 4, 3, 4, 1]
 
 @pytest.mark.parametrize("rule, cpu_vocab_size",
                          [("full", 300), ("one_hot", 37), ("synthetic", 100), ("one_hot", 300),
-                          ("full", 37)])
+                          ("full", 37), ("synthetic_full", 100)])
 def test_rejection_parity_rules(rule, cpu_vocab_size, device):
+    """Every rule; synthetic rates with the one-hot residual and (sampled drafts) the full
+    rule's."""
     vocab_size = _vocab_size(device, cpu_vocab_size)
     batch = make_batch(NUM_DRAFTS, vocab_size, device, seed=cpu_vocab_size)
     rates = None
-    if rule == "synthetic":
+    if rule.startswith("synthetic"):
         rates = torch.tensor([0.9, 0.6, 0.5, 0.3], device=device)
-    expected, actual = _run_both(batch, draft_probs=rule == "full", rates=rates)
+    expected, actual = _run_both(batch, draft_probs=rule.endswith("full"), rates=rates)
     _assert_same(expected, actual)
     assert all(_coverage(expected, NUM_DRAFTS)), "the batch must reach every path"
 
