@@ -185,7 +185,9 @@ def main() -> None:
               max_model_len=trainer._data_model_len(longest, model_dir), batch_invariant=False)
     aux_layers = tuple(args.aux_layers or trainer.aux_layer_ids(
         llm.model_config.num_hidden_layers))
-    builtin = builtin_prompts()
+    # train-draft's prompts are the built-in set shuffled with its seed; each tag's data is
+    # generated once, by the first seed's run, and reused by the others
+    builtin = builtin_prompts(args.seeds[0])
     held_out_sets = {}
     for name in args.held_out:
         if name == "builtin":

@@ -30,11 +30,11 @@ from verispec.ops.sampling import (
     FLOAT_DTYPES,
     INT_DTYPES,
     LOGITS_DTYPES,
+    _processed_probs,
     check_logits,
     check_params,
     check_tensor,
     first_argmax,
-    processed_probs,
     race,
 )
 
@@ -123,7 +123,7 @@ def rejection_sample(
     if all_greedy:
         probs = None
     else:
-        probs = processed_probs(
+        probs = _processed_probs(
             target_logits,
             temperature[row_req],
             None if top_k is None else top_k[row_req],

@@ -128,6 +128,11 @@ def processed_probs(
     [R, V] float32 probabilities, each row summing to 1 over its kept tokens.
     """
     check_params(check_logits("logits", logits), logits.device, temperature, top_k, top_p, min_p)
+    return _processed_probs(logits, temperature, top_k, top_p, min_p)
+
+
+def _processed_probs(logits, temperature, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+    """``processed_probs`` of inputs already checked (the ops' own calls)."""
     temperature = torch.where(temperature > 0, temperature, 1.0).to(torch.float32)
     z = logits.to(torch.float32) / temperature[:, None]
     if top_k is not None:
@@ -224,11 +229,11 @@ def sample(
         ids = greedy_ids.clone()
         if rows.numel():
             pick = [None if x is None else x[rows] for x in (top_k, top_p, min_p)]
-            probs = processed_probs(logits[rows], temperature[rows], *pick)
+            probs = _processed_probs(logits[rows], temperature[rows], *pick)
             ids[rows] = race(probs, seeds[rows], positions[rows],
                              stream[rows] if isinstance(stream, torch.Tensor) else stream)
         return ids
-    probs = processed_probs(logits, temperature, top_k, top_p, min_p)
+    probs = _processed_probs(logits, temperature, top_k, top_p, min_p)
     random_ids = race(probs, seeds, positions, stream)
     return torch.where(temperature == 0, greedy_ids, random_ids)
 
@@ -236,7 +241,7 @@ def sample(
 def draft_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """The proposer's distribution q: softmax(logits / T) in float32 (temperature only,
     REFERENCE §3). logits [R, V]; temperature [R] (0 treated as 1). Returns [R, V] float32."""
-    return processed_probs(logits, temperature)
+    return _processed_probs(logits, temperature)
 
 
 def sample_draft(
