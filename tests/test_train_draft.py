@@ -327,20 +327,20 @@ def _ttt_logits(head, tokens, aux, steps, response_start=None):
     j's [S - 1 - j, V_draft] rows of the positions t whose label t + 1 + j exists (from
     position ``response_start`` on, if given)."""
     captured = []
-    real = torch.nn.functional.log_softmax
+    real = recipe.soft_cross_entropy
 
-    def spy(x, dim=-1, **kw):
-        captured.append(x.detach().clone())
-        return real(x, dim=dim, **kw)
+    def spy(logits, target):
+        captured.append(logits.detach().clone())
+        return real(logits, target)
 
-    torch.nn.functional.log_softmax = spy
+    recipe.soft_cross_entropy = spy
     try:
         V = head.eagle.draft_vocab_size
         recipe.ttt_loss(head, tokens, aux, torch.zeros(1, tokens.shape[1], V),
                         torch.tensor([tokens.shape[1]]), steps,
                         None if response_start is None else torch.tensor([response_start]))
     finally:
-        torch.nn.functional.log_softmax = real
+        recipe.soft_cross_entropy = real
     return captured
 
 
@@ -391,3 +391,27 @@ def test_builtin_prompts_hold_out_the_free_bench_prompts():
     for subject in SUBJECTS:
         for word in held_out_subjects:
             assert not re.search(rf"\b{word}", subject.lower()), (subject, word)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_cross_entropy_matches_the_plain_formula(dtype):
+    """The chunked loss (rows over several chunks, one partial) equals -sum p log q with its
+    autograd gradient, and counts the rows whose argmaxes agree."""
+    g = torch.Generator().manual_seed(4)
+    rows = 2 * recipe.LOSS_CHUNK + 5
+    logits = (3 * torch.randn(rows, 50, generator=g)).to(dtype).requires_grad_(True)
+    target = (3 * torch.randn(rows, 50, generator=g)).to(dtype)
+    target[:7] = logits.detach()[:7]  # these rows agree
+    loss, agree = recipe.soft_cross_entropy(logits, target)
+    (2 * loss).backward()
+    mine = logits.grad.clone()
+    logits.grad = None
+    reference = -(torch.softmax(target.float(), -1)
+                  * torch.log_softmax(logits.float(), -1)).sum()
+    (2 * reference).backward()
+    torch.testing.assert_close(loss, reference.detach(), rtol=1e-5, atol=1e-4)
+    rtol = 1e-5 if dtype == torch.float32 else 1e-2  # (the gradient is rounded to dtype)
+    torch.testing.assert_close(mine.float(), logits.grad.float(), rtol=rtol, atol=1e-6)
+    assert mine.dtype == dtype
+    expected = int((logits.float().max(-1).indices == target.float().max(-1).indices).sum())
+    assert int(agree) == expected >= 7

@@ -30,6 +30,9 @@ from verispec.models.eagle import EagleHead
 from verispec.models.rope import apply_rope, rope_tables
 
 STEP_DECAY = 0.8
+# Rows of the loss computed at once: [32, V_draft] float32 temporaries stay in a core's cache
+# (the whole [N, V_draft] products would stream through memory several times a step)
+LOSS_CHUNK = 32
 
 
 def _rms(norm, x: torch.Tensor) -> torch.Tensor:
@@ -48,6 +51,47 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     with torch.autocast("cpu", enabled=False):
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                               scale=scale, enable_gqa=gqa)
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """Sum over rows of the cross-entropy of softmax(logits) against softmax(target), and the
+    number of rows whose argmaxes agree; [N, V] logits of any float dtype, computed in float32
+    over chunks of ``LOSS_CHUNK`` rows. The gradient is ``softmax(logits) - softmax(target)``,
+    recomputed chunk by chunk in the backward pass: nothing of size [N, V] is kept or built
+    beyond the gradient itself (a training step of the bundled model's head, 8 sequences, on a
+    2-core CPU: 0.44 -> 0.39 s)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor):
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        agree = torch.zeros((), dtype=torch.int64, device=logits.device)
+        for lo in range(0, logits.shape[0], LOSS_CHUNK):
+            mine, theirs = logits[lo:lo + LOSS_CHUNK].float(), target[lo:lo + LOSS_CHUNK].float()
+            p = torch.softmax(theirs, dim=-1)
+            # -sum p log q = logsumexp(logits) - sum p * logits, with sum p = 1
+            total += (torch.logsumexp(mine, dim=-1) - (p * mine).sum(-1)).sum()
+            agree += (mine.max(-1).indices == theirs.max(-1).indices).sum()
+        ctx.save_for_backward(logits, target)
+        ctx.mark_non_differentiable(agree)
+        return total, agree
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor, _grad_agree):
+        logits, target = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for lo in range(0, logits.shape[0], LOSS_CHUNK):
+            rows = slice(lo, lo + LOSS_CHUNK)
+            diff = (torch.softmax(logits[rows].float(), dim=-1)
+                    - torch.softmax(target[rows].float(), dim=-1))
+            grad[rows] = diff * grad_total
+        return grad, None
+
+
+def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor,
+                                                                             torch.Tensor]:
+    """(sum of the rows' cross-entropies of softmax(logits) against softmax(target), number of
+    rows whose argmaxes agree) for [N, V] ``logits`` and ``target`` logits."""
+    return _SoftCrossEntropy.apply(logits, target)
 
 
 def init_head(head: EagleHead, target_lm_head: torch.Tensor, draft_ids: torch.Tensor,
@@ -102,7 +146,7 @@ def ttt_loss(
     head: EagleHead,
     token_ids: torch.Tensor,  # [B, S] int64, padded
     aux: torch.Tensor,  # [B, S, D] the target's aux hidden states (D = fc input features)
-    target_logits: torch.Tensor,  # [B, S, V_draft] float32 target logits over the draft vocab
+    target_logits: torch.Tensor,  # [B, S, V_draft] target logits over the draft vocab (any float)
     lengths: torch.Tensor,  # [B] int64 valid tokens per row
     num_steps: int,
     response_start: torch.Tensor | None = None,  # [B] int64 first response token per row
@@ -130,8 +174,6 @@ def ttt_loss(
         first = max(0, min(int(response_start.min()), S) - num_steps)
     same = positions[:, None] == positions[None, :]
     causal = positions[:, None] >= positions[None, :]
-    target_p = torch.softmax(target_logits, dim=-1)
-    target_best = target_logits.max(-1).indices  # (max's indices: ~3x faster than argmax on CPU)
     keys, values = [], []
     total = torch.zeros((), device=device)
     step_losses, step_accs = [], []
@@ -167,12 +209,12 @@ def ttt_loss(
         rows, cols = valid.nonzero(as_tuple=True)
         labels = lo + cols + shift  # the label's position
         logits = F.linear(_rms(head.norm, out_hidden[rows, cols]), head.lm_head_weight)
-        p = target_p[rows, labels]  # [N, V_draft]: the target's p at position t + 1 + j
+        # against the target's distribution at position t + 1 + j
+        loss, agree = soft_cross_entropy(logits, target_logits[rows, labels])
         num_valid = max(1, rows.shape[0])
-        loss = -(p * F.log_softmax(logits, dim=-1)).sum() / num_valid
+        loss = loss / num_valid
         total = total + STEP_DECAY ** j * loss
         step_losses.append(float(loss.detach()))
-        step_accs.append(float((logits.max(-1).indices == target_best[rows, labels]).sum()
-                               / num_valid))
+        step_accs.append(float(agree) / num_valid)
         h = out_hidden
     return total, step_losses, step_accs

@@ -193,7 +193,7 @@ def _collate(samples: list[Sample], max_len: int, draft_head: torch.Tensor,
     aux = aux.float() if aux_scale is None else aux.float() / aux_scale
     # the labels' logits in draft_head's dtype (bfloat16 with amp: 41 -> 15 ms a step on a
     # 2-core CPU with AMX; the target's own bfloat16 LM head rounds its logits alike)
-    return tokens, aux, (final.to(draft_head.dtype) @ draft_head.T).float(), lengths, starts
+    return tokens, aux, final.to(draft_head.dtype) @ draft_head.T, lengths, starts
 
 
 def _feature_rms(samples: list[Sample]) -> torch.Tensor:
@@ -321,7 +321,10 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
         p.requires_grad_(True)
     steps_per_epoch = math.ceil(len(samples) / cfg.batch_size)
     total_steps = steps_per_epoch * cfg.epochs
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    # fused: one kernel for every parameter (on a 2-core CPU ~6x faster than the per-tensor
+    # loop, ~5 % of a training step)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0,
+                                  fused=True)
     warmup = max(1, min(cfg.warmup_steps, total_steps // 4))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
         (s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, total_steps))))))
