@@ -170,3 +170,39 @@ def test_first_argmax_is_torch_argmax():
             y = x.to(dtype)
             assert torch.equal(sampling.first_argmax(y), torch.argmax(y, dim=-1)), (rows, vocab,
                                                                                    dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 48])
+def test_tokens_do_not_depend_on_the_cpu_thread_count(rows):
+    """The torch backend samples small CPU logits on one thread (``backend.ONE_THREAD_ELEMENTS``)
+    and larger ones on every thread: a row's tokens are the same either way (these ops split
+    their work by rows), and the caller's thread count is restored."""
+    from verispec.ops import backend
+
+    V, k = 49152, 3
+    # one row and four run on one thread, 48 rows' verify logits on every thread
+    assert (rows * (k + 1) * V > backend.ONE_THREAD_ELEMENTS) == (rows == 48)
+    g = torch.Generator().manual_seed(rows)
+    logits = torch.randn(rows * (k + 1), V, generator=g) * 3
+    drafts = torch.randint(0, V, (rows * k,), generator=g)
+    cu = torch.arange(rows + 1) * k
+    q = torch.softmax(torch.randn(rows * k, V, generator=g), -1)
+    temps = torch.full((rows,), 0.8)
+    seeds, positions = torch.arange(rows) + 11, torch.arange(rows) + 30
+    threads = torch.get_num_threads()
+
+    def run():
+        return (ops.sample(logits[:rows], temps, None, None, None, seeds, positions),
+                ops.sample_draft(logits[:rows], temps, seeds, positions)[0],
+                ops.rejection_sample(logits, drafts, cu, q, temps, None, None, None, seeds,
+                                     positions, k))
+
+    both = run()
+    assert torch.get_num_threads() == threads
+    torch.set_num_threads(1)
+    try:
+        one = run()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(both, one):
+        assert torch.equal(a, b)

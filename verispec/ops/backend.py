@@ -58,15 +58,42 @@ def get_backend(device: torch.device | str) -> Backend:
     return load_backend(default_backend_name(device))
 
 
+# Logits of at most this many elements are sampled on a CPU by one thread. Each of the ~20
+# torch ops of a rejection step over [k + 1, V] rows opens an OpenMP parallel region, and with
+# passive workers (``verispec.cpu_threads``) each region waits for a worker to wake: B = 1,
+# k = 3 over the bundled model's 49 152 tokens took 2.2 ms on a 2-core VM, 1.1 ms on one
+# thread. These ops split their work by rows, never within one, so a row's bits do not depend
+# on the number of threads (tests/ops/test_sampling.py); a large batch keeps them all.
+ONE_THREAD_ELEMENTS = 1 << 21
+
+
+def _few_rows_on_one_thread(op: Callable) -> Callable:
+    """``op`` (its first argument the logits) on one thread for small CPU logits."""
+
+    @functools.wraps(op)
+    def run(logits: torch.Tensor, *args, **kwargs):
+        threads = torch.get_num_threads()
+        if (threads == 1 or not isinstance(logits, torch.Tensor)
+                or logits.device.type != "cpu" or logits.numel() > ONE_THREAD_ELEMENTS):
+            return op(logits, *args, **kwargs)
+        torch.set_num_threads(1)
+        try:
+            return op(logits, *args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
+
+
 def _torch_backend() -> Backend:
     from verispec.ops import rejection, sampling
 
     return Backend(
         name="torch",
-        processed_probs=sampling.processed_probs,
-        sample=sampling.sample,
-        sample_draft=sampling.sample_draft,
-        rejection_sample=rejection.rejection_sample,
+        processed_probs=_few_rows_on_one_thread(sampling.processed_probs),
+        sample=_few_rows_on_one_thread(sampling.sample),
+        sample_draft=_few_rows_on_one_thread(sampling.sample_draft),
+        rejection_sample=_few_rows_on_one_thread(rejection.rejection_sample),
     )
 
 

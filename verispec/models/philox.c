@@ -1,0 +1,38 @@
+/* Philox4x32-10 words for the CPU, the same words as verispec/ops/philox.py's rounds (and
+ * Triton's tl.randint4x): counter (c0, c1, 0, 0), key (seed_lo, seed_hi).
+ *
+ * Why: a race over one block of 4096 tokens needs 1024 Philox evaluations; numpy runs the ten
+ * rounds as ~80 array operations (~0.1 ms at any size up to a few thousand counters, most of it
+ * per-call overhead), this loop takes a few microseconds on the calling thread. Integer
+ * arithmetic only, so the words are those of the numpy and torch rounds bit for bit. Built and
+ * loaded by verispec/models/cpu_kernels.py.
+ */
+#include <stdint.h>
+
+#define KEY_A 0x9E3779B9u
+#define KEY_B 0xBB67AE85u
+#define ROUND_A 0xD2511F53u
+#define ROUND_B 0xCD9E8D57u
+
+/* seed, c0, c1: n int64 each (c0, c1 hold uint32 values; the seed's 64 bits are the key).
+ * out: [4, n] int64, word w of counter i at out[w * n + i]. */
+void philox4x32(const int64_t *seed, const int64_t *c0, const int64_t *c1, int64_t n,
+                int64_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t k0 = (uint32_t)(uint64_t)seed[i], k1 = (uint32_t)((uint64_t)seed[i] >> 32);
+        uint32_t x0 = (uint32_t)c0[i], x1 = (uint32_t)c1[i], x2 = 0, x3 = 0;
+        for (int r = 0; r < 10; r++) {
+            uint64_t prod_b = (uint64_t)ROUND_B * x2, prod_a = (uint64_t)ROUND_A * x0;
+            x0 = (uint32_t)(prod_b >> 32) ^ x1 ^ k0;
+            x2 = (uint32_t)(prod_a >> 32) ^ x3 ^ k1;
+            x1 = (uint32_t)prod_b;
+            x3 = (uint32_t)prod_a;
+            k0 += KEY_A;
+            k1 += KEY_B;
+        }
+        out[i] = x0;
+        out[n + i] = x1;
+        out[2 * n + i] = x2;
+        out[3 * n + i] = x3;
+    }
+}
