@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,17 +69,19 @@ ONE_THREAD_ELEMENTS = 1 << 21
 
 
 def _few_rows_on_one_thread(op: Callable) -> Callable:
-    """``op`` (its first argument the logits) on one thread for small CPU logits."""
+    """``op`` (its first parameter the logits) on one thread for small CPU logits."""
+    first = next(iter(inspect.signature(op).parameters))
 
     @functools.wraps(op)
-    def run(logits: torch.Tensor, *args, **kwargs):
+    def run(*args, **kwargs):
+        logits = args[0] if args else kwargs.get(first)
         threads = torch.get_num_threads()
         if (threads == 1 or not isinstance(logits, torch.Tensor)
                 or logits.device.type != "cpu" or logits.numel() > ONE_THREAD_ELEMENTS):
-            return op(logits, *args, **kwargs)
+            return op(*args, **kwargs)
         torch.set_num_threads(1)
         try:
-            return op(logits, *args, **kwargs)
+            return op(*args, **kwargs)
         finally:
             torch.set_num_threads(threads)
 
