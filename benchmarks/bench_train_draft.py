@@ -101,7 +101,7 @@ def ttt_logits(head, sample, k: int, device) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def score(head_dir: str, llm, greedy_samples, sampled_samples, k: int = 3,
-          temperature: float = 0.7) -> dict:
+          temperature: float = 0.7, scales: tuple[float, ...] = (1.0,)) -> dict:
     """Offline acceptance of a head on recorded responses (see the module docstring)."""
     target = llm.loaded.model
     head = load_eagle_head(head_dir, "eagle3", target, torch.float32, llm.device)
@@ -128,30 +128,35 @@ def score(head_dir: str, llm, greedy_samples, sampled_samples, k: int = 3,
             walk += chain[t]
             walks += 1
             t += chain[t] + 1
-    length, alpha, alpha_greedy, n = 0.0, 0.0, 0.0, 0
+    # the sampled drafts' q at temperature * scale for each scale (1: the request's own)
+    length = np.zeros(len(scales))
+    alpha, alpha_greedy, n = 0.0, 0.0, 0
     for s in sampled_samples:
         lo, hi = s.response_start - 1, len(s.token_ids) - 2 - k  # chains of k drafts
         if hi <= lo:
             continue
         logits = ttt_logits(head, s, k, llm.device)
         final = s.final.float().to(llm.device)
-        chain, alive = torch.ones(hi - lo, device=llm.device), 1.0
-        for j in range(k):
-            p = torch.softmax(final[lo + 1 + j:hi + 1 + j] @ lm_head.T / temperature, -1)
-            q = torch.zeros_like(p)
-            q[:, d2t if d2t is not None else slice(None)] = torch.softmax(
-                logits[j][lo:hi] / temperature, -1)
-            a = torch.minimum(p, q).sum(-1)
-            if j == 0:
-                alpha += float(a.sum())
-                alpha_greedy += float(p.gather(1, q.argmax(-1, keepdim=True)).sum())
-            alive = alive * a
-            chain += alive
-        length += float(chain.sum())
+        for i, scale in enumerate(scales):
+            chain, alive = torch.ones(hi - lo, device=llm.device), 1.0
+            for j in range(k):
+                p = torch.softmax(final[lo + 1 + j:hi + 1 + j] @ lm_head.T / temperature, -1)
+                q = torch.zeros_like(p)
+                q[:, d2t if d2t is not None else slice(None)] = torch.softmax(
+                    logits[j][lo:hi] / (temperature * scale), -1)
+                a = torch.minimum(p, q).sum(-1)
+                if j == 0 and i == 0:
+                    alpha += float(a.sum())
+                    alpha_greedy += float(p.gather(1, q.argmax(-1, keepdim=True)).sum())
+                alive = alive * a
+                chain += alive
+            length[i] += float(chain.sum())
         n += hi - lo
+    extra = {} if len(scales) == 1 else {"t07_len_by_draft_temperature_scale": dict(
+        zip(map(str, scales), (length / n).round(4).tolist()))}
     return {"accept_len": 1 + accepted / chains, "walk_len": 1 + walk / max(1, walks),
-            "per_position": (per_position / chains).tolist(), "t07_len": length / n,
-            "alpha_t07": alpha / n, "alpha_t07_greedy_draft": alpha_greedy / n}
+            "per_position": (per_position / chains).tolist(), "t07_len": length[0] / n,
+            "alpha_t07": alpha / n, "alpha_t07_greedy_draft": alpha_greedy / n, **extra}
 
 
 def main() -> None:
@@ -173,6 +178,9 @@ def main() -> None:
                         help="prompt sets each head is scored on: the 10 free bench prompts, 40 "
                              "(30 more), the last 40 built-in prompts (of the training prompts' "
                              "kind, none trained on), or the first 40 (trained on)")
+    parser.add_argument("--draft-temperature-scales", type=float, nargs="+", default=[1.0],
+                        help="also score sampled drafts whose q is at 0.7 x each scale (the "
+                             "first is the reported T=0.7 len; more add a column)")
     parser.add_argument("--workdir", default="/tmp/bench_train_draft")
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
@@ -236,21 +244,25 @@ def main() -> None:
                 os.symlink(data, os.path.join(out, trainer.DATA_FILE))
             gen = summary["generate_seconds"]
             for name, (num_held_out, held_out, held_out_sampled) in held_out_sets.items():
-                result = score(out, llm, held_out, held_out_sampled)
+                result = score(out, llm, held_out, held_out_sampled,
+                               scales=tuple(args.draft_temperature_scales))
                 rows.append(dict(num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                                  temperatures=list(temperature), epochs=epochs, seed=seed,
                                  aux_layers=list(aux_layers), held_out=name,
                                  held_out_prompts=num_held_out, generate_s=round(gen, 1),
                                  train_s=round(seconds - gen, 1), tokens=summary["tokens"],
                                  **{k: (np.round(v, 4).tolist() if isinstance(v, list)
-                                        else round(v, 4)) for k, v in result.items()}))
+                                        else v if isinstance(v, dict) else round(v, 4))
+                                    for k, v in result.items()}))
                 r = rows[-1]
                 print(f"{name:>8} {num_prompts:>7} {max_new_tokens:>6} {temps:>7} {epochs:>6} "
                       f"{seed:>4} {r['generate_s']:>6.0f} {r['train_s']:>7.0f} "
                       f"{r['accept_len']:>10.3f} {r['walk_len']:>8.3f} "
                       f"{str([round(x, 2) for x in r['per_position']]):>20} "
                       f"{r['t07_len']:>9.3f} {r['alpha_t07']:>10.3f} "
-                      f"{r['alpha_t07_greedy_draft']:>9.3f}", flush=True)
+                      f"{r['alpha_t07_greedy_draft']:>9.3f}"
+                      + (f"  by scale {r['t07_len_by_draft_temperature_scale']}"
+                         if len(args.draft_temperature_scales) > 1 else ""), flush=True)
     print(json.dumps(dict(benchmark="train_draft", device=str(llm.device),
                           target=model_dir, results=rows)))
 

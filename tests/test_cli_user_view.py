@@ -86,3 +86,18 @@ def test_generate_prints_the_metrics_line(tmp_path, capsys):
     assert status == 0
     err = capsys.readouterr().err
     assert "tokens/s" in err and "SpecDecoding metrics: Mean acceptance length:" in err
+
+
+def test_train_draft_command_spins():
+    """``verispec train-draft`` (a run that keeps every core busy) gets spinning workers; other
+    commands, and programs that are not the verispec command, passive ones."""
+    from verispec.cpu_threads import _policy
+
+    assert _policy(["/usr/bin/verispec", "train-draft", "--output-dir", "x"]) == "ACTIVE"
+    assert _policy(["verispec", "bench", "--prompts", "free"]) == "PASSIVE"
+    assert _policy(["app.py", "train-draft"]) == "PASSIVE"
+    assert _policy([]) == "PASSIVE"
+    script = ("import sys; sys.argv = ['verispec', 'train-draft']; import verispec, torch; "
+              "torch.ones(1 << 20).sum()")
+    shown = run_python(script, OMP_DISPLAY_ENV="TRUE").stderr
+    assert "OMP_WAIT_POLICY = 'ACTIVE'" in shown

@@ -176,8 +176,8 @@ class EagleProposer(ModelProposer):
             return (ids if self.draft_to_target is None else self.draft_to_target[ids]), None
         # sampled over the draft vocabulary (a sample of q, which is zero outside the head's
         # map), then q scattered onto the target vocabulary for the full rule: a race over
-        # 8192 tokens instead of the target's whole vocabulary (on a 2-core CPU ~0.85 -> xx ms
-        # a draft for the bundled model's head)
+        # the draft vocabulary instead of the target's (the bundled model's head on a 2-core
+        # CPU: 8192 tokens, not 49 152; 0.9 -> 0.3 ms a draft)
         ids, q = ops.sample_draft(logits, temperature, seeds, positions)
         if self.draft_to_target is None:
             return ids, q
