@@ -358,7 +358,7 @@ TRAIN_DRAFT_HELP = {
     "model": "target: local HF directory or .gguf file (default: the bundled model)",
     "prompts": 'JSONL file of {"prompt": ...} or {"messages": [...]} lines (default: the '
                "built-in set)",
-    "num_prompts": "use the first N prompts of the set (default: all of a --prompts file, 4500 "
+    "num_prompts": "use the first N prompts of the set (default: all of a --prompts file, 5500 "
                    "of the 6400 built-in ones)",
     "max_new_tokens": "tokens generated per response",
     "temperature": "temperatures of the generated responses, taken in turn over the prompts "

@@ -3,7 +3,7 @@
 1. **Data**: the engine generates a response to every prompt and keeps the hidden states its
    steps compute (``verispec.train.data``); the responses alternate between greedy and sampled
    at 0.7 (``temperature``). Kept in ``<output_dir>/data.pt``, so a resumed run does not
-   generate again. The defaults (4500 of the 6400 built-in prompts x 96 tokens, 256 at once,
+   generate again. The defaults (5500 of the 6400 built-in prompts x 96 tokens, 256 at once,
    three epochs) fit the whole run in under 30 minutes on a 2-core CPU for the bundled model
    (docs/benchmarks.md): more prompts raise held-out acceptance as much as more epochs.
    The hidden states are those entering layers ``aux_layer_ids`` (L // 2, between it and the
@@ -57,7 +57,7 @@ from verispec.train.eagle3 import init_head, trainable_parameters, ttt_loss
 
 logger = logging.getLogger("verispec")
 STATE_FILE = "trainer_state.pt"
-BUILTIN_PROMPTS = 4500  # of the 6400: what fits the 30-minute CPU run (docs/benchmarks.md)
+BUILTIN_PROMPTS = 5500  # of the 6400: what fits the 30-minute CPU run (docs/benchmarks.md)
 DATA_FILE = "data.pt"
 
 
