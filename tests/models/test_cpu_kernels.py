@@ -269,3 +269,31 @@ def test_philox_words_are_the_numpy_and_torch_rounds():
             assert mine.dtype == torch.int64 and mine.shape == theirs.shape
             assert torch.equal(mine, theirs)
             assert np.array_equal(mine.numpy(), np.asarray(numpy_words, dtype=np.int64))
+
+
+@needs_kernel
+def test_philox_uniforms_are_the_torch_uniforms(monkeypatch):
+    """The compiled uniforms (every draw of ``verispec.ops.philox`` on this CPU) are the bits of
+    the torch path (``_nonzero(uint_to_uniform(words))``), over 400 000 random offsets and
+    seeds of every sign, for each function that draws: per-token noise, a block of it, noise at
+    chosen indices, and the scalar acceptance uniforms."""
+    from verispec.ops import philox
+
+    g = torch.Generator().manual_seed(1)
+    seeds = torch.tensor([0, 1, -7, 2**63 - 1, -(2**63), 0x1234_5678_9ABC_DEF0, 99, 5])
+    positions = torch.randint(0, 2**40, (8,), generator=g)
+    index = torch.randint(0, 2**31, (8, 600), generator=g)
+    starts = torch.randint(0, 2**20, (8,), generator=g) * 4
+    stream = torch.tensor([0, 1, 2, 3, 3, 2, 1, 0])
+
+    def draws():
+        return (philox.vocab_uniform(seeds, positions, stream, 50001),
+                philox.exponential_block(seeds, positions, 2, starts, 4096),
+                philox.exponential_at(seeds, positions, stream, index),
+                philox.uniform(seeds, positions, 1), philox.uniform(seeds, positions, 3, 6))
+
+    compiled = draws()
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    for mine, theirs in zip(compiled, draws()):
+        assert mine.dtype == theirs.dtype == torch.float32 and mine.shape == theirs.shape
+        assert torch.equal(mine, theirs)

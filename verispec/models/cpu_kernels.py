@@ -157,6 +157,8 @@ def _library() -> ctypes.CDLL | None:
         + [ptr, ctypes.c_int, ctypes.c_float, ctypes.c_int])
     library.philox4x32.restype = None
     library.philox4x32.argtypes = [ptr] * 3 + [i64, ptr]
+    library.philox_uniform.restype = None
+    library.philox_uniform.argtypes = [ptr] * 4 + [i64, ptr]
     return library
 
 
@@ -255,6 +257,27 @@ def philox4x32(seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor
         _library().philox4x32(seed.data_ptr(), c0.data_ptr(), c1.data_ptr(), seed.numel(),
                               out.data_ptr())
     return out.unbind(0)
+
+
+def philox_uniform(seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor,
+                   word: torch.Tensor | None = None) -> torch.Tensor:
+    """``verispec.ops.philox``'s uniforms (float32 in (0, 1)) of counters ``(c0, c1, 0, 0)``
+    under key ``seed`` (broadcastable int64 CPU tensors, shape S): with ``word`` (int64, 0..3,
+    broadcastable) that word's, shape S; without, all four, shape [*S[:-1], 4 * S[-1]] (counter
+    i's word w at 4 i + w, the vocabulary layout). Only where ``available()``."""
+    tensors = (seed, c0, c1) if word is None else (seed, c0, c1, word)
+    tensors = [t.contiguous() for t in torch.broadcast_tensors(*tensors)]
+    shape = tensors[0].shape
+    if word is None:
+        out = torch.empty((*shape[:-1], 4 * shape[-1]) if shape else (4,), dtype=torch.float32)
+    else:
+        out = torch.empty(shape, dtype=torch.float32)
+    if tensors[0].numel():
+        _library().philox_uniform(tensors[0].data_ptr(), tensors[1].data_ptr(),
+                                  tensors[2].data_ptr(),
+                                  None if word is None else tensors[3].data_ptr(),
+                                  tensors[0].numel(), out.data_ptr())
+    return out
 
 
 def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
