@@ -28,8 +28,9 @@ q (``cache_attention``).
 RMS norm (``rms_norm.c``): torch's fused CPU layer norm opens a parallel region for every call
 of more than one row; the kernel normalises a step's few rows on the calling thread.
 
-Philox (``philox.c``): the counter-based generator's ten rounds for the sampling noise
-(``verispec.ops.philox``), in a loop instead of numpy's ~80 array operations a call.
+Philox (``philox.c``): the counter-based generator's ten rounds and the uniforms made of their
+words for the sampling noise (``verispec.ops.philox``), in a loop instead of ~90 numpy and torch
+array operations a draw.
 
 The C files are compiled on first use with the system C compiler (``cc -O3 -mavx2 -mfma
 -fopenmp``, a few seconds, one log line) into ``$VERISPEC_CACHE/kernels`` (default
@@ -155,8 +156,6 @@ def _library() -> ctypes.CDLL | None:
     library.cache_attention.argtypes = (
         [ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr] + [i64] * 7
         + [ptr, ctypes.c_int, ctypes.c_float, ctypes.c_int])
-    library.philox4x32.restype = None
-    library.philox4x32.argtypes = [ptr] * 3 + [i64, ptr]
     library.philox_uniform.restype = None
     library.philox_uniform.argtypes = [ptr] * 4 + [i64, ptr]
     return library
@@ -244,19 +243,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
                             x.dtype == torch.bfloat16, x.numel() // n, n, eps,
                             torch.get_num_threads())
     return y
-
-
-def philox4x32(seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor
-               ) -> tuple[torch.Tensor, ...]:
-    """The four Philox4x32-10 words (int64 tensors holding uint32 values) of counters ``(c0,
-    c1, 0, 0)`` under key ``seed``, for broadcastable int64 CPU tensors; only where
-    ``available()``. The words of ``verispec.ops.philox.philox4x32``, on the calling thread."""
-    seed, c0, c1 = (t.contiguous() for t in torch.broadcast_tensors(seed, c0, c1))
-    out = torch.empty((4, *seed.shape), dtype=torch.int64)
-    if seed.numel():
-        _library().philox4x32(seed.data_ptr(), c0.data_ptr(), c1.data_ptr(), seed.numel(),
-                              out.data_ptr())
-    return out.unbind(0)
 
 
 def philox_uniform(seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor,

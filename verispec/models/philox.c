@@ -1,10 +1,12 @@
-/* Philox4x32-10 words for the CPU, the same words as verispec/ops/philox.py's rounds (and
- * Triton's tl.randint4x): counter (c0, c1, 0, 0), key (seed_lo, seed_hi).
+/* Philox4x32-10 uniforms for the CPU: the words of verispec/ops/philox.py's rounds (and of
+ * Triton's tl.randint4x; counter (c0, c1, 0, 0), key (seed_lo, seed_hi)) made uniform as
+ * philox.py makes them.
  *
  * Why: a race over one block of 4096 tokens needs 1024 Philox evaluations; numpy runs the ten
  * rounds as ~80 array operations (~0.1 ms at any size up to a few thousand counters, most of it
- * per-call overhead), this loop takes a few microseconds on the calling thread. Integer
- * arithmetic only, so the words are those of the numpy and torch rounds bit for bit. Built and
+ * per-call overhead, and torch ~10 more to make uniforms), this loop takes a few microseconds on
+ * the calling thread. The rounds are integer arithmetic, so the words are those of the numpy and
+ * torch rounds bit for bit; uniform_of makes them uniform with torch's roundings. Built and
  * loaded by verispec/models/cpu_kernels.py.
  */
 #include <stddef.h>
@@ -45,17 +47,7 @@ static inline float uniform_of(uint32_t w) {
 }
 
 /* seed, c0, c1: n int64 each (c0, c1 hold uint32 values; the seed's 64 bits are the key).
- * out: [4, n] int64, word w of counter i at out[w * n + i]. */
-void philox4x32(const int64_t *seed, const int64_t *c0, const int64_t *c1, int64_t n,
-                int64_t *out) {
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t x[4];
-        rounds(seed[i], c0[i], c1[i], x);
-        for (int w = 0; w < 4; w++) out[w * n + i] = x[w];
-    }
-}
-
-/* The uniforms of counters i < n: with word == NULL all four, out[4 * i + w] (the vocabulary
+ * The uniforms of counters i < n: with word == NULL all four, out[4 * i + w] (the vocabulary
  * layout: index 4 i + w); else the one word[i] (0..3), out[i]. */
 void philox_uniform(const int64_t *seed, const int64_t *c0, const int64_t *c1,
                     const int64_t *word, int64_t n, float *out) {

@@ -14,8 +14,8 @@ four consecutive vocabulary indices, so noise over V costs V / 4 evaluations. ``
 absolute token position that the draw decides.
 
 All arithmetic is on int64 tensors holding uint32 values, so it runs on any device torch runs on;
-on the CPU the same rounds run compiled (``verispec.models.cpu_kernels``), or in numpy's uint64
-where the kernels are not built.
+on the CPU the same rounds run in numpy's uint64 (faster there), and the draws' uniforms come
+from the compiled rounds (``verispec.models.cpu_kernels``) where those are built.
 """
 
 from __future__ import annotations
@@ -58,10 +58,6 @@ def philox4x32(
     Four int64 tensors holding uint32 words, the same as Triton's ``tl.randint4x``.
     """
     if seed.device.type == "cpu":
-        from verispec.models import cpu_kernels  # (the models import ops)
-
-        if cpu_kernels.available():  # the same rounds compiled: a few us instead of ~100
-            return cpu_kernels.philox4x32(seed, c0, c1)
         # Same rounds in numpy's native uint64: about 2x faster than torch's int64 on CPU.
         words = _philox_rounds(
             seed.numpy().astype(np.uint64), c0.numpy().astype(np.uint64),
