@@ -272,3 +272,38 @@ def test_philox_uniforms_are_the_torch_uniforms(monkeypatch):
     for mine, theirs in zip(compiled, draws()):
         assert mine.dtype == theirs.dtype == torch.float32 and mine.shape == theirs.shape
         assert torch.equal(mine, theirs)
+
+
+@needs_kernel
+def test_compiled_race_draws_the_torch_race_tokens():
+    """The compiled exponential race (``sampling.race`` on this CPU) picks the tokens of the
+    torch race (``sampling.torch_race``, the kernels' twin) over vocabularies below, at and
+    above one block, a partial last block, rows of zeros but one, sparse and peaked weights,
+    NaN weights (the first NaN wins, as torch.max), strided rows, seeds of every sign, far
+    positions and a stream per row: 5 000 draws, the same tokens."""
+    from verispec.ops import sampling
+
+    g = torch.Generator().manual_seed(7)
+    block = sampling.SAMPLING_BLOCK
+    checked = 0
+    for vocab_size in (1, 5, 4095, block, block + 1, 2 * block, 12001, 12 * block):
+        for trial in range(10):
+            rows = 100 if vocab_size < block else 40
+            logits = torch.randn(rows, vocab_size + 3, generator=g) * (0.3 + 2 * (trial % 4))
+            weights = torch.softmax(logits, -1)[:, :vocab_size]  # strided rows
+            if trial % 5 == 1:
+                weights = weights.masked_fill(torch.rand(weights.shape, generator=g) < 0.9, 0)
+            if trial % 5 == 2:
+                weights = torch.zeros_like(weights)
+                weights[:, -1] = 1.0
+            if trial % 5 == 3:
+                weights = weights.clone()
+                weights[0, vocab_size // 2] = float("nan")
+            seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=g)
+            positions = torch.randint(0, 2**40, (rows,), generator=g)
+            stream = torch.randint(0, 4, (rows,), generator=g) if trial % 2 else 3
+            mine = sampling.race(weights, seeds, positions, stream)
+            theirs = sampling.torch_race(weights, seeds, positions, stream)
+            assert mine.dtype == torch.int64 and torch.equal(mine, theirs), (vocab_size, trial)
+            checked += rows
+    assert checked == 5000

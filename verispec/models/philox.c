@@ -1,6 +1,6 @@
 /* Philox4x32-10 uniforms for the CPU: the words of verispec/ops/philox.py's rounds (and of
  * Triton's tl.randint4x; counter (c0, c1, 0, 0), key (seed_lo, seed_hi)) made uniform as
- * philox.py makes them.
+ * philox.py makes them; and the exponential race of verispec/ops/sampling.py (race_rows).
  *
  * Why: a race over one block of 4096 tokens needs 1024 Philox evaluations; numpy runs the ten
  * rounds as ~80 array operations (~0.1 ms at any size up to a few thousand counters, most of it
@@ -9,8 +9,11 @@
  * torch rounds bit for bit; uniform_of makes them uniform with torch's roundings. Built and
  * loaded by verispec/models/cpu_kernels.py.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#include "cpu_kernels.h"
 
 #define KEY_A 0x9E3779B9u
 #define KEY_B 0xBB67AE85u
@@ -18,6 +21,9 @@
 #define ROUND_B 0xCD9E8D57u
 #define UNIFORM_SCALE 4.6566127342e-10f
 #define MIN_UNIFORM 2.3283064e-10f
+#define NUM_STREAMS 4
+/* A race over this many weights or more opens a parallel region over its rows. */
+#define PARALLEL_ELEMENTS 1048576
 
 static inline void rounds(int64_t seed, int64_t c0, int64_t c1, uint32_t x[4]) {
     uint32_t k0 = (uint32_t)(uint64_t)seed, k1 = (uint32_t)((uint64_t)seed >> 32);
@@ -58,5 +64,91 @@ void philox_uniform(const int64_t *seed, const int64_t *c0, const int64_t *c1,
             for (int w = 0; w < 4; w++) out[4 * i + w] = uniform_of(x[w]);
         else
             out[i] = uniform_of(x[word[i] & 3]);
+    }
+}
+
+/* ---------------------------------------------------------------- the exponential race */
+
+/* Philox counter (c0, c1) of draw (position, stream, index >> 2), as philox.make_offset. */
+static inline void draw_words(int64_t seed, int64_t position, int64_t stream, int64_t counter,
+                              uint32_t x[4]) {
+    uint64_t offset = ((uint64_t)(position * NUM_STREAMS + stream) << 32) | (uint64_t)counter;
+    rounds(seed, (int64_t)(offset & 0xFFFFFFFFu), (int64_t)(offset >> 32), x);
+}
+
+/* Exp(1) noise E = -log u of draw (seed, position, stream, index). */
+static inline float noise_at(int64_t seed, int64_t position, int64_t stream, int64_t index) {
+    uint32_t x[4];
+    draw_words(seed, position, stream, index >> 2, x);
+    return -logf(uniform_of(x[index & 3]));
+}
+
+/* s beats best in torch.max's order: larger, or the first NaN (which nothing beats after). */
+static inline int beats(float s, float best) { return s > best || (s != s && best == best); }
+
+/* argmax over tokens start .. start + n - 1 (start a multiple of 4) of w[v] / E_v, the first
+ * index of the maximum; w points at token start. Returns the index relative to start. */
+static int64_t race_span(const float *w, int64_t start, int64_t n, int64_t seed,
+                         int64_t position, int64_t stream) {
+    float best = 0.0f;
+    int64_t arg = 0;
+    for (int64_t i = 0; i < n; i += 4) {
+        uint32_t x[4];
+        draw_words(seed, position, stream, (start + i) >> 2, x);
+        for (int j = 0; j < 4 && i + j < n; j++) {
+            float score = w[i + j] / -logf(uniform_of(x[j]));
+            if (i + j == 0 || beats(score, best)) {
+                best = score;
+                arg = i + j;
+            }
+        }
+    }
+    return arg;
+}
+
+static float sum_floats(const float *x, int64_t n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm256_add_ps(a0, _mm256_loadu_ps(x + i));
+        a1 = _mm256_add_ps(a1, _mm256_loadu_ps(x + i + 8));
+        a2 = _mm256_add_ps(a2, _mm256_loadu_ps(x + i + 16));
+        a3 = _mm256_add_ps(a3, _mm256_loadu_ps(x + i + 24));
+    }
+    float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < n; i++) s += x[i];
+    return s;
+}
+
+/* sampling.race for each of `rows` rows of `vocab` non-negative float32 weights (row r at
+ * w + r * row_stride): the token argmax_v w_v / E_v; over more than `block` tokens in two
+ * levels, block c chosen by its total weight over the noise of draw block_noise_index + c, then
+ * the token within it. The same draws as the torch race; the logarithm (libm's) and the blocks'
+ * sums (eight lanes) may round differently from torch's in the last bit. Rows are independent
+ * (a row's token does not depend on the number of threads). */
+void race_rows(const float *w, int64_t rows, int64_t vocab, int64_t row_stride,
+               const int64_t *seed, const int64_t *position, const int64_t *stream,
+               int64_t block, int64_t block_noise_index, int64_t *out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * vocab >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = w + r * row_stride;
+        if (vocab <= block) {
+            out[r] = race_span(row, 0, vocab, seed[r], position[r], stream[r]);
+            continue;
+        }
+        int64_t num_blocks = (vocab + block - 1) / block, chosen = 0;
+        float best = 0.0f;
+        for (int64_t c = 0; c < num_blocks; c++) {
+            int64_t n = vocab - c * block < block ? vocab - c * block : block;
+            float score = sum_floats(row + c * block, n) /
+                          noise_at(seed[r], position[r], stream[r], block_noise_index + c);
+            if (c == 0 || beats(score, best)) {
+                best = score;
+                chosen = c;
+            }
+        }
+        int64_t start = chosen * block;
+        int64_t n = vocab - start < block ? vocab - start : block;
+        out[r] = start + race_span(row + start, start, n, seed[r], position[r], stream[r]);
     }
 }

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from verispec.ops.backend import Backend, get_backend, register_backend
+from verispec.ops.backend import (
+    Backend,
+    few_rows_on_one_thread,
+    get_backend,
+    register_backend,
+)
 from verispec.ops.philox import ACCEPT_STREAM, DRAFT_STREAM, RESIDUAL_STREAM, SAMPLE_STREAM
 from verispec.ops.rejection import PLACEHOLDER_TOKEN_ID, num_output_tokens
 
@@ -52,6 +57,7 @@ __all__ = [
     "RESIDUAL_STREAM",
     "SAMPLE_STREAM",
     "Backend",
+    "few_rows_on_one_thread",
     "get_backend",
     "num_output_tokens",
     "processed_probs",

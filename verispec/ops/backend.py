@@ -4,6 +4,7 @@ devices when Triton is importable. ``VERISPEC_BACKEND=torch|triton`` overrides t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -68,6 +69,21 @@ def get_backend(device: torch.device | str) -> Backend:
 ONE_THREAD_ELEMENTS = 1 << 21
 
 
+@contextlib.contextmanager
+def few_rows_on_one_thread(device: torch.device | str, num_elements: int):
+    """Run the block on one CPU thread when it works on at most ``ONE_THREAD_ELEMENTS``
+    elements on a CPU (the sampling ops, and a proposer storing its q); elsewhere as is."""
+    threads = torch.get_num_threads()
+    if threads == 1 or torch.device(device).type != "cpu" or num_elements > ONE_THREAD_ELEMENTS:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _few_rows_on_one_thread(op: Callable) -> Callable:
     """``op`` (its first parameter the logits) on one thread for small CPU logits."""
     first = next(iter(inspect.signature(op).parameters))
@@ -75,15 +91,10 @@ def _few_rows_on_one_thread(op: Callable) -> Callable:
     @functools.wraps(op)
     def run(*args, **kwargs):
         logits = args[0] if args else kwargs.get(first)
-        threads = torch.get_num_threads()
-        if (threads == 1 or not isinstance(logits, torch.Tensor)
-                or logits.device.type != "cpu" or logits.numel() > ONE_THREAD_ELEMENTS):
+        if not isinstance(logits, torch.Tensor):
             return op(*args, **kwargs)
-        torch.set_num_threads(1)
-        try:
+        with few_rows_on_one_thread(logits.device, logits.numel()):
             return op(*args, **kwargs)
-        finally:
-            torch.set_num_threads(threads)
 
     return run
 

@@ -172,7 +172,30 @@ def race(
     tokens (the same per-token draws as the flat race). P(v) = M_c / M * w_v / M_c = w_v / M:
     the same distribution as the flat race, with noise for one block instead of the whole row.
     Ties go to the smallest index at both levels.
+
+    On a CPU where the compiled kernels are built (``models.cpu_kernels``) the race is one call
+    (``race_rows``) instead of ~25 torch ops: the same draws, its logarithm and block sums
+    rounded by C instead of torch (a token differs from ``torch_race``'s only where two scores
+    agree to the last bit: tests/ops/test_sampling.py).
     """
+    if weights.device.type == "cpu":
+        from verispec.models import cpu_kernels  # (the models import ops)
+
+        if cpu_kernels.available():
+            streams = stream if isinstance(stream, torch.Tensor) else torch.full_like(seeds,
+                                                                                   stream)
+            return cpu_kernels.race_rows(weights.to(torch.float32), seeds, positions, streams,
+                                         SAMPLING_BLOCK, BLOCK_NOISE_INDEX)
+    return torch_race(weights, seeds, positions, stream)
+
+
+def torch_race(
+    weights: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    stream: torch.Tensor | int,
+) -> torch.Tensor:
+    """``race`` in torch ops on any device (the twin of the kernels' races)."""
     num_rows, vocab_size = weights.shape
     block = SAMPLING_BLOCK
     if vocab_size <= block:

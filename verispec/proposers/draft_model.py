@@ -322,7 +322,8 @@ class ModelProposer(Proposer):
         draft_token_ids = self.draft_token_buffer[flat_slots, flat_pos]  # [num_draft_tokens]
         draft_probs = None
         if self.draft_probs_buffer is not None:
-            draft_probs = self.draft_probs_buffer[flat_slots, flat_pos]  # [num_draft_tokens, V]
+            with ops.few_rows_on_one_thread(self.device, flat_slots.numel() * self.vocab_size):
+                draft_probs = self.draft_probs_buffer[flat_slots, flat_pos]  # [num_drafts, V]
         return DraftProposal(draft_token_ids, torch.from_numpy(cu_num_draft_tokens), draft_probs)
 
     def _draft(
@@ -371,7 +372,8 @@ class ModelProposer(Proposer):
                 draft_ids, q = ops.sample_draft(
                     logits, temperature[row_index], seeds[row_index], positions
                 )
-                self.draft_probs_buffer[row_slots, i] = q
+                with ops.few_rows_on_one_thread(self.device, q.numel()):
+                    self.draft_probs_buffer[row_slots, i] = q
             self.draft_token_buffer[row_slots, i] = draft_ids
             keep = num_drafts[rows] > i + 1  # requests that still need d_{i+2}
             if not keep.any():

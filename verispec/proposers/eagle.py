@@ -170,19 +170,25 @@ class EagleProposer(ModelProposer):
         return self.head.compute_logits(normed, runner.ops if runner.flat else None), out
 
     def _choose(self, logits: torch.Tensor, temperature, seeds, positions):
-        """Drafts from the head's logits ([R, V_draft]): target ids [R] and q [R, V] or None."""
+        """Drafts from the head's logits ([R, V_draft]): target ids [R] and q [R, V_draft] (for
+        ``_store_q``) or None."""
         if self.greedy:
             ids = self.runner.ops.argmax(logits) if self.runner.flat else first_argmax(logits)
             return (ids if self.draft_to_target is None else self.draft_to_target[ids]), None
         # sampled over the draft vocabulary (a sample of q, which is zero outside the head's
-        # map), then q scattered onto the target vocabulary for the full rule: a race over
-        # the draft vocabulary instead of the target's (the bundled model's head on a 2-core
-        # CPU: 8192 tokens, not 49 152; 0.9 -> 0.3 ms a draft)
+        # map): a race over the draft vocabulary instead of the target's (the bundled model's
+        # head: 8192 tokens, not 49 152)
         ids, q = ops.sample_draft(logits, temperature, seeds, positions)
+        return (ids if self.draft_to_target is None else self.draft_to_target[ids]), q
+
+    def _store_q(self, row_slots: torch.Tensor, i: int, q: torch.Tensor) -> None:
+        """q of draft i ([R, V_draft], from ``_choose``) into the slots' rows of the buffer on
+        the target vocabulary, zero outside the head's map, for the full rule."""
         if self.draft_to_target is None:
-            return ids, q
-        return self.draft_to_target[ids], q.new_zeros((q.shape[0], self.vocab_size)).index_copy_(
-            1, self.draft_to_target, q)
+            self.draft_probs_buffer[row_slots, i] = q
+            return
+        self.draft_probs_buffer[row_slots, i] = 0.0
+        self.draft_probs_buffer[row_slots[:, None], i, self.draft_to_target] = q
 
     # ----------------------------------------------------------------- captured drafting
 
@@ -218,7 +224,7 @@ class EagleProposer(ModelProposer):
         for i in range(self.num_speculative_tokens):
             draft_ids, q = self._choose(logits, temperature, seeds, fed + 2 + i)
             if q is not None:
-                self.draft_probs_buffer[slots, i] = q
+                self._store_q(slots, i, q)
             self.draft_token_buffer[slots, i] = draft_ids  # d_{i+1}, at position N + i
             if i + 1 < self.num_speculative_tokens:  # (g, d_{i+1}) at position N - 1 + i
                 normed, hidden = head.forward_flat(
@@ -360,13 +366,15 @@ class EagleProposer(ModelProposer):
             for i in range(int(num_drafts.max())):
                 row_index = torch.from_numpy(rows).to(self.device)
                 positions = torch.from_numpy(num_tokens[rows] + i).to(self.device)
-                draft_ids, q = self._choose(
-                    logits, None if temperature is None else temperature[row_index],
-                    None if seeds is None else seeds[row_index], positions)
                 row_slots = slots_t[row_index]
-                self.draft_token_buffer[row_slots, i] = draft_ids  # d_{i+1}
-                if q is not None:
-                    self.draft_probs_buffer[row_slots, i] = q
+                # (the draw and q's store touch a few rows: one thread, no workers to wake)
+                with ops.few_rows_on_one_thread(self.device, rows.size * self.vocab_size):
+                    draft_ids, q = self._choose(
+                        logits, None if temperature is None else temperature[row_index],
+                        None if seeds is None else seeds[row_index], positions)
+                    self.draft_token_buffer[row_slots, i] = draft_ids  # d_{i+1}
+                    if q is not None:
+                        self._store_q(row_slots, i, q)
                 keep = num_drafts[rows] > i + 1
                 if not keep.any():
                     break
