@@ -307,3 +307,74 @@ def test_compiled_race_draws_the_torch_race_tokens():
             assert mine.dtype == torch.int64 and torch.equal(mine, theirs), (vocab_size, trial)
             checked += rows
     assert checked == 5000
+
+
+def _rejection_case(g: torch.Generator, vocab_size: int, batch_size: int, k: int, case: int):
+    """Random inputs of ``rejection_sample``: drafts drawn from q (so that many pass), some
+    requests greedy, some without drafts or cut short by -1, q for the full rule or None."""
+    from verispec.ops import sampling
+
+    num_drafts = torch.randint(0, k + 1, (batch_size,), generator=g)
+    cu = torch.zeros(batch_size + 1, dtype=torch.int64)
+    cu[1:] = num_drafts.cumsum(0)
+    n = int(cu[-1])
+    logits = torch.randn(n + batch_size, vocab_size, generator=g) * (1 + case % 3)
+    draft_logits = torch.randn(n, vocab_size, generator=g) * 0.5
+    # the draft model sees the target's logits, roughly: drafts pass often
+    target_rows = torch.arange(n) + torch.repeat_interleave(torch.arange(batch_size), num_drafts)
+    draft_logits += logits[target_rows]
+    q = torch.softmax(draft_logits, -1)
+    seeds = torch.randint(-(2**62), 2**62, (batch_size,), generator=g)
+    positions = torch.randint(0, 2**20, (batch_size,), generator=g)
+    draft_ids = sampling.torch_race(q, torch.randint(0, 99, (n,), generator=g), torch.arange(n),
+                                    0) if n else torch.zeros(0, dtype=torch.int64)
+    if case % 4 == 1 and n:
+        draft_ids[torch.rand(n, generator=g) < 0.2] = -1
+    temperature = torch.rand(batch_size, generator=g) + 0.2
+    temperature[torch.rand(batch_size, generator=g) < 0.3] = 0.0
+    top_k = torch.randint(0, 50, (batch_size,), generator=g) if case % 5 == 2 else None
+    top_p = torch.rand(batch_size, generator=g) if case % 5 == 3 else None
+    if case % 6 == 4:
+        logits = logits.to(torch.bfloat16)
+    return (logits, draft_ids, cu, None if case % 3 == 0 else q, temperature, top_k, top_p,
+            None, seeds, positions, k)
+
+
+@needs_kernel
+def test_compiled_rejection_gives_the_torch_tokens(monkeypatch):
+    """``rejection_sample`` on this CPU (p from torch, the rest one compiled call) gives the
+    tokens of the torch twin, over 600 random batches: vocabularies under and over one race
+    block, the full and the one-hot rule, greedy and sampled requests together, all-greedy
+    calls, requests without drafts, drafts cut short by -1, top-k and top-p, bfloat16 logits."""
+    from verispec.ops import rejection
+
+    g = torch.Generator().manual_seed(3)
+    cases = []
+    for case in range(600):
+        vocab_size = (37, 4096, 9000)[case % 3]
+        args = list(_rejection_case(g, vocab_size, 1 + case % 6, 1 + case % 4, case))
+        all_greedy = case % 10 == 9
+        if all_greedy:
+            args[4] = torch.zeros_like(args[4])
+        cases.append((args, all_greedy))
+    compiled = [rejection.rejection_sample(*args, all_greedy=all_greedy)
+                for args, all_greedy in cases]
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    accepted = 0
+    for (args, all_greedy), mine in zip(cases, compiled):
+        theirs = rejection.rejection_sample(*args, all_greedy=all_greedy)
+        assert mine.dtype == theirs.dtype == torch.int32 and torch.equal(mine, theirs)
+        accepted += int(((mine != -1).sum(1) - 1).sum())
+    assert accepted > 300  # drafts pass, so the acceptance path is exercised
+
+
+@needs_kernel
+def test_compiled_rejection_names_a_draft_id_out_of_range():
+    """With the engine's ``check_draft_ids=False`` an id outside [-1, V) still gets the
+    check's error, not a read outside the rows."""
+    from verispec.ops import rejection
+
+    t = torch.tensor
+    with pytest.raises(ValueError, match="draft_token_ids must lie in"):
+        rejection.rejection_sample(torch.randn(3, 50), t([3, 50]), t([0, 2]), None, t([0.5]),
+                                   None, None, None, t([1]), t([9]), 2, check_draft_ids=False)

@@ -28,7 +28,7 @@ q (``cache_attention``).
 RMS norm (``rms_norm.c``): torch's fused CPU layer norm opens a parallel region for every call
 of more than one row; the kernel normalises a step's few rows on the calling thread.
 
-Philox (``philox.c``): the counter-based generator's ten rounds and the uniforms made of their
+Sampling (``sampling.c``): the counter-based generator's ten rounds and the uniforms made of their
 words for the sampling noise (``verispec.ops.philox``), in a loop instead of ~90 numpy and torch
 array operations a draw; and the exponential race (``verispec.ops.sampling.race``) in one call
 instead of ~25 torch ops (~0.35 ms a draw in a running engine, where each op's first call after
@@ -63,7 +63,7 @@ import torch
 logger = logging.getLogger("verispec")
 
 _SOURCES = [Path(__file__).with_name(name)
-            for name in ("bf16_linear.c", "attention.c", "rms_norm.c", "philox.c")]
+            for name in ("bf16_linear.c", "attention.c", "rms_norm.c", "sampling.c")]
 _X512_SOURCE = Path(__file__).with_name("bf16_linear_avx512.c")
 _HEADER = Path(__file__).with_name("cpu_kernels.h")
 # -ffp-contract=off: the scalar tails round each product as written (no FMA contraction that
@@ -162,6 +162,10 @@ def _library() -> ctypes.CDLL | None:
     library.philox_uniform.argtypes = [ptr] * 4 + [i64, ptr]
     library.race_rows.restype = None
     library.race_rows.argtypes = [ptr] + [i64] * 3 + [ptr] * 3 + [i64] * 2 + [ptr, ctypes.c_int]
+    library.rejection_rows.restype = ctypes.c_int
+    library.rejection_rows.argtypes = (
+        [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int, ptr, ptr]
+        + [i64] * 3 + [ptr, ptr, ctypes.c_int])
     return library
 
 
@@ -286,6 +290,42 @@ def race_rows(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tenso
                              seeds.data_ptr(), positions.data_ptr(), streams.data_ptr(), block,
                              block_noise_index, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def _rows(t: torch.Tensor | None) -> tuple[int, int]:
+    """(data pointer, row stride) of a [R, V] tensor with a contiguous last dimension; (None, 0)
+    for None."""
+    return (None, 0) if t is None else (t.data_ptr(), t.stride(0))
+
+
+def rejection_rows(probs: torch.Tensor | None, draft_probs: torch.Tensor | None,
+                   argmax_rows: torch.Tensor | None, draft_ids: torch.Tensor,
+                   cu_num_draft_tokens: torch.Tensor, vocab_size: int,
+                   temperature: torch.Tensor, all_greedy: bool, seeds: torch.Tensor,
+                   positions: torch.Tensor, width: int, block: int, block_noise_index: int
+                   ) -> torch.Tensor | None:
+    """``verispec.ops.rejection.rejection_sample`` from the processed probabilities on (CPU
+    tensors): ``probs`` [N + B, V] float32 (None when every request is greedy), ``draft_probs``
+    [N, V] float32 or None (the one-hot rule), ``argmax_rows`` [N + B] int64 (None when no
+    request is greedy). Returns token_ids [B, width] int32, or None where a draft id lies
+    outside [-1, V). Only where ``available()``."""
+    probs, draft_probs = (None if t is None or t.numel() == 0 else
+                          t if t.stride(-1) == 1 else t.contiguous() for t in (probs, draft_probs))
+    draft_ids, cu, seeds, positions = (t.to(torch.int64).contiguous() for t in (
+        draft_ids, cu_num_draft_tokens, seeds, positions))
+    argmax_rows = None if argmax_rows is None else argmax_rows.to(torch.int64).contiguous()
+    temperature = temperature.to(torch.float32).contiguous()
+    batch_size = cu.shape[0] - 1
+    out = torch.empty((batch_size, width), dtype=torch.int32)
+    scratch = torch.empty((batch_size, vocab_size) if probs is not None else (0,),
+                          dtype=torch.float32)
+    status = _library().rejection_rows(
+        *_rows(probs), *_rows(draft_probs),
+        None if argmax_rows is None else argmax_rows.data_ptr(), draft_ids.data_ptr(),
+        cu.data_ptr(), batch_size, vocab_size, temperature.data_ptr(), all_greedy,
+        seeds.data_ptr(), positions.data_ptr(), width, block, block_noise_index,
+        scratch.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return None if status else out
 
 
 def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
