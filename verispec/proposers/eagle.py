@@ -187,8 +187,9 @@ class EagleProposer(ModelProposer):
         if self.draft_to_target is None:
             self.draft_probs_buffer[row_slots, i] = q
             return
-        self.draft_probs_buffer[row_slots, i] = 0.0
-        self.draft_probs_buffer[row_slots[:, None], i, self.draft_to_target] = q
+        rows = self.draft_probs_buffer[:, i]  # [max_num_seqs, V]
+        rows.index_fill_(0, row_slots, 0.0)  # (a scalar fill: no host tensor, capturable)
+        rows[row_slots[:, None], self.draft_to_target] = q
 
     # ----------------------------------------------------------------- captured drafting
 
