@@ -164,7 +164,7 @@ def _library() -> ctypes.CDLL | None:
     library.race_rows.argtypes = [ptr] + [i64] * 3 + [ptr] * 3 + [i64] * 2 + [ptr, ctypes.c_int]
     library.rejection_rows.restype = ctypes.c_int
     library.rejection_rows.argtypes = (
-        [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int, ptr, ptr]
+        [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int, ptr, ptr, ptr]
         + [i64] * 3 + [ptr, ptr, ctypes.c_int])
     return library
 
@@ -302,13 +302,14 @@ def rejection_rows(probs: torch.Tensor | None, draft_probs: torch.Tensor | None,
                    argmax_rows: torch.Tensor | None, draft_ids: torch.Tensor,
                    cu_num_draft_tokens: torch.Tensor, vocab_size: int,
                    temperature: torch.Tensor, all_greedy: bool, seeds: torch.Tensor,
-                   positions: torch.Tensor, width: int, block: int, block_noise_index: int
-                   ) -> torch.Tensor | None:
+                   positions: torch.Tensor, streams: tuple[int, int, int], width: int,
+                   block: int, block_noise_index: int) -> torch.Tensor | None:
     """``verispec.ops.rejection.rejection_sample`` from the processed probabilities on (CPU
     tensors): ``probs`` [N + B, V] float32 (None when every request is greedy), ``draft_probs``
     [N, V] float32 or None (the one-hot rule), ``argmax_rows`` [N + B] int64 (None when no
-    request is greedy). Returns token_ids [B, width] int32, or None where a draft id lies
-    outside [-1, V). Only where ``available()``."""
+    request is greedy); ``streams``: the acceptance, residual and sample streams. Returns
+    token_ids [B, width] int32, or None where a draft id lies outside [-1, V). Only where
+    ``available()``."""
     probs, draft_probs = (None if t is None or t.numel() == 0 else
                           t if t.stride(-1) == 1 else t.contiguous() for t in (probs, draft_probs))
     draft_ids, cu, seeds, positions = (t.to(torch.int64).contiguous() for t in (
@@ -323,7 +324,8 @@ def rejection_rows(probs: torch.Tensor | None, draft_probs: torch.Tensor | None,
         *_rows(probs), *_rows(draft_probs),
         None if argmax_rows is None else argmax_rows.data_ptr(), draft_ids.data_ptr(),
         cu.data_ptr(), batch_size, vocab_size, temperature.data_ptr(), all_greedy,
-        seeds.data_ptr(), positions.data_ptr(), width, block, block_noise_index,
+        seeds.data_ptr(), positions.data_ptr(), (ctypes.c_int64 * 3)(*streams), width, block,
+        block_noise_index,
         scratch.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return None if status else out
 

@@ -157,24 +157,23 @@ void race_rows(const float *w, int64_t rows, int64_t vocab, int64_t row_stride,
                           block_noise_index);
 }
 
-#define ACCEPT_STREAM 1
-#define RESIDUAL_STREAM 2
-#define SAMPLE_STREAM 3
-
 /* verispec/ops/rejection.py's rejection_sample from its processed probabilities on: request r
  * owns drafts cu[r] .. cu[r + 1] - 1 and target rows cu[r] + r .. cu[r + 1] + r (its verify
  * rows, then its bonus row). probs [N + B, V] (row stride probs_stride; NULL when every request
  * is greedy), q [N, V] (the full rule; NULL: the one-hot rule), argmax [N + B] (each row's
  * first argmax; NULL when no request is greedy). A request is greedy where all_greedy or its
- * temperature is 0. scratch: B x V floats for the residuals. Writes out [B, width] int32: the
+ * temperature is 0. streams: the acceptance, residual and sample streams' numbers
+ * (verispec/ops/philox.py's). scratch: B x V floats for the residuals. Writes out [B, width] int32: the
  * accepted drafts, the recovered or bonus token, -1 padding. The twin's comparisons and
  * residual in float32, exactly; its races as race_rows. Returns 0, or -1 (nothing written)
  * where a draft id lies outside [-1, V). */
 int rejection_rows(const float *probs, int64_t probs_stride, const float *q, int64_t q_stride,
                    const int64_t *argmax, const int64_t *draft_ids, const int64_t *cu,
                    int64_t batch, int64_t vocab, const float *temperature, int all_greedy,
-                   const int64_t *seed, const int64_t *position, int64_t width, int64_t block,
-                   int64_t block_noise_index, float *scratch, int32_t *out, int num_threads) {
+                   const int64_t *seed, const int64_t *position, const int64_t streams[3],
+                   int64_t width, int64_t block, int64_t block_noise_index, float *scratch,
+                   int32_t *out, int num_threads) {
+    int64_t accept_stream = streams[0], residual_stream = streams[1], sample_stream = streams[2];
     for (int64_t i = 0; i < cu[batch]; i++)
         if (draft_ids[i] < -1 || draft_ids[i] >= vocab) return -1;
 #pragma omp parallel for num_threads(num_threads) if (batch * vocab >= PARALLEL_ELEMENTS)
@@ -192,7 +191,7 @@ int rejection_rows(const float *probs, int64_t probs_stride, const float *q, int
             } else {
                 float p_d = probs[row * probs_stride + d];
                 uint32_t x[4];
-                draw_words(seed[r], position[r] + accepted, ACCEPT_STREAM, 0, x);
+                draw_words(seed[r], position[r] + accepted, accept_stream, 0, x);
                 float u = uniform_of(x[0]);
                 if (q != NULL) {
                     float q_d = q[(start + accepted) * q_stride + d];
@@ -224,7 +223,7 @@ int rejection_rows(const float *probs, int64_t probs_stride, const float *q, int
                 if (sum_floats(residual, vocab) > 0.0f) w = residual;
             }
             token = race_row(w, vocab, seed[r], position[r] + accepted,
-                             rejected ? RESIDUAL_STREAM : SAMPLE_STREAM, block,
+                             rejected ? residual_stream : sample_stream, block,
                              block_noise_index);
         }
         for (int64_t j = 0; j < width; j++)

@@ -216,8 +216,9 @@ def _compiled(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, 
                                                                               min_p)))
     token_ids = cpu_kernels.rejection_rows(
         probs, draft_probs, argmax_rows, draft_token_ids, cu_num_draft_tokens, vocab_size,
-        temperature, all_greedy, seeds, positions, width, sampling.SAMPLING_BLOCK,
-        sampling.BLOCK_NOISE_INDEX)
+        temperature, all_greedy, seeds, positions,
+        (philox.ACCEPT_STREAM, philox.RESIDUAL_STREAM, philox.SAMPLE_STREAM), width,
+        sampling.SAMPLING_BLOCK, sampling.BLOCK_NOISE_INDEX)
     if token_ids is None:  # a draft id outside [-1, V): the error the check gives
         check_draft_token_ids(draft_token_ids, vocab_size)
     return token_ids
