@@ -161,9 +161,12 @@ class EagleProposer(ModelProposer):
                 padded = padded.view(B, width, -1)
             normed, out = self.head(torch.from_numpy(ids).to(self.device), padded, from_target,
                                     meta, cache.k_layers, cache.v_layers)
-            rows = torch.arange(B, device=self.device)
-            last = torch.from_numpy(counts - 1).to(self.device)
-            normed, out = normed[rows, last], out[rows, last]
+            if (counts == width).all():  # no padding (a draft step): the last column
+                normed, out = normed[:, -1], out[:, -1]
+            else:
+                rows = torch.arange(B, device=self.device)
+                last = torch.from_numpy(counts - 1).to(self.device)
+                normed, out = normed[rows, last], out[rows, last]
         cache.advance(slots, counts.tolist())
         if not logits:
             return None
@@ -365,7 +368,9 @@ class EagleProposer(ModelProposer):
         rows = np.arange(active.size)  # the requests still drafting
         try:
             for i in range(int(num_drafts.max())):
-                row_index = torch.from_numpy(rows).to(self.device)
+                # (every request still drafting: views, not gathers)
+                row_index = (slice(None) if rows.size == active.size
+                             else torch.from_numpy(rows).to(self.device))
                 positions = torch.from_numpy(num_tokens[rows] + i).to(self.device)
                 row_slots = slots_t[row_index]
                 # (the draw and q's store touch a few rows: one thread, no workers to wake)
@@ -379,7 +384,8 @@ class EagleProposer(ModelProposer):
                 keep = num_drafts[rows] > i + 1
                 if not keep.any():
                     break
-                kept = torch.from_numpy(np.flatnonzero(keep)).to(self.device)
+                kept = (slice(None) if keep.all()
+                        else torch.from_numpy(np.flatnonzero(keep)).to(self.device))
                 rows = rows[keep]
                 # The head's input ids are host lists: one device-to-host read per position.
                 logits, out = self._head_forward(
