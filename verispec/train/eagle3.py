@@ -33,10 +33,6 @@ STEP_DECAY = 0.8
 # Rows of the loss computed at once: [32, V_draft] float32 temporaries stay in a core's cache
 # (the whole [N, V_draft] products would stream through memory several times a step)
 LOSS_CHUNK = 32
-# Experimental: weight of a total-variation term 0.5 sum |q - p| between the head's and the
-# target's distributions at TVD_TEMPERATURE (what a sampled draft's acceptance there is, 1 - TV)
-TVD_WEIGHT = 0.0
-TVD_TEMPERATURE = 0.7
 
 
 def _rms(norm, x: torch.Tensor) -> torch.Tensor:
@@ -74,10 +70,6 @@ class _SoftCrossEntropy(torch.autograd.Function):
             p = torch.softmax(theirs, dim=-1)
             # -sum p log q = logsumexp(logits) - sum p * logits, with sum p = 1
             total += (torch.logsumexp(mine, dim=-1) - (p * mine).sum(-1)).sum()
-            if TVD_WEIGHT:
-                q_t = torch.softmax(mine / TVD_TEMPERATURE, -1)
-                p_t = torch.softmax(theirs / TVD_TEMPERATURE, -1)
-                total += TVD_WEIGHT * 0.5 * (q_t - p_t).abs().sum()
             agree += (mine.max(-1).indices == theirs.max(-1).indices).sum()
         ctx.save_for_backward(logits, target)
         ctx.mark_non_differentiable(agree)
@@ -91,11 +83,6 @@ class _SoftCrossEntropy(torch.autograd.Function):
             rows = slice(lo, lo + LOSS_CHUNK)
             diff = (torch.softmax(logits[rows].float(), dim=-1)
                     - torch.softmax(target[rows].float(), dim=-1))
-            if TVD_WEIGHT:
-                q_t = torch.softmax(logits[rows].float() / TVD_TEMPERATURE, -1)
-                sign = torch.sign(q_t - torch.softmax(target[rows].float() / TVD_TEMPERATURE, -1))
-                diff += (TVD_WEIGHT * 0.5 / TVD_TEMPERATURE) * q_t * (
-                    sign - (sign * q_t).sum(-1, keepdim=True))
             grad[rows] = diff * grad_total
         return grad, None
 
