@@ -28,11 +28,13 @@ q (``cache_attention``).
 RMS norm (``rms_norm.c``): torch's fused CPU layer norm opens a parallel region for every call
 of more than one row; the kernel normalises a step's few rows on the calling thread.
 
-Sampling (``sampling.c``): the counter-based generator's ten rounds and the uniforms made of their
-words for the sampling noise (``verispec.ops.philox``), in a loop instead of ~90 numpy and torch
-array operations a draw; and the exponential race (``verispec.ops.sampling.race``) in one call
-instead of ~25 torch ops (~0.35 ms a draw in a running engine, where each op's first call after
-a forward pays its cache misses again).
+Sampling (``sampling.c``): the counter-based generator's ten rounds and the uniforms made of
+their words for the sampling noise (``verispec.ops.philox``), in a loop instead of ~90 numpy and
+torch array operations a draw; the exponential race (``verispec.ops.sampling.race``) and the
+rejection sampler after p (``verispec.ops.rejection``) in one call each instead of ~25 and ~45
+small torch ops, each of which pays its cache misses again after every forward of a running
+engine (a draft draw 0.66 -> 0.28 ms, a rejection step of B = 1, k = 3 1.6 -> 0.8 ms:
+docs/benchmarks.md).
 
 The C files are compiled on first use with the system C compiler (``cc -O3 -mavx2 -mfma
 -fopenmp``, a few seconds, one log line) into ``$VERISPEC_CACHE/kernels`` (default
@@ -325,8 +327,7 @@ def rejection_rows(probs: torch.Tensor | None, draft_probs: torch.Tensor | None,
         None if argmax_rows is None else argmax_rows.data_ptr(), draft_ids.data_ptr(),
         cu.data_ptr(), batch_size, vocab_size, temperature.data_ptr(), all_greedy,
         seeds.data_ptr(), positions.data_ptr(), (ctypes.c_int64 * 3)(*streams), width, block,
-        block_noise_index,
-        scratch.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        block_noise_index, scratch.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return None if status else out
 
 

@@ -73,7 +73,8 @@ void philox_uniform(const int64_t *seed, const int64_t *c0, const int64_t *c1,
 /* Philox counter (c0, c1) of draw (position, stream, index >> 2), as philox.make_offset. */
 static inline void draw_words(int64_t seed, int64_t position, int64_t stream, int64_t counter,
                               uint32_t x[4]) {
-    uint64_t offset = ((uint64_t)(position * NUM_STREAMS + stream) << 32) | (uint64_t)counter;
+    uint64_t offset = (((uint64_t)position * NUM_STREAMS + (uint64_t)stream) << 32) |
+                      (uint64_t)counter;  /* wrapping as torch's int64 does */
     rounds(seed, (int64_t)(offset & 0xFFFFFFFFu), (int64_t)(offset >> 32), x);
 }
 
@@ -163,9 +164,9 @@ void race_rows(const float *w, int64_t rows, int64_t vocab, int64_t row_stride,
  * is greedy), q [N, V] (the full rule; NULL: the one-hot rule), argmax [N + B] (each row's
  * first argmax; NULL when no request is greedy). A request is greedy where all_greedy or its
  * temperature is 0. streams: the acceptance, residual and sample streams' numbers
- * (verispec/ops/philox.py's). scratch: B x V floats for the residuals. Writes out [B, width] int32: the
- * accepted drafts, the recovered or bonus token, -1 padding. The twin's comparisons and
- * residual in float32, exactly; its races as race_rows. Returns 0, or -1 (nothing written)
+ * (verispec/ops/philox.py's). scratch: B x V floats for the residuals. Writes out [B, width]
+ * int32: the accepted drafts, the recovered or bonus token, -1 padding. The twin's comparisons
+ * and residual in float32, exactly; its races as race_rows. Returns 0, or -1 (nothing written)
  * where a draft id lies outside [-1, V). */
 int rejection_rows(const float *probs, int64_t probs_stride, const float *q, int64_t q_stride,
                    const int64_t *argmax, const int64_t *draft_ids, const int64_t *cu,

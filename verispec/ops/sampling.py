@@ -176,7 +176,7 @@ def race(
     On a CPU where the compiled kernels are built (``models.cpu_kernels``) the race is one call
     (``race_rows``) instead of ~25 torch ops: the same draws, its logarithm and block sums
     rounded by C instead of torch (a token differs from ``torch_race``'s only where two scores
-    agree to the last bit: tests/ops/test_sampling.py).
+    agree to the last bit: tests/models/test_cpu_kernels.py).
     """
     if weights.device.type == "cpu":
         from verispec.models import cpu_kernels  # (the models import ops)
