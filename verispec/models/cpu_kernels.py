@@ -294,7 +294,7 @@ def race_rows(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tenso
     return out
 
 
-def _rows(t: torch.Tensor | None) -> tuple[int, int]:
+def _rows(t: torch.Tensor | None) -> tuple[int | None, int]:
     """(data pointer, row stride) of a [R, V] tensor with a contiguous last dimension; (None, 0)
     for None."""
     return (None, 0) if t is None else (t.data_ptr(), t.stride(0))
