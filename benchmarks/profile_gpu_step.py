@@ -24,10 +24,10 @@ from collections import defaultdict
 
 import torch
 
-from verispec.engine.model_runner import ModelRunner
 from verispec.models.config import ModelConfig
 from verispec.models.llama import LlamaForCausalLM
 from verispec.ops import model_ops
+from verispec.runtime.model_runner import ModelRunner
 
 K = 3
 

@@ -24,9 +24,9 @@ from tests.proposers.test_draft_model import save_llama
 from tests.proposers.test_eagle_loader import eagle_checkpoint, eagle_proposer, write_checkpoint
 from verispec.cli import main
 from verispec.engine.llm import LLM
-from verispec.engine.model_runner import ModelRunner
 from verispec.models import load_model
 from verispec.models.eagle import eagle_state_dict, load_eagle_head
+from verispec.runtime.model_runner import ModelRunner
 from verispec.sampling_params import SamplingParams
 from verispec.train import TrainDraftConfig, train_draft
 from verispec.train import eagle3 as recipe

@@ -19,8 +19,8 @@ import torch
 
 from tests.models.utils import requires_bundled
 from verispec import LLM, SamplingParams
-from verispec.engine.model_runner import ModelRunner
 from verispec.models import load_model
+from verispec.runtime.model_runner import ModelRunner
 
 VOCAB = 256
 MAX_MODEL_LEN = 128

@@ -34,10 +34,10 @@ from tests.models.test_granite_hybrid import (
 from tests.proposers.test_draft_model import save_llama
 from verispec import SamplingParams
 from verispec.engine import llm as llm_module
-from verispec.engine import model_runner as model_runner_module
-from verispec.engine.model_runner import ModelRunner
 from verispec.models.loader import load_model
 from verispec.models.mamba2 import MAX_RECURRENT_TOKENS
+from verispec.runtime import model_runner as model_runner_module
+from verispec.runtime.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

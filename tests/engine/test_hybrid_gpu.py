@@ -21,8 +21,8 @@ import torch
 from tests.proposers.test_draft_model import save_llama
 from verispec import LLM, SamplingParams
 from verispec.engine import spec_decode
-from verispec.engine.model_runner import ModelRunner
 from verispec.models.loader import load_model
+from verispec.runtime.model_runner import ModelRunner
 
 pytestmark = [
     pytest.mark.gpu,

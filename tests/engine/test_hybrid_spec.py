@@ -266,9 +266,9 @@ def test_early_exit_rollback_matches_fresh_proposer(tmp_path, mode, method):
     N-layer cache, the drafts equal a fresh proposer's on the same committed context."""
     from tests.proposers import test_draft_model as draft_tests
     from verispec.config import SpeculativeConfig
-    from verispec.engine.model_runner import ModelRunner
     from verispec.models import load_model
     from verispec.proposers import ProposerContext, build_proposer
+    from verispec.runtime.model_runner import ModelRunner
 
     k = 3
     target = load_model(save_hybrid(tmp_path, vocab_size=draft_tests.VOCAB, seed=2))

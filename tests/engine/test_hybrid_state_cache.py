@@ -16,11 +16,11 @@ from tests.models.test_granite_hybrid import (
     one_thread,  # noqa: F401 (autouse fixture)
     save_hybrid,
 )
-from verispec.engine.model_runner import ModelRunner
-from verispec.engine.state_cache import HybridCache, make_cache
 from verispec.models.granite_hybrid import HybridModelConfig
 from verispec.models.loader import load_model
 from verispec.models.mamba2 import MAX_RECURRENT_TOKENS
+from verispec.runtime.model_runner import ModelRunner
+from verispec.runtime.state_cache import HybridCache, make_cache
 
 HF_CONFIG = {
     "vocab_size": 16, "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,

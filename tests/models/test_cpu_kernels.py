@@ -182,8 +182,8 @@ def test_model_attention_through_the_kernel_matches_sdpa(tmp_path, monkeypatch):
     """The model's steps of few tokens (short prefills, a padded batch, verify-shaped appends,
     decode) attend through the kernel, and give the logits of its SDPA path."""
     from tests.models.utils import save_tiny_model
-    from verispec.engine.model_runner import ModelRunner
     from verispec.models import llama, load_model
+    from verispec.runtime.model_runner import ModelRunner
 
     loaded = load_model(save_tiny_model(tmp_path, "LlamaForCausalLM"), "float32")
     calls = []

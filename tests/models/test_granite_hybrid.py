@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from verispec.engine.model_runner import ModelRunner
-from verispec.engine.state_cache import HybridCache
 from verispec.models.granite_hybrid import HybridModelConfig
 from verispec.models.loader import load_model
 from verispec.models.mamba2 import MAX_RECURRENT_TOKENS
+from verispec.runtime.model_runner import ModelRunner
+from verispec.runtime.state_cache import HybridCache
 
 VOCAB = 16
 LAYER_TYPES = ("mamba", "attention", "mamba", "mamba")

@@ -20,8 +20,8 @@ from tests.models.utils import (
     requires_bundled,
     save_tiny_model,
 )
-from verispec.engine.model_runner import ModelRunner
 from verispec.models import load_model
+from verispec.runtime.model_runner import ModelRunner
 
 RTOL = 1e-4
 
@@ -173,8 +173,8 @@ def test_runner_sets_cpu_matmuls(tiny):
     """The model runner turns the row-block matmuls on for CPU float32 (one block per thread),
     and for bfloat16 the widening from the row count where it pays (later with the compiled
     bfloat16 kernel, which stays memory-bound up to more rows)."""
-    from verispec.engine import model_runner
     from verispec.models import cpu_kernels
+    from verispec.runtime import model_runner
 
     _, loaded = tiny
     ModelRunner(loaded.model, num_slots=1, max_model_len=64)

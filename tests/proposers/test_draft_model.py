@@ -23,7 +23,6 @@ import torch
 
 from verispec import ops
 from verispec.config import SpeculativeConfig
-from verispec.engine.model_runner import ModelRunner
 from verispec.models import load_model
 from verispec.proposers import (
     DraftModelProposer,
@@ -32,6 +31,7 @@ from verispec.proposers import (
     build_proposer,
     get_proposer_cls,
 )
+from verispec.runtime.model_runner import ModelRunner
 
 VOCAB = 64
 MAX_MODEL_LEN = 160

@@ -24,8 +24,8 @@ from tests.proposers.test_eagle_loader import eagle_checkpoint, eagle_proposer, 
 from tests.sample.stats import P_VALUE_THRESHOLD, chi_square_p_value, record, reference_probs
 from verispec import ops
 from verispec.engine.llm import LLM
-from verispec.engine.model_runner import ModelRunner
 from verispec.models import load_model
+from verispec.runtime.model_runner import ModelRunner
 from verispec.sampling_params import SamplingParams
 
 VOCAB = 64

@@ -22,10 +22,10 @@ import torch.nn.functional as F
 
 from tests.proposers.test_draft_model import save_llama
 from verispec.config import SpeculativeConfig
-from verispec.engine.model_runner import ModelRunner
 from verispec.models import load_model
 from verispec.models.eagle import eagle_state_dict, load_eagle_head, save_eagle_head
 from verispec.proposers import ProposerContext, build_proposer
+from verispec.runtime.model_runner import ModelRunner
 
 VOCAB = 64
 HIDDEN = 32

@@ -24,7 +24,6 @@ from tests.proposers.test_draft_model import (
     split,
 )
 from verispec.config import SpeculativeConfig
-from verispec.engine.model_runner import ModelRunner
 from verispec.models import load_model
 from verispec.proposers import (
     EarlyExitProposer,
@@ -32,6 +31,7 @@ from verispec.proposers import (
     build_proposer,
     get_proposer_cls,
 )
+from verispec.runtime.model_runner import ModelRunner
 
 NUM_LAYERS = 4
 PROMPTS = [[1, 17, 5, 33, 8], [40, 2], [9, 9, 30]]

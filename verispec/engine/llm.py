@@ -18,12 +18,12 @@ import torch
 from verispec import ops
 from verispec.config import SpeculativeConfig
 from verispec.engine import inputs
-from verispec.engine.cuda_graphs import batch_buckets
-from verispec.engine.model_runner import ModelRunner
 from verispec.engine.request import Request, RequestOutput
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.spec_decode import SpeculativeDecoder
 from verispec.models.loader import load_model, parse_dtype
+from verispec.runtime.cuda_graphs import batch_buckets
+from verispec.runtime.model_runner import ModelRunner
 from verispec.sample.logprobs import token_logprobs
 from verispec.sample.sampler import Sampler, SamplingTensors, draw_seed
 from verispec.sampling_params import SamplingParams

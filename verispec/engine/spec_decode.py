@@ -54,10 +54,10 @@ import torch
 from verispec import ops
 from verispec.config import SpeculativeConfig
 from verispec.engine.metrics import SpecDecodingLogger, SpecDecodingStats
-from verispec.engine.model_runner import ModelRunner
 from verispec.engine.request import Request
 from verispec.models import cpu_kernels
 from verispec.proposers import ProposerContext, build_proposer
+from verispec.runtime.model_runner import ModelRunner
 from verispec.sample.rejection_sampler import RejectionSampler
 from verispec.sample.sampler import Sampler, SamplingTensors
 

@@ -234,7 +234,7 @@ class GraniteHybridForCausalLM(nn.Module):
     float32 logits of the rows asked for.
 
     ``k_caches[i]`` / ``v_caches[i]`` are layer i's K and V tensors for an attention layer and
-    its ``MambaLayerState`` (both) for a Mamba2 layer (``verispec.engine.state_cache``)."""
+    its ``MambaLayerState`` (both) for a Mamba2 layer (``verispec.runtime.state_cache``)."""
 
     def __init__(self, config: HybridModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()

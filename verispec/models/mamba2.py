@@ -32,7 +32,7 @@ position (lengths b + 1 .. b + k + 1); committing ``num_output_tokens`` tokens t
 slot at length ``b + num_output_tokens`` and the next step reads the state at that length (index
 ``num_output_tokens - 1`` of the step's positions), so rollback is moving the length back, as for
 the attention KV cache. Which lengths a slot still holds is the cache's to track
-(``verispec.engine.state_cache``); a forward from length 0 starts from zero states.
+(``verispec.runtime.state_cache``); a forward from length 0 starts from zero states.
 """
 
 from __future__ import annotations

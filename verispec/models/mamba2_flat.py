@@ -18,7 +18,7 @@ as in a replayed graph; a gather otherwise):
 
 So a captured step reads and writes only static buffers, and no host value depends on the
 batch's contents. Rollback is the CPU path's: the state after L tokens is at ring index
-``L % ring_size``, and the engine moves the slot's length (``verispec.engine.state_cache``).
+``L % ring_size``, and the engine moves the slot's length (``verispec.runtime.state_cache``).
 
 Long feeds (more than ``MAX_RECURRENT_TOKENS`` tokens for a request: prefills, always eager) go
 through the chunked scan one request at a time and their last token through the recurrent form,

@@ -53,13 +53,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from verispec import ops
 from verispec.config import SpeculativeConfig
+from verispec.models.loader import load_model
 from verispec.ops.rejection import PLACEHOLDER_TOKEN_ID
 from verispec.proposers.base import (
     DraftProposal,
@@ -69,9 +69,8 @@ from verispec.proposers.base import (
     matmul_weights,
     register_proposer,
 )
-
-if TYPE_CHECKING:
-    from verispec.engine.model_runner import ModelRunner
+from verispec.runtime.cuda_graphs import StepInput
+from verispec.runtime.model_runner import ModelRunner
 
 
 def _tail(token_ids, start: int):
@@ -136,14 +135,12 @@ class ModelProposer(Proposer):
     def _draft_inputs(self) -> dict:
         """The captured draft's own static inputs, beside the slots, the start positions and
         the sampling parameters: the last two committed tokens."""
-        from verispec.engine.cuda_graphs import StepInput  # the engine imports proposers
 
         return {"ids": StepInput(2, torch.int64)}
 
     def capture(self) -> None:
         """Capture the k-step draft (``_draft_step`` over ``_draft_inputs``) for every batch
         bucket (no-op without the runner's CUDA graphs)."""
-        from verispec.engine.cuda_graphs import StepInput  # the engine imports proposers
 
         graphs = self.runner.graphs
         if graphs is None or graphs.has(self.graph_name):
@@ -447,9 +444,6 @@ class DraftModelProposer(ModelProposer):
 
     def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
         super().__init__(config, context)
-        # Imported here: the engine imports the proposers package, not the other way round.
-        from verispec.engine.model_runner import ModelRunner
-        from verispec.models.loader import load_model
 
         if config.model is None:
             raise ValueError(

@@ -67,10 +67,13 @@ import torch
 
 from verispec import ops
 from verispec.config import SpeculativeConfig
+from verispec.models.eagle import load_eagle_head
 from verispec.ops.rejection import PLACEHOLDER_TOKEN_ID
 from verispec.ops.sampling import first_argmax
 from verispec.proposers.base import ProposalRequest, ProposerContext, register_proposer
 from verispec.proposers.draft_model import ModelProposer, _AheadDraft
+from verispec.runtime.cuda_graphs import StepInput
+from verispec.runtime.model_runner import ModelRunner
 
 
 @register_proposer("eagle")
@@ -80,9 +83,6 @@ class EagleProposer(ModelProposer):
 
     def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
         super().__init__(config, context)
-        # Imported here: the engine imports the proposers package, not the other way round.
-        from verispec.engine.model_runner import ModelRunner
-        from verispec.models.eagle import load_eagle_head
 
         if config.model is None:
             raise ValueError(
@@ -199,7 +199,6 @@ class EagleProposer(ModelProposer):
     def _draft_inputs(self) -> dict:
         """The captured draft's own static inputs (``capture``; the module docstring): W pairs
         per request, token ids and target hidden states, and how many of them are real."""
-        from verispec.engine.cuda_graphs import StepInput  # the engine imports proposers
 
         eagle = self.head.eagle
         width = len(eagle.aux_layer_ids) * eagle.target_hidden_size  # a target row's features

@@ -32,12 +32,15 @@ import numpy as np
 import torch
 
 from verispec.config import SpeculativeConfig
+from verispec.models.loader import LoadedModel
 from verispec.proposers.base import (
     ProposalRequest,
     ProposerContext,
     register_proposer,
 )
 from verispec.proposers.draft_model import ModelProposer
+from verispec.runtime.model_runner import ModelRunner
+from verispec.runtime.state_cache import make_cache
 
 
 @register_proposer("early_exit")
@@ -50,10 +53,6 @@ class EarlyExitProposer(ModelProposer):
 
     def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
         super().__init__(config, context)
-        # Imported here: the engine imports the proposers package, not the other way round.
-        from verispec.engine.model_runner import ModelRunner
-        from verispec.engine.state_cache import make_cache
-        from verispec.models.loader import LoadedModel
 
         ctx = self.context
         target = ctx.target_model

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from tests.models.utils import HF_CONFIGS, save_tiny_model
-from verispec.engine.cuda_graphs import CUDAGraphRunner, StepInput, batch_buckets, bucket_for
-from verispec.engine.model_runner import ModelRunner
 from verispec.models import load_model
+from verispec.runtime.cuda_graphs import CUDAGraphRunner, StepInput, batch_buckets, bucket_for
+from verispec.runtime.model_runner import ModelRunner
 
 PROMPTS = [[5, 17, 33, 2, 90, 11, 64], [7, 3], [100, 101, 102, 103, 104, 105, 106, 9, 1]]
 

@@ -14,7 +14,7 @@ This is the one entry point every kind of step uses:
 
 On CUDA the runner uses the flat token layout (``LlamaForCausalLM.forward_flat``: one Triton
 kernel per small op, attention over the cache by ``verispec.ops.model_ops.cache_attention``) and
-replays captured CUDA graphs (``verispec.engine.cuda_graphs``) for steps of a fixed number of new
+replays captured CUDA graphs (``verispec.runtime.cuda_graphs``) for steps of a fixed number of new
 tokens per request: ``capture([1, k + 1])`` captures decode and verify. A step whose requests feed
 at most S tokens each replays the graph of the smallest captured S' >= S: each request's tokens
 are padded to S' (the padding tokens write cache rows past the request's last real one, which are
@@ -29,13 +29,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from verispec.engine.cuda_graphs import CUDAGraphRunner, StepInput
-from verispec.engine.state_cache import is_hybrid, make_cache
 from verispec.models import cpu_kernels
 from verispec.models.llama import AttentionMetadata, FlatBatch
 from verispec.models.rope import rope_tables
 from verispec.ops import to_device
 from verispec.ops.model_ops import get_model_ops
+from verispec.runtime.cuda_graphs import CUDAGraphRunner, StepInput
+from verispec.runtime.state_cache import is_hybrid, make_cache
 
 LOGITS_MODES = ("last", "all", "none")
 

@@ -31,10 +31,10 @@ import logging
 import numpy as np
 import torch
 
-from verispec.engine.kv_cache import KVCache
 from verispec.models.config import ModelConfig
 from verispec.models.granite_hybrid import HybridModelConfig
 from verispec.models.mamba2 import MambaLayerState, stores_every_position
+from verispec.runtime.kv_cache import KVCache
 
 logger = logging.getLogger("verispec")
 
