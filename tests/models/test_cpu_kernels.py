@@ -144,20 +144,37 @@ def _sdpa_reference(q, k_cache, v_cache, slots, kv_len, mask, causal, scale):
     return (probs @ values).transpose(1, 2)  # [B, S, h, d]
 
 
+def _paged_cache(logical: torch.Tensor, block_size: int, shuffle: bool, seed: int = 0):
+    """``logical`` [num_slots, max_len, ...] as a pool [num_blocks, block_size, ...] (block 0
+    unused, as the scratch block) and its block tables [num_slots, max_blocks] int32."""
+    num_slots, max_len = logical.shape[:2]
+    max_blocks = -(-max_len // block_size)
+    ids = torch.arange(1, 1 + num_slots * max_blocks)
+    if shuffle:
+        ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(seed))]
+    table = ids.view(num_slots, max_blocks).to(torch.int32)
+    pool = logical.new_zeros((1 + num_slots * max_blocks, block_size) + tuple(logical.shape[2:]))
+    padded = logical.new_zeros((num_slots, max_blocks * block_size) + tuple(logical.shape[2:]))
+    padded[:, :max_len] = logical
+    pool[table.long()] = padded.view(num_slots, max_blocks, block_size, *logical.shape[2:])
+    return pool, table
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seq, heads, kv_heads, head_dim", [(1, 4, 2, 16), (3, 6, 2, 24),
                                                             (5, 3, 3, 64), (2, 8, 1, 40)])
 @pytest.mark.parametrize("visibility", ["all", "mask", "causal"])
 def test_cache_attention_matches_sdpa(dtype, seq, heads, kv_heads, head_dim, visibility):
-    """Grouped-query attention of S new tokens over scattered slots of a float32 cache, q a
-    strided view (as the model's rotated q and k share one tensor): equal to SDPA in float64 up
-    to float32 arithmetic (bfloat16: one rounding of the output). A masked row that sees no key
-    (a padding query) gets zeros."""
+    """Grouped-query attention of S new tokens over a paged float32 cache read through shuffled
+    block tables, q a strided view (as the model's rotated q and k share one tensor): equal to
+    SDPA in float64 up to float32 arithmetic (bfloat16: one rounding of the output), and
+    bit-identical to the same cache with each slot's blocks in order (a contiguous cache). A
+    masked row that sees no key (a padding query) gets zeros."""
     gen = torch.Generator().manual_seed(seq * 100 + heads * 10 + head_dim)
     num_slots, max_len, kv_len, batch = 5, 40, 29, 3
-    k_cache = torch.randn(num_slots, max_len, kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_slots, max_len, kv_heads, head_dim, generator=gen)
+    k_logical = torch.randn(num_slots, max_len, kv_heads, head_dim, generator=gen)
+    v_logical = torch.randn(num_slots, max_len, kv_heads, head_dim, generator=gen)
     slots = torch.tensor([4, 0, 2])
     qk = torch.randn(batch, seq, heads + kv_heads, head_dim, generator=gen).to(dtype)
     q = qk[:, :, :heads]
@@ -166,11 +183,17 @@ def test_cache_attention_matches_sdpa(dtype, seq, heads, kv_heads, head_dim, vis
         mask = torch.rand(batch, 1, seq, kv_len, generator=gen) < 0.7
         mask[1, 0, 0] = False  # sees nothing
     scale = head_dim**-0.5
-    ours = cpu_kernels.cache_attention(q, k_cache, v_cache, slots, kv_len, mask,
-                                       visibility == "causal", scale)
+    outs = []
+    for block_size, shuffle in ((4, True), (16, True), (4, False)):
+        k_cache, table = _paged_cache(k_logical, block_size, shuffle)
+        v_cache, _ = _paged_cache(v_logical, block_size, shuffle)
+        outs.append(cpu_kernels.cache_attention(q, k_cache, v_cache, table[slots].contiguous(),
+                                                kv_len, mask, visibility == "causal", scale))
+    ours = outs[0]
     assert ours.dtype == dtype and ours.shape == (batch, seq, heads, head_dim)
-    ref = _sdpa_reference(q, k_cache, v_cache, slots, kv_len, mask, visibility == "causal",
-                          scale)
+    assert all(torch.equal(ours, other) for other in outs[1:])
+    ref = _sdpa_reference(q, k_logical, v_logical, slots, kv_len, mask,
+                          visibility == "causal", scale)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-8, atol=1e-3)
     torch.testing.assert_close(ours.double(), ref, **tol)
     if visibility == "mask":

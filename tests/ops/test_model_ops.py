@@ -54,9 +54,30 @@ def test_silu_mul_matches_twin(device):
     _close(triton_model.silu_mul(gu), model_ops.silu_mul(gu), 1e-5)
 
 
-def _attention_inputs(device, dtype, counts, contexts, hq=4, hkv=2, d=16, max_len=40, seed=3):
+def _paged(logical: torch.Tensor, table: torch.Tensor, block_size: int,
+           num_blocks: int) -> torch.Tensor:
+    """The pool [num_blocks, block_size, ...] holding ``logical`` [slots, max_len, ...] (slot s
+    position t at block ``table[s, t // block_size]``); the scratch block 0 stays zero."""
+    pool = logical.new_zeros((num_blocks, block_size) + tuple(logical.shape[2:]))
+    slots, max_len = logical.shape[:2]
+    for s in range(slots):
+        for t in range(max_len):
+            pool[table[s, t // block_size], t % block_size] = logical[s, t]
+    return pool
+
+
+def _logical(pool: torch.Tensor, table: torch.Tensor, num_slots: int, max_len: int):
+    """The inverse of ``_paged``: [num_slots, max_len, ...]."""
+    bs = pool.shape[1]
+    return torch.stack([pool[table[s].long()].flatten(0, 1)[:max_len] for s in range(num_slots)])
+
+
+def _attention_inputs(device, dtype, counts, contexts, hq=4, hkv=2, d=16, max_len=40, seed=3,
+                      block_size=4, in_order=False):
     """A flat step: request b feeds counts[b] new tokens (qkv rows) ending at position
-    contexts[b] - 1 of slot B - b; the caches hold random keys and values before them."""
+    contexts[b] - 1 of slot B - b; the paged caches hold random keys and values before them.
+    Blocks are handed out shuffled (``in_order``: slot s holds consecutive blocks), over a pool
+    with the scratch block 0 and a scratch slot row of zeros."""
     g = torch.Generator().manual_seed(seed)
     B, T = len(counts), sum(counts)
     qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=g).to(device, dtype)
@@ -65,17 +86,28 @@ def _attention_inputs(device, dtype, counts, contexts, hq=4, hkv=2, d=16, max_le
     sin = emb.sin()
     sin[:, : d // 2].neg_()  # the signed table of models.rope
     cos, sin = emb.cos().to(device, dtype), sin.to(device, dtype)
-    k_cache = torch.randn(B + 1, max_len, hkv, d, generator=g).to(device, dtype)
-    v_cache = torch.randn(B + 1, max_len, hkv, d, generator=g).to(device, dtype)
+    max_blocks = -(-max_len // block_size)
+    num_blocks = 1 + (B + 1) * max_blocks
+    order = torch.arange(1, num_blocks)
+    if not in_order:
+        order = order[torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(7))]
+    table = torch.zeros(B + 2, max_blocks, dtype=torch.int32)  # row B + 1: the scratch slot
+    table[: B + 1] = order.view(B + 1, max_blocks).to(torch.int32)
+    k_logical = torch.randn(B + 1, max_len, hkv, d, generator=g)
+    v_logical = torch.randn(B + 1, max_len, hkv, d, generator=g)
+    k_cache = _paged(k_logical, table, block_size, num_blocks).to(device, dtype)
+    v_cache = _paged(v_logical, table, block_size, num_blocks).to(device, dtype)
     slot_ids = torch.arange(B, 0, -1)  # not the identity
     positions = torch.cat([torch.arange(c - n, c) for n, c in zip(counts, contexts)])
-    slot_mapping = torch.repeat_interleave(slot_ids, torch.tensor(counts))
+    slots = torch.repeat_interleave(slot_ids, torch.tensor(counts))
+    slot_mapping = table[slots, positions // block_size].long() * block_size + (
+        positions % block_size)
     qs = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)))
     return dict(qkv=qkv, positions=positions.to(device), cos=cos, sin=sin, k_cache=k_cache,
                 v_cache=v_cache, slot_mapping=slot_mapping.to(device),
-                slot_ids=slot_ids.to(device), context_lens=torch.tensor(contexts).to(device),
-                query_start=qs.to(device), max_queries=max(counts), num_heads=hq,
-                num_kv_heads=hkv, scale=0.25)
+                block_tables=table.to(device), slot_ids=slot_ids.to(device),
+                context_lens=torch.tensor(contexts).to(device), query_start=qs.to(device),
+                max_queries=max(counts), num_heads=hq, num_kv_heads=hkv, scale=0.25)
 
 
 def _rope_attention(fn, inputs, **kwargs):
@@ -115,6 +147,27 @@ def test_cache_write_is_the_same_in_and_before_the_attention_launch(device, monk
     before = _rope_attention(triton_model.rope_cache_attention, inputs)
     for a, b in zip(inside, before):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("op", ["triton", "twin"])
+def test_paged_attention_equals_contiguous_bitwise(device, op, window):
+    """Attention through shuffled block tables gives the bits of the same caches laid out in
+    order (blocks of a slot consecutive, i.e. a contiguous cache): the kernel and the twin reduce
+    over positions in a fixed order whatever block holds them. Decode, verify-shaped and
+    prefill-shaped requests, block sizes 1, 4 and 16, caches compared position by position."""
+    fn = triton_model.rope_cache_attention if op == "triton" else model_ops.rope_cache_attention
+    counts, contexts = [1, 4, 3, 20], [1, 11, 37, 30]
+    for block_size in (1, 4, 16):
+        results = []
+        for in_order in (True, False):
+            inputs = _attention_inputs(device, torch.float32, counts, contexts, max_len=48,
+                                       block_size=block_size, in_order=in_order)
+            out, k, v = _rope_attention(fn, inputs, window=window)
+            table = inputs["block_tables"].cpu()
+            results.append((out, _logical(k.cpu(), table, 5, 48), _logical(v.cpu(), table, 5, 48)))
+        for a, b in zip(*results):
+            assert torch.equal(a.cpu(), b.cpu()), block_size
 
 
 def test_query_alone_equals_query_in_verify(device):

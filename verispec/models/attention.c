@@ -1,10 +1,12 @@
 /* Attention of a few new tokens per request over the KV cache, for CPU decode and verify steps.
  *
  * For token t = b * seq + s of request b and query head h (key/value head h / (heads / kv
- * heads)):   out[t, h] = sum_j p_j v[slot_b, j],  p = softmax_j(scale * q[t, h] . k[slot_b, j])
+ * heads)):   out[t, h] = sum_j p_j v[b, j],  p = softmax_j(scale * q[t, h] . k[b, j])
  * over the cache rows j < kv_len that the token may see: all of them, or those where
  * mask[b, s, j] is set, or with `causal` those up to its own position kv_len - seq + s. A token
- * that sees no row gets zeros. The cache is float32; q and out are bfloat16 (io_bf16) or
+ * that sees no row gets zeros. The cache is paged: position j of request b is row
+ * block_tables[b, j / block_size] * block_size + j % block_size of the layer's pool
+ * [num_blocks * block_size, kv heads, head_dim]. The cache is float32; q and out are bfloat16 (io_bf16) or
  * float32; scores, softmax and the weighted sum run in float32. It reads each key and value
  * row where it lies in the cache (no gathered copy) and needs no layout change of q: what
  * torch's SDPA costs at one query per request is mostly fixed overhead (~75 us a call on a
@@ -43,15 +45,20 @@ static inline void axpy(float *acc, float w, const float *v, int64_t n) {
     for (; i < n; i++) acc[i] += w * v[i];
 }
 
+/* The pool row of position j of a request whose block table is `table`. */
+#define ROW(table, j, block_size) \
+    ((int64_t)(table)[(j) / (block_size)] * (block_size) + (j) % (block_size))
+
 /* Returns 0, or -1 when scratch memory cannot be allocated. num_threads >= 1. */
 int cache_attention(const void *q, int64_t q_token_stride, void *out, int io_bf16,
-                    const float *k_cache, const float *v_cache, const int64_t *slots,
-                    int64_t slot_stride, int64_t batch, int64_t seq, int64_t num_heads,
+                    const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                    int64_t bt_stride, int64_t block_size, int64_t batch, int64_t seq,
+                    int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t kv_len,
                     const uint8_t *mask, int causal, float scale, int num_threads) {
     int64_t items = batch * seq * num_heads;
     int64_t group = num_heads / num_kv_heads;
-    int64_t row_stride = num_kv_heads * head_dim; /* between cache rows of one slot */
+    int64_t row_stride = num_kv_heads * head_dim; /* between cache rows */
     size_t per_thread = (size_t)(kv_len + 2 * head_dim + 16);
     float *scratch = malloc(sizeof(float) * per_thread * (size_t)num_threads);
     if (scratch == NULL) return -1;
@@ -62,8 +69,9 @@ int cache_attention(const void *q, int64_t q_token_stride, void *out, int io_bf1
         int64_t t = item / num_heads, h = item % num_heads;
         int64_t b = t / seq, s = t % seq;
         int64_t g = h / group;
-        const float *keys = k_cache + slots[b] * slot_stride + g * head_dim;
-        const float *values = v_cache + slots[b] * slot_stride + g * head_dim;
+        const float *keys = k_cache + g * head_dim;
+        const float *values = v_cache + g * head_dim;
+        const int32_t *table = block_tables + b * bt_stride;
         const uint8_t *visible = mask ? mask + (b * seq + s) * kv_len : NULL;
         int64_t last = causal ? kv_len - seq + s : kv_len - 1; /* the last row it may see */
         int64_t q_at = t * q_token_stride + h * head_dim;
@@ -72,8 +80,9 @@ int cache_attention(const void *q, int64_t q_token_stride, void *out, int io_bf1
                             : ((const float *)q)[q_at + i];
         float m = -INFINITY;
         for (int64_t j = 0; j <= last; j++) {
-            p[j] = (visible && !visible[j]) ? -INFINITY
-                                            : scale * dot(qf, keys + j * row_stride, head_dim);
+            p[j] = (visible && !visible[j])
+                       ? -INFINITY
+                       : scale * dot(qf, keys + ROW(table, j, block_size) * row_stride, head_dim);
             if (p[j] > m) m = p[j];
         }
         memset(acc, 0, sizeof(float) * (size_t)head_dim);
@@ -84,7 +93,8 @@ int cache_attention(const void *q, int64_t q_token_stride, void *out, int io_bf1
                 sum += p[j];
             }
             for (int64_t j = 0; j <= last; j++)
-                if (p[j] != 0.0f) axpy(acc, p[j], values + j * row_stride, head_dim);
+                if (p[j] != 0.0f)
+                    axpy(acc, p[j], values + ROW(table, j, block_size) * row_stride, head_dim);
             float inv = 1.0f / sum;
             for (int64_t i = 0; i < head_dim; i++) acc[i] *= inv;
         }

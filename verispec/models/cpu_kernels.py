@@ -158,7 +158,7 @@ def _library() -> ctypes.CDLL | None:
                                              ctypes.c_int]
     library.cache_attention.restype = ctypes.c_int
     library.cache_attention.argtypes = (
-        [ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr] + [i64] * 7
+        [ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr] + [i64] * 8
         + [ptr, ctypes.c_int, ctypes.c_float, ctypes.c_int])
     library.philox_uniform.restype = None
     library.philox_uniform.argtypes = [ptr] * 4 + [i64, ptr]
@@ -332,12 +332,13 @@ def rejection_rows(probs: torch.Tensor | None, draft_probs: torch.Tensor | None,
 
 
 def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slots: torch.Tensor, kv_len: int, attn_mask: torch.Tensor | None,
+                    block_tables: torch.Tensor, kv_len: int, attn_mask: torch.Tensor | None,
                     is_causal: bool, scale: float) -> torch.Tensor:
     """Attention of ``q`` [B, S, heads, d] (bfloat16 or float32, each token's heads contiguous,
-    tokens evenly strided as in a view of a [B, S, *, d] tensor) over rows ``[0, kv_len)`` of
-    float32 caches [num_slots, max_len, kv_heads, d] at ``slots`` [B] int64: every row, or
-    ``attn_mask`` [B, 1, S, kv_len] bool (True = attend), or causal with the S tokens last.
+    tokens evenly strided as in a view of a [B, S, *, d] tensor) over positions ``[0, kv_len)``
+    of paged float32 caches [num_blocks, block_size, kv_heads, d], request b's through
+    ``block_tables[b]`` (int32, rows contiguous): every position, or ``attn_mask`` [B, 1, S,
+    kv_len] bool (True = attend), or causal with the S tokens last.
     Returns [B, S, heads, d] in q's dtype; a token that sees no row gets zeros. Only where
     ``available()``."""
     batch, seq, num_heads, head_dim = q.shape
@@ -346,11 +347,16 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q = q.contiguous()
     out = q.new_empty((batch, seq, num_heads, head_dim))
     mask = None if attn_mask is None else attn_mask.contiguous()
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        raise ValueError("cache_attention: block_tables must be int32 with contiguous rows")
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"cache_attention: {block_tables.shape[0]} block-table rows for a batch "
+                         f"of {batch}")
     status = _library().cache_attention(
         q.data_ptr(), q.stride(1), out.data_ptr(), q.dtype == torch.bfloat16,
-        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k_cache.stride(0), batch, seq,
-        num_heads, num_kv_heads, head_dim, kv_len, None if mask is None else mask.data_ptr(),
-        is_causal, scale, torch.get_num_threads())
+        k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        k_cache.shape[1], batch, seq, num_heads, num_kv_heads, head_dim, kv_len,
+        None if mask is None else mask.data_ptr(), is_causal, scale, torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"cache_attention: no scratch memory for {kv_len} cache rows")
     return out

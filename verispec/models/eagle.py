@@ -210,7 +210,7 @@ class EagleHead(nn.Module):
         hidden: torch.Tensor,  # [B, S, D]: target hidden states (D = fc input) or the head's own
         from_target: bool,  # hidden is the target's (fc applies) or the head's previous output
         meta: AttentionMetadata,
-        k_caches: list[torch.Tensor],  # [1] x [num_slots, max_model_len, hkv, head_dim]
+        k_caches: list[torch.Tensor],  # [1] x [num_blocks, block_size, hkv, head_dim]
         v_caches: list[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (hidden for the LM head [B, S, H], hidden for the next draft step [B, S, H])."""
@@ -233,7 +233,7 @@ class EagleHead(nn.Module):
         hidden: torch.Tensor,  # [T, D]: target hidden states or the head's own (as forward)
         from_target: bool,
         batch: FlatBatch,
-        k_caches: list[torch.Tensor],  # [1] x [num_slots + 1, rows, hkv, head_dim]
+        k_caches: list[torch.Tensor],  # [1] x [num_blocks, block_size, hkv, head_dim]
         v_caches: list[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` on the flat layout of a GPU step (``LlamaForCausalLM.forward_flat``: one

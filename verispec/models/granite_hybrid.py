@@ -253,7 +253,7 @@ class GraniteHybridForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [B, S] int64 (padding columns hold any valid id)
         meta: AttentionMetadata,
-        k_caches: list,  # per layer: K [num_slots, max_model_len, hkv, d] | MambaLayerState
+        k_caches: list,  # per layer: K [num_blocks, block_size, hkv, d] | MambaLayerState
         v_caches: list,  # per layer: V [num_slots, max_model_len, hkv, d] | MambaLayerState
         num_layers: int | None = None,
         capture_layers: tuple[int, ...] = (),
@@ -284,7 +284,7 @@ class GraniteHybridForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         batch: FlatBatch,
-        k_caches: list,  # per layer: K [num_slots + 1, rows, hkv, d] | MambaLayerState
+        k_caches: list,  # per layer: K [num_blocks, block_size, hkv, d] | MambaLayerState
         v_caches: list,  # per layer: V [num_slots + 1, rows, hkv, d] | MambaLayerState
         num_layers: int | None = None,
         capture_layers: tuple[int, ...] = (),

@@ -1,11 +1,11 @@
 """A Llama-family decoder in torch: Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM.
 
-RMSNorm, RoPE, grouped-query attention over a preallocated per-slot KV cache, SwiGLU MLP, tied or
+RMSNorm, RoPE, grouped-query attention over a paged KV cache, SwiGLU MLP, tied or
 untied LM head. Written for a batch of requests that each append a different number of new tokens
 (prefill, decode, or the n_r + 1 positions of a speculative verify step) in one forward:
 
 - inputs are padded to ``[B, S]`` (S = the largest number of new tokens of the step);
-- each layer writes the K/V of the valid tokens into the cache at their slot and position, then
+- each layer writes the K/V of the valid tokens into the cache at their cache slots, then
   attends over the cache rows of the batch up to ``kv_len`` with a mask built once per step
   (``AttentionMetadata``), so no Python runs per request inside a layer.
 
@@ -32,15 +32,16 @@ class FlatBatch:
     """What the layers of a GPU step share (the flat token layout of ``verispec.ops.model_ops``):
     T new tokens of B requests, request b owning ``[query_start[b], query_start[b + 1])``."""
 
-    positions: torch.Tensor  # [T] int64: each token's position (= cache row)
-    slot_mapping: torch.Tensor  # [T] int64: each token's cache slot
-    slot_ids: torch.Tensor  # [B] int64
-    context_lens: torch.Tensor  # [B] int64: cache rows of each request after the step
+    positions: torch.Tensor  # [T] int64: each token's position in its request
+    slot_mapping: torch.Tensor  # [T] int64: each token's cache slot (block * block_size + row)
+    slot_ids: torch.Tensor  # [B] int64: each request's slot (its row of block_tables)
+    context_lens: torch.Tensor  # [B] int64: positions of each request after the step
     query_start: torch.Tensor  # [B + 1] int64, leading 0
     max_queries: int  # >= every request's number of new tokens
     cos: torch.Tensor  # [L, head_dim] model dtype (models.rope tables)
     sin: torch.Tensor  # [L, head_dim] model dtype, signed
     ops: ModelOps
+    block_tables: torch.Tensor  # [num_slots + 1, max_blocks] int32: every slot's blocks
 
 
 @dataclass
@@ -49,14 +50,14 @@ class AttentionMetadata:
 
     cos: torch.Tensor  # [B, S, 1, head_dim] model dtype
     sin: torch.Tensor  # [B, S, 1, head_dim] model dtype, signed (see rope.apply_rope)
-    write_slots: torch.Tensor  # [N] int64: cache slot of each valid new token
-    write_positions: torch.Tensor  # [N] int64: its position (= cache row)
+    write_slots: torch.Tensor  # [N] int64: request slot of each valid new token
+    write_positions: torch.Tensor  # [N] int64: its position in the request
+    slot_mapping: torch.Tensor  # [N] int64: its cache slot (block * block_size + row)
     valid_index: torch.Tensor | None  # [N] int64 into the flattened [B * S] tokens; None = all
-    read_slots: slice | torch.Tensor  # cache slots of the batch rows, in order
-    kv_len: int  # attend over cache rows [0, kv_len)
+    block_tables: torch.Tensor  # [B, >= ceil(kv_len / block_size)] int32: the batch rows' blocks
+    kv_len: int  # attend over positions [0, kv_len)
     attn_mask: torch.Tensor | None  # [B, 1, S, kv_len] bool, True = attend; None = see is_causal
     is_causal: bool = False  # with attn_mask None: causal (prefill from an empty cache) or all
-    slot_ids: torch.Tensor | None = None  # [B] int64 read slots, for the CPU attention kernel
 
 
 # Steps of at most this many new tokens per request (decode, verify, short prefills) attend
@@ -177,10 +178,19 @@ def invariant_linear(
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+def gather_positions(cache: torch.Tensor, block_tables: torch.Tensor, kv_len: int
+                     ) -> torch.Tensor:
+    """Positions ``[0, kv_len)`` of each request of a paged cache ``[num_blocks, block_size,
+    kv_heads, head_dim]`` through its block table [B, *]: [B, kv_len, kv_heads, head_dim]."""
+    num_blocks = -(-kv_len // cache.shape[1])
+    blocks = block_tables[:, :num_blocks].long()
+    return cache[blocks].flatten(1, 2)[:, :kv_len]
+
+
 def invariant_attention(
     q: torch.Tensor,  # [B, S, heads, head_dim]
-    k_cache: torch.Tensor,  # [num_slots, max_model_len, kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_slots, max_model_len, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
@@ -191,7 +201,8 @@ def invariant_attention(
     Returns [B, S, heads, head_dim] in the cache dtype (zeros for a token that sees no row)."""
     B, S, num_heads, head_dim = q.shape
     out = q.new_zeros((B, S, num_heads, head_dim), dtype=k_cache.dtype)
-    read_slots = meta.slot_ids.tolist()
+    block_size = k_cache.shape[1]
+    k_rows, v_rows = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
     for b in range(B):
         for s in range(S):
             if meta.attn_mask is not None:
@@ -201,8 +212,10 @@ def invariant_attention(
                 rows = torch.arange(last + 1)
             if rows.numel() == 0:
                 continue
-            keys = k_cache[read_slots[b], rows].transpose(0, 1)  # [kv_heads, n, head_dim]
-            values = v_cache[read_slots[b], rows].transpose(0, 1)
+            rows = (meta.block_tables[b].long()[rows // block_size] * block_size
+                    + rows % block_size)
+            keys = k_rows[rows].transpose(0, 1)  # [kv_heads, n, head_dim]
+            values = v_rows[rows].transpose(0, 1)
             out[b, s] = F.scaled_dot_product_attention(
                 q[b, s, :, None].to(k_cache.dtype), keys, values, scale=scale,
                 enable_gqa=num_heads != keys.shape[0])[:, 0]
@@ -237,8 +250,8 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,  # [B, S, hidden]
         meta: AttentionMetadata,
-        k_cache: torch.Tensor,  # [num_slots, max_model_len, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,  # [num_slots, max_model_len, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     ) -> torch.Tensor:
         B, S, _ = x.shape
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.matmul_splits,
@@ -262,18 +275,18 @@ class Attention(nn.Module):
         new_v = v.to(v_cache.dtype).reshape(B * S, hkv, d)
         if meta.valid_index is not None:  # drop padding tokens: they must not touch the cache
             new_k, new_v = new_k[meta.valid_index], new_v[meta.valid_index]
-        index = (meta.write_slots, meta.write_positions)
-        k_cache.index_put_(index, new_k)
-        v_cache.index_put_(index, new_v)
+        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, new_k)
+        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, new_v)
 
         invariant = self.batch_invariant and k_cache.device.type == "cpu"
-        if ((S <= CPU_KERNEL_MAX_QUERIES or invariant) and meta.slot_ids is not None
+        if ((S <= CPU_KERNEL_MAX_QUERIES or invariant)
                 and k_cache.dtype == torch.float32 and k_cache.device.type == "cpu"
-                and k_cache[0].is_contiguous() and v_cache.stride() == k_cache.stride()
-                and v_cache[0].is_contiguous() and cpu_kernels.available()):
+                and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and cpu_kernels.available()):
             # One (token, head) at a time over its visible rows in order: batch invariant.
-            out = cpu_kernels.cache_attention(q, k_cache, v_cache, meta.slot_ids, meta.kv_len,
-                                              meta.attn_mask, meta.is_causal, self.scale)
+            out = cpu_kernels.cache_attention(q, k_cache, v_cache, meta.block_tables,
+                                              meta.kv_len, meta.attn_mask, meta.is_causal,
+                                              self.scale)
         elif invariant:
             out = invariant_attention(q, k_cache, v_cache, meta, self.scale)
         else:
@@ -282,8 +295,8 @@ class Attention(nn.Module):
             return linear(out.to(x.dtype).reshape(B, S, self.q_size), self.o_weight,
                           self.o_bias, self.matmul_splits, self.upcast_rows,
                           self.batch_invariant)
-        keys = k_cache[meta.read_slots, : meta.kv_len]  # [B, kv_len, hkv, d]
-        values = v_cache[meta.read_slots, : meta.kv_len]
+        keys = gather_positions(k_cache, meta.block_tables, meta.kv_len)  # [B, kv_len, hkv, d]
+        values = gather_positions(v_cache, meta.block_tables, meta.kv_len)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2).to(k_cache.dtype),  # [B, hq, S, d]
             keys.transpose(1, 2),  # [B, hkv, kv_len, d]
@@ -305,7 +318,8 @@ class Attention(nn.Module):
         qkv = ops.linear(h, self.qkv_weight, self.qkv_bias)
         out = ops.rope_cache_attention(
             qkv, batch.positions, batch.cos, batch.sin, k_cache, v_cache, batch.slot_mapping,
-            batch.slot_ids, batch.context_lens, batch.query_start, batch.max_queries,
+            batch.block_tables, batch.slot_ids, batch.context_lens, batch.query_start,
+            batch.max_queries,
             self.num_heads, self.num_kv_heads, self.scale, self.window,
             None if self.q_norm is None else self.q_norm.weight,
             None if self.k_norm is None else self.k_norm.weight,
@@ -400,7 +414,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [B, S] int64 (padding rows/columns hold any valid id)
         meta: AttentionMetadata,
-        k_caches: list[torch.Tensor],  # per layer [num_slots, max_model_len, hkv, head_dim]
+        k_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, hkv, head_dim]
         v_caches: list[torch.Tensor],
         num_layers: int | None = None,
         capture_layers: tuple[int, ...] = (),
@@ -424,7 +438,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         batch: FlatBatch,
-        k_caches: list[torch.Tensor],  # per layer [num_slots, rows, hkv, head_dim]
+        k_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, hkv, head_dim]
         v_caches: list[torch.Tensor],
         num_layers: int | None = None,
         capture_layers: tuple[int, ...] = (),

@@ -3,17 +3,21 @@ Triton (``verispec.ops.triton_model``) with one signature each.
 
 A step holds T new tokens of B requests, flattened request-major: request b owns tokens
 ``[query_start[b], query_start[b + 1])``, which occupy positions ``context_lens[b] - n_b ..
-context_lens[b] - 1`` of its cache slot (n_b = its number of new tokens). Every op computes each
+context_lens[b] - 1`` of its request (n_b = its number of new tokens). The KV cache is paged
+(``verispec.runtime.kv_cache``): per layer a pool ``[num_blocks, block_size, Hkv, D]``; position
+t of the request in slot s lives in block ``block_tables[s, t // block_size]`` at row
+``t % block_size``, and a token's *cache slot* (``slot_mapping``) is ``block * block_size + row``. Every op computes each
 row the same way whatever else is in the batch and however many tokens the step holds (REFERENCE
 §12): a row's result depends on that row (and, for attention, on its own cache rows) only.
 
 - ``rms_norm(x, weight, eps, residual=None)``: with ``residual``, first ``residual += x`` in place
   (the decoder's residual add), then the norm of the sum;
 - ``rope_cache_write``: RoPE on q and k of the fused qkv projection (after Qwen3's per-head norm
-  where the model has one), k and v written into the KV cache at each token's slot and position;
+  where the model has one), k and v written into the KV cache at each token's cache slot;
   returns the rotated q;
-- ``cache_attention``: causal attention of each new token over its request's cache rows
-  ``[0, position]`` (a sliding window where the model has one), grouped-query;
+- ``cache_attention``: causal attention of each new token over its request's positions
+  ``[0, position]`` (a sliding window where the model has one) read through its block table,
+  grouped-query;
 - ``rope_cache_attention``: the two above in one op (one kernel on the GPU);
 - ``silu_mul``: ``silu(gate) * up`` of the fused gate|up projection;
 - ``linear``: ``x @ weight.T + bias``, on the GPU a kernel whose reduction order over the input
@@ -57,17 +61,17 @@ def rope_cache_write(
     positions: torch.Tensor,  # [T] int64
     cos: torch.Tensor,  # [L, D] model dtype
     sin: torch.Tensor,  # [L, D] model dtype, signed ([-sin, sin], see models.rope)
-    k_cache: torch.Tensor,  # [num_slots, max_len, Hkv, D]
-    v_cache: torch.Tensor,  # [num_slots, max_len, Hkv, D]
-    slot_mapping: torch.Tensor,  # [T] int64: cache slot of each token
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64: cache slot of each token (block * block_size + row)
     num_heads: int,
     num_kv_heads: int,
     q_norm: torch.Tensor | None = None,  # [D] Qwen3 per-head norm of q
     k_norm: torch.Tensor | None = None,  # [D]
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Rotate q and k of each token by its position, write k and v into the cache at
-    ``(slot_mapping[t], positions[t])``. Returns q [T, Hq, D] (rotated) in qkv's dtype."""
+    """Rotate q and k of each token by its position, write k and v into the cache at cache slot
+    ``slot_mapping[t]``. Returns q [T, Hq, D] (rotated) in qkv's dtype."""
     from verispec.models.rope import apply_rope
 
     T = qkv.shape[0]
@@ -81,33 +85,36 @@ def rope_cache_write(
     c, s = cos[positions][:, None], sin[positions][:, None]  # [T, 1, D]
     q = apply_rope(q[None], c[None], s[None])[0]
     k = apply_rope(k[None], c[None], s[None])[0]
-    k_cache[slot_mapping, positions] = k.to(k_cache.dtype)
-    v_cache[slot_mapping, positions] = v.to(v_cache.dtype)
+    k_cache.view(-1, num_kv_heads, D)[slot_mapping] = k.to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, D)[slot_mapping] = v.to(v_cache.dtype)
     return q.contiguous()
 
 
 def cache_attention(
     q: torch.Tensor,  # [T, Hq, D]
-    k_cache: torch.Tensor,  # [num_slots, max_len, Hkv, D]
-    v_cache: torch.Tensor,  # [num_slots, max_len, Hkv, D]
-    slot_ids: torch.Tensor,  # [B] int64
-    context_lens: torch.Tensor,  # [B] int64: cache rows of each request after this step
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [num_slots + 1, max_blocks] int32
+    slot_ids: torch.Tensor,  # [B] int64: each request's row of block_tables
+    context_lens: torch.Tensor,  # [B] int64: positions of each request after this step
     query_start: torch.Tensor,  # [B + 1] int64, leading 0
     max_queries: int,  # >= every n_b (the kernel's grid; unused by the twin)
     scale: float,
     window: int | None = None,  # sliding window: a query at p sees keys p - window < key <= p
 ) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its cache rows. Returns [T, Hq, D] in
-    q's dtype (softmax in float32)."""
+    """Causal attention of each request's new tokens over its positions, read through its block
+    table. Returns [T, Hq, D] in q's dtype (softmax in float32)."""
     out = torch.empty_like(q)
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    num_heads, block_size, num_kv_heads = q.shape[1], k_cache.shape[1], k_cache.shape[2]
     starts = query_start.tolist()
     for b, (slot, ctx) in enumerate(zip(slot_ids.tolist(), context_lens.tolist())):
         lo, hi = starts[b], starts[b + 1]
         if hi == lo:
             continue
-        keys = k_cache[slot, :ctx].float().repeat_interleave(num_heads // num_kv_heads, 1)
-        values = v_cache[slot, :ctx].float().repeat_interleave(num_heads // num_kv_heads, 1)
+        blocks = block_tables[slot, : -(-ctx // block_size)].long()
+        group = num_heads // num_kv_heads
+        keys = k_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(group, 1)
+        values = v_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(group, 1)
         query_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)[:, None]  # [n, 1]
         key_pos = torch.arange(ctx, device=q.device)[None, :]
         visible = key_pos <= query_pos
@@ -124,9 +131,10 @@ def rope_cache_attention(
     positions: torch.Tensor,  # [T] int64
     cos: torch.Tensor,  # [L, D]
     sin: torch.Tensor,  # [L, D] signed
-    k_cache: torch.Tensor,  # [num_slots, max_len, Hkv, D]
-    v_cache: torch.Tensor,  # [num_slots, max_len, Hkv, D]
-    slot_mapping: torch.Tensor,  # [T] int64
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64: cache slot of each token
+    block_tables: torch.Tensor,  # [num_slots + 1, max_blocks] int32
     slot_ids: torch.Tensor,  # [B] int64
     context_lens: torch.Tensor,  # [B] int64
     query_start: torch.Tensor,  # [B + 1] int64, leading 0
@@ -140,10 +148,11 @@ def rope_cache_attention(
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """``rope_cache_write`` then ``cache_attention`` (one kernel on the GPU, which derives
-    ``positions`` and ``slot_mapping`` from the request layout). Returns [T, Hq, D]."""
+    ``positions`` and ``slot_mapping`` from the request layout and the block tables). Returns
+    [T, Hq, D]."""
     q = rope_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
                          num_kv_heads, q_norm, k_norm, eps)
-    return cache_attention(q, k_cache, v_cache, slot_ids, context_lens, query_start,
+    return cache_attention(q, k_cache, v_cache, block_tables, slot_ids, context_lens, query_start,
                            max_queries, scale, window)
 
 

@@ -137,9 +137,10 @@ def _rope_rows(src, d, partner, pos, ok, cos_ptr, sin_ptr, stride_cos, norm_ptr,
 
 @triton.jit
 def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr,
-                           out_ptr, slot_ptr, ctx_ptr, qs_ptr, stride_qkv, stride_cos,
-                           stride_kc_slot, stride_kc_pos, stride_kc_head, stride_vc_slot,
-                           stride_vc_pos, stride_vc_head, stride_ot, stride_oh, scale, window, eps,
+                           out_ptr, bt_ptr, slot_ptr, ctx_ptr, qs_ptr, stride_qkv, stride_cos,
+                           stride_bt, stride_kc_block, stride_kc_pos, stride_kc_head,
+                           stride_vc_block, stride_vc_pos, stride_vc_head, stride_ot, stride_oh,
+                           scale, window, eps, BLOCK_SIZE: tl.constexpr,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                            BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
                            HAS_QK_NORM: tl.constexpr, WINDOWED: tl.constexpr,
@@ -156,8 +157,10 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
     ctx = tl.load(ctx_ptr + b)
     d = tl.arange(0, D)
     partner = (d + D // 2) % D
-    k_base = k_cache_ptr + slot * stride_kc_slot + kv_head * stride_kc_head
-    v_base = v_cache_ptr + slot * stride_vc_slot + kv_head * stride_vc_head
+    # Position t of the request lives in block bt[slot, t // BLOCK_SIZE], row t % BLOCK_SIZE.
+    bt_row = bt_ptr + slot * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kc_head
+    v_base = v_cache_ptr + kv_head * stride_vc_head
     last_query = tl.minimum(num_q - 1, (tile * BLOCK_Q + BLOCK_Q - 1) // G)
     if WRITE:
         # K (rotated) and V of the new tokens, in blocks of BLOCK_Q tokens: with ATTEND every
@@ -172,13 +175,16 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
             p = ctx - num_q + j
             k = _rope_rows(qkv_ptr + tok[:, None] * stride_qkv + (HQ + kv_head) * D, d, partner,
                            p, ok, cos_ptr, sin_ptr, stride_cos, kn_ptr, eps, D, HAS_QK_NORM)
-            rows = p[:, None].to(tl.int64)
-            tl.store(k_base + rows * stride_kc_pos + d[None, :],
-                     k.to(k_cache_ptr.dtype.element_ty), mask=ok[:, None])
+            block = tl.load(bt_row + p // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+            row = (p % BLOCK_SIZE).to(tl.int64)
+            k_at = (block * stride_kc_block + row * stride_kc_pos)[:, None]
+            v_at = (block * stride_vc_block + row * stride_vc_pos)[:, None]
+            tl.store(k_base + k_at + d[None, :], k.to(k_cache_ptr.dtype.element_ty),
+                     mask=ok[:, None])
             v = tl.load(qkv_ptr + tok[:, None] * stride_qkv + (HQ + HKV + kv_head) * D
                         + d[None, :], mask=ok[:, None], other=0.0)
-            tl.store(v_base + rows * stride_vc_pos + d[None, :],
-                     v.to(v_cache_ptr.dtype.element_ty), mask=ok[:, None])
+            tl.store(v_base + v_at + d[None, :], v.to(v_cache_ptr.dtype.element_ty),
+                     mask=ok[:, None])
         tl.debug_barrier()  # this program's cache writes are visible to its reads below
     if ATTEND:
         rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)  # row = query * G + head in group
@@ -201,10 +207,12 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
         for start in range(kv_lo, last_pos + 1, BLOCK_KV):
             key_pos = start + tl.arange(0, BLOCK_KV)
             key_ok = key_pos <= last_pos
-            k = tl.load(k_base + key_pos[:, None].to(tl.int64) * stride_kc_pos + d[None, :],
-                        mask=key_ok[:, None], other=0.0)
-            v = tl.load(v_base + key_pos[:, None].to(tl.int64) * stride_vc_pos + d[None, :],
-                        mask=key_ok[:, None], other=0.0)
+            block = tl.load(bt_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            row = (key_pos % BLOCK_SIZE).to(tl.int64)
+            k = tl.load(k_base + (block * stride_kc_block + row * stride_kc_pos)[:, None]
+                        + d[None, :], mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_base + (block * stride_vc_block + row * stride_vc_pos)[:, None]
+                        + d[None, :], mask=key_ok[:, None], other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BQ, BKV] f32
             visible = key_pos[None, :] <= pos[:, None]
             if WINDOWED:
@@ -291,13 +299,18 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 FUSED_WRITE_MAX_QUERIES = 16
 
 
-def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, slot_ids,
-                         context_lens, query_start, max_queries, num_heads, num_kv_heads, scale,
-                         window=None, q_norm=None, k_norm=None, eps=1e-6) -> torch.Tensor:
-    """See ``model_ops.rope_cache_attention``. The kernel derives each token's position and slot
-    from ``context_lens``, ``query_start`` and ``slot_ids`` (``positions`` and ``slot_mapping``
-    are the twin's)."""
+def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
+                         slot_ids, context_lens, query_start, max_queries, num_heads, num_kv_heads,
+                         scale, window=None, q_norm=None, k_norm=None, eps=1e-6) -> torch.Tensor:
+    """See ``model_ops.rope_cache_attention``. The kernel derives each token's position and cache
+    slot from ``context_lens``, ``query_start``, ``slot_ids`` and ``block_tables``
+    (``positions`` and ``slot_mapping`` are the twin's). Keys are read in tiles of
+    ``ATTENTION_BLOCK_KV`` positions from 0, whatever the blocks: the reduction order is that of
+    a contiguous cache, so paging changes no bit."""
     _check_index(slot_ids=slot_ids, context_lens=context_lens, query_start=query_start)
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        raise ValueError(f"block_tables must be contiguous int32, got {block_tables.dtype} with "
+                         f"strides {block_tables.stride()}")
     T = qkv.shape[0]
     D = cos.shape[-1]
     B = slot_ids.shape[0]
@@ -312,11 +325,11 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
     has_norm = q_norm is not None
     grid = (B, num_kv_heads, triton.cdiv(max_queries * G, ATTENTION_BLOCK_Q))
     args = (qkv, cos, sin, q_norm if has_norm else cos, k_norm if has_norm else cos, k_cache,
-            v_cache, out, slot_ids, context_lens, query_start, qkv.stride(0), cos.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-            v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), scale,
-            0 if window is None else window, eps)
-    meta = dict(HQ=num_heads, HKV=num_kv_heads, D=D, BLOCK_Q=ATTENTION_BLOCK_Q,
+            v_cache, out, block_tables, slot_ids, context_lens, query_start, qkv.stride(0),
+            cos.stride(0), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            out.stride(0), out.stride(1), scale, 0 if window is None else window, eps)
+    meta = dict(BLOCK_SIZE=k_cache.shape[1], HQ=num_heads, HKV=num_kv_heads, D=D, BLOCK_Q=ATTENTION_BLOCK_Q,
                 BLOCK_KV=ATTENTION_BLOCK_KV, HAS_QK_NORM=has_norm, WINDOWED=window is not None,
                 PRECISION=_precision(qkv.dtype), num_warps=4)
     fused = max_queries <= FUSED_WRITE_MAX_QUERIES

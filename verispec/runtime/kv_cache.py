@@ -1,30 +1,184 @@
-"""Preallocated per-slot KV cache (REFERENCE §6).
+"""The paged KV cache (docs/design.md §6, §13): K/V in a pool of fixed-size blocks, a block table
+per request slot, and the committed length of each slot.
 
-Each request owns one slot for its lifetime. A slot holds ``max_model_len`` rows per layer; its
-*committed length* says how many are live. Entries past it are dead: appending writes rows
-``[length, length + n)``, and rolling back (rejected draft tokens) only moves the length back.
-Nothing is reallocated while generating.
+- A *block* holds ``block_size`` consecutive positions of one request, in every layer. Position
+  ``t`` of the request in slot ``s`` lives at cache slot ``block_table[s, t // block_size] *
+  block_size + t % block_size`` of the per-layer pool ``[num_blocks, block_size, kv_heads,
+  head_dim]``. Models and kernels see only that layout (block tables, slot mapping, lengths).
+- Block 0 is the *scratch block*: never handed out, it takes every write that no request owns
+  (the padding tokens of a captured step past a request's blocks, the padding rows of a batch
+  bucket, whose block-table row ``scratch_slot`` is all zeros). Nothing live is ever read from it.
+- ``BlockPool`` is the host-side allocator (a free list and reference counts, ready for blocks
+  that several requests share). ``BlockTables`` gives each slot its blocks and keeps the device
+  copy the kernels read (a persistent tensor: CUDA graphs capture its address). A target's cache
+  owns its tables; a proposer's cache (draft model, EAGLE head, early exit) *shares* them: block
+  ``i`` of the draft's pool belongs to the same request as block ``i`` of the target's, so one
+  reservation covers both and the memory plan counts both per block.
+- The committed length of each slot is the cache's own (a draft's lags or leads the target's).
+  Entries past it are dead: appending writes positions ``[length, length + n)``, rolling back
+  rejected drafts only moves the length back; the blocks stay until the slot is freed.
+
+The engine reserves, before a step, the blocks that every write of the step needs (``reserve``:
+the k + 1 positions of a verify step); a runner used on its own reserves on append. A pool too
+small for a reservation answers False (the scheduler then preempts or waits): it never raises
+while serving.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import numpy as np
 import torch
 
 from verispec.models.config import ModelConfig
 
+DEFAULT_BLOCK_SIZE = 16
+SCRATCH_BLOCK = 0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockPool:
+    """Block ids ``1 .. num_blocks - 1`` (0 is the scratch block), each with a reference count;
+    free blocks are handed out in the order they were freed."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"a block pool needs at least 2 blocks (one is scratch), got "
+                             f"{num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
+        self._free: deque[int] = deque(range(1, num_blocks))
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the usable blocks in use (``vllm:kv_cache_usage_perc``)."""
+        return 1.0 - self.num_free / self.num_usable
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` blocks with reference count 1; ValueError if fewer are free (check first)."""
+        if n > len(self._free):
+            raise ValueError(f"cannot allocate {n} KV blocks: {len(self._free)} free")
+        blocks = [self._free.popleft() for _ in range(n)]
+        self.ref_counts[blocks] = 1
+        return blocks
+
+    def incref(self, blocks: list[int]) -> None:
+        """One more holder of each block (a request sharing another's blocks)."""
+        if blocks and (self.ref_counts[blocks] < 1).any():
+            raise ValueError(f"incref of a free block among {blocks[:8]}")
+        np.add.at(self.ref_counts, blocks, 1)
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference of each block; a block nobody holds returns to the free list."""
+        for block in blocks:
+            count = self.ref_counts[block]
+            if count < 1:
+                raise ValueError(f"double free of KV block {block}")
+            self.ref_counts[block] = count - 1
+            if count == 1:
+                self._free.append(block)
+
+
+class BlockTables:
+    """Each slot's blocks in order: host ``[num_slots + 1, max_blocks]`` int32 (row
+    ``num_slots`` = the scratch slot, all zeros; unassigned entries are zero too, so a write
+    past a slot's blocks lands in the scratch block) and the device copy the kernels read."""
+
+    def __init__(self, pool: BlockPool, num_slots: int, max_blocks: int, block_size: int,
+                 device: torch.device | str = "cpu") -> None:
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {block_size!r}")
+        self.pool = pool
+        self.num_slots = num_slots
+        self.max_blocks = max_blocks
+        self.block_size = block_size
+        self.scratch_slot = num_slots
+        self.device = torch.device(device)
+        self.table_np = np.zeros((num_slots + 1, max_blocks), dtype=np.int32)
+        self.num_blocks_np = np.zeros(num_slots + 1, dtype=np.int64)  # blocks held per slot
+        if self.device.type == "cpu":  # the kernels read the host table itself
+            self.table = torch.from_numpy(self.table_np)
+        else:
+            self.table = torch.zeros((num_slots + 1, max_blocks), dtype=torch.int32,
+                                     device=self.device)
+        self._dirty: set[int] = set()
+
+    def blocks_needed(self, slot: int, num_tokens: int) -> int:
+        """Blocks the slot lacks to hold positions ``[0, num_tokens)``."""
+        return max(0, cdiv(num_tokens, self.block_size) - int(self.num_blocks_np[slot]))
+
+    def reserve(self, slot: int, num_tokens: int) -> bool:
+        """Give ``slot`` blocks for positions ``[0, num_tokens)``; False (and nothing taken)
+        when the pool has too few free blocks."""
+        need = self.blocks_needed(slot, num_tokens)
+        if need == 0:
+            return True
+        have = int(self.num_blocks_np[slot])
+        if have + need > self.max_blocks:
+            raise ValueError(f"slot {slot}: {num_tokens} positions exceed the block table's "
+                             f"{self.max_blocks} blocks of {self.block_size}")
+        if need > self.pool.num_free:
+            return False
+        self.table_np[slot, have:have + need] = self.pool.allocate(need)
+        self.num_blocks_np[slot] = have + need
+        self._dirty.add(slot)
+        return True
+
+    def release(self, slot: int) -> None:
+        """Return every block of ``slot`` to the pool."""
+        have = int(self.num_blocks_np[slot])
+        if have:
+            self.pool.free(self.table_np[slot, :have].tolist())
+            self.table_np[slot, :have] = SCRATCH_BLOCK
+            self.num_blocks_np[slot] = 0
+            self._dirty.add(slot)
+
+    def blocks(self, slot: int) -> list[int]:
+        return self.table_np[slot, : int(self.num_blocks_np[slot])].tolist()
+
+    def sync(self) -> None:
+        """Copy the rows changed since the last sync to the device table (no-op on CPU)."""
+        if not self._dirty:
+            return
+        if self.device.type != "cpu":
+            rows = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
+            self.table[torch.from_numpy(rows).to(self.device)] = torch.from_numpy(
+                self.table_np[rows]).to(self.device)
+        self._dirty.clear()
+
+    def slot_mapping(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Cache slot of each (request slot, position) pair (host, int64)."""
+        blocks = self.table_np[slots, positions // self.block_size].astype(np.int64)
+        return blocks * self.block_size + positions % self.block_size
+
+
+def full_pool_blocks(num_slots: int, max_blocks: int) -> int:
+    """A pool where every slot can hold ``max_blocks`` blocks at once (+ the scratch block)."""
+    return num_slots * max_blocks + 1
+
 
 class KVCache:
-    """K and V tensors ``[num_layers, num_slots, max_model_len, num_kv_heads, head_dim]``.
+    """K and V pools ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` over
+    ``block_tables``, and the committed length of each slot.
 
-    Token-major rows make the append of a step one ``index_put_`` per layer; the attention reads
-    ``[slots, :kv_len]`` views. Zero-initialised, so never-written rows are finite (masked keys
-    with NaN values would still poison SDPA's weighted sum).
-
-    For fixed-shape (CUDA-graph) steps, ``extra_rows`` rows past ``max_model_len`` take the
-    writes of padding tokens after a request's last real one, and one more slot,
-    ``scratch_slot`` (= ``num_slots``), takes the rows that pad a batch up to its graph's size;
-    neither is ever live.
+    ``block_tables`` None: the cache makes and owns tables over a pool of ``num_blocks`` blocks
+    (default: every slot at full length, as a runner used on its own needs). Given: the cache
+    shares another cache's tables and pool (``owns_blocks`` False: freeing a slot only resets
+    its length here). ``extra_rows`` positions past ``max_model_len`` take the padding tokens
+    of a fixed-shape (CUDA-graph) step; ``scratch_slot`` (= ``num_slots``) the padding rows.
+    Zero-initialised, so never-written rows are finite.
     """
 
     def __init__(
@@ -36,34 +190,82 @@ class KVCache:
         device: torch.device | str = "cpu",
         num_layers: int | None = None,
         extra_rows: int = 0,
+        block_tables: BlockTables | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int | None = None,
     ) -> None:
+        self.num_layers = config.num_hidden_layers if num_layers is None else num_layers
+        self._init_pages(config, self.num_layers, num_slots, max_model_len, dtype, device,
+                         extra_rows, block_tables, block_size, num_blocks)
+        self.k_layers = list(self.k.unbind(0))  # per-layer views, indexed once here
+        self.v_layers = list(self.v.unbind(0))
+
+    def _init_pages(self, config: ModelConfig, num_attention_layers: int, num_slots: int,
+                    max_model_len: int, dtype: torch.dtype, device, extra_rows: int,
+                    block_tables: BlockTables | None, block_size: int,
+                    num_blocks: int | None) -> None:
         self.num_slots = num_slots
         self.max_model_len = max_model_len
-        self.num_layers = config.num_hidden_layers if num_layers is None else num_layers
         self.extra_rows = extra_rows
         self.scratch_slot = num_slots if extra_rows else None
-        shape = (self.num_layers, num_slots + (1 if extra_rows else 0), max_model_len + extra_rows,
+        if block_tables is None:
+            max_blocks = cdiv(max_model_len + extra_rows, block_size)
+            if num_blocks is None:
+                num_blocks = full_pool_blocks(num_slots, max_blocks)
+            block_tables = BlockTables(BlockPool(num_blocks), num_slots, max_blocks, block_size,
+                                       device)
+            self.owns_blocks = True
+        else:
+            if block_tables.num_slots != num_slots:
+                raise ValueError(f"shared block tables have {block_tables.num_slots} slots, "
+                                 f"this cache {num_slots}")
+            self.owns_blocks = False
+        self.block_tables = block_tables
+        self.block_size = block_tables.block_size
+        shape = (num_attention_layers, block_tables.pool.num_blocks, self.block_size,
                  config.num_key_value_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # Per-layer views, indexed once here rather than on every step.
-        self.k_layers = list(self.k.unbind(0))
-        self.v_layers = list(self.v.unbind(0))
         self.lengths_np = np.zeros(num_slots, dtype=np.int64)  # committed length per slot (host)
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, num_attention_layers: int, block_size: int,
+                        dtype: torch.dtype) -> int:
+        """K and V bytes of one block over ``num_attention_layers`` layers."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return (2 * num_attention_layers * block_size * config.num_key_value_heads
+                * config.head_dim * element)
 
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    @property
+    def pool(self) -> BlockPool:
+        return self.block_tables.pool
+
     def length(self, slot: int) -> int:
         return int(self.lengths_np[slot])
 
+    def set_lengths(self, slots, lengths) -> None:
+        """Set the committed length of each slot (a proposer whose captured step wrote its
+        rows; the positions must lie in the slots' reserved blocks)."""
+        self.lengths_np[slots] = lengths
+
     def check_append(self, slot: int, num_tokens: int) -> None:
-        if self.lengths_np[slot] + num_tokens > self.max_model_len:
+        """Make sure ``num_tokens`` positions can be appended to ``slot``: within
+        ``max_model_len`` and in blocks the slot holds (reserved here when the pool has them)."""
+        end = self.lengths_np[slot] + num_tokens
+        if end > self.max_model_len:
             raise ValueError(
                 f"slot {slot} holds {self.lengths_np[slot]} tokens; appending {num_tokens} "
                 f"exceeds max_model_len={self.max_model_len}"
             )
+        if not self.block_tables.reserve(slot, int(end)):
+            raise ValueError(
+                f"slot {slot}: no free KV block for positions up to {int(end)} "
+                f"({self.pool.num_free} of {self.pool.num_usable} blocks free); the engine "
+                "reserves blocks before a step")
 
     def advance(self, slots: list[int], num_tokens: list[int]) -> None:
         """Mark ``num_tokens[i]`` rows appended to ``slots[i]`` (the forward wrote them)."""
@@ -79,4 +281,7 @@ class KVCache:
         self.lengths_np[slot] = length
 
     def free(self, slot: int) -> None:
+        """The slot's request left: length 0, and its blocks back to the pool (owner only)."""
         self.lengths_np[slot] = 0
+        if self.owns_blocks:
+            self.block_tables.release(slot)

@@ -1,5 +1,5 @@
 """The model runner: one forward of a model over a batch of slots, each appending its own number
-of new tokens to its KV cache slot.
+of new tokens to its request's positions in the paged KV cache (``verispec.runtime.kv_cache``).
 
 This is the one entry point every kind of step uses:
 
@@ -17,8 +17,9 @@ kernel per small op, attention over the cache by ``verispec.ops.model_ops.cache_
 replays captured CUDA graphs (``verispec.runtime.cuda_graphs``) for steps of a fixed number of new
 tokens per request: ``capture([1, k + 1])`` captures decode and verify. A step whose requests feed
 at most S tokens each replays the graph of the smallest captured S' >= S: each request's tokens
-are padded to S' (the padding tokens write cache rows past the request's last real one, which are
-dead, and are never attended by a real token, all of which come before them). Prefill and steps
+are padded to S' (the padding tokens write positions past the request's last real one, which are
+dead — in the request's own blocks, or in the scratch block past them — and are never attended by
+a real token, all of which come before them). Prefill and steps
 larger than every graph run the same layout eagerly.
 """
 
@@ -35,6 +36,7 @@ from verispec.models.rope import rope_tables
 from verispec.ops import to_device
 from verispec.ops.model_ops import get_model_ops
 from verispec.runtime.cuda_graphs import CUDAGraphRunner, StepInput
+from verispec.runtime.kv_cache import DEFAULT_BLOCK_SIZE, BlockTables
 from verispec.runtime.state_cache import is_hybrid, make_cache
 
 LOGITS_MODES = ("last", "all", "none")
@@ -73,12 +75,19 @@ class ModelRunner:
         enforce_eager: bool = False,
         flat_layout: bool | None = None,
         batch_invariant: bool = True,
+        block_tables: BlockTables | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int | None = None,
+        num_layers: int | None = None,
     ) -> None:
         """``max_step_tokens``: the most new tokens per request a captured step may feed (k + 1
         for verify); ``flat_layout`` (default: on CUDA) runs the GPU path, also on CPU with the
         torch twins (tests); ``enforce_eager`` never replays graphs; ``batch_invariant=False``
         uses torch's matmul on the GPU path and torch's matmul and attention choices on the CPU path
-        (faster at some sizes, rows depend on the batch)."""
+        (faster at some sizes, rows depend on the batch). ``block_tables``: share another
+        runner's KV blocks (a proposer's runner shares the target's); else the cache owns a pool
+        of ``num_blocks`` blocks of ``block_size`` (default: every slot at full length).
+        ``num_layers``: cache only the first N layers (early exit)."""
         self.model = model
         self.config = model.config
         self.device = torch.device(device)
@@ -95,6 +104,8 @@ class ModelRunner:
         # output; every forward then keeps them in ``captured_hidden`` (captured steps too).
         self.capture_layers: tuple[int, ...] = ()
         self.captured_hidden: CapturedHidden | None = None
+        self._paging = dict(block_tables=block_tables, block_size=block_size,
+                            num_blocks=num_blocks, num_layers=num_layers)
         if self.flat:
             self._init_flat(num_slots, max_step_tokens, kv_cache_dtype, enforce_eager,
                             batch_invariant)
@@ -115,7 +126,7 @@ class ModelRunner:
                                   batch_invariant=batch_invariant)
         # A hybrid (Mamba2 + attention) model also keeps recurrent state per slot and position.
         self.kv_cache = make_cache(self.config, num_slots, max_model_len, kv_cache_dtype,
-                                   self.device, max_step_tokens=max_step_tokens)
+                                   self.device, max_step_tokens=max_step_tokens, **self._paging)
         # Angles in float32, then rounded to the model dtype once (as HF does per forward).
         cos, sin = rope_tables(self.config, max_model_len)
         self.cos = cos.to(self.device, self.dtype)  # [max_model_len, head_dim]
@@ -134,7 +145,7 @@ class ModelRunner:
         self.kv_cache = make_cache(self.config, num_slots, self.max_model_len,
                                    kv_cache_dtype or self.dtype, self.device,
                                    extra_rows=max(1, max_step_tokens),
-                                   max_step_tokens=max_step_tokens)
+                                   max_step_tokens=max_step_tokens, **self._paging)
         cos, sin = rope_tables(self.config, self.max_model_len + self.kv_cache.extra_rows)
         self.cos = cos.to(self.device, self.dtype)  # [rows, head_dim]
         self.sin = sin.to(self.device, self.dtype)
@@ -189,14 +200,18 @@ class ModelRunner:
         (capturable): request b's tokens occupy positions ``starts[b] ..``."""
         B = slot_ids.shape[0]
         offsets = torch.arange(num_queries, device=self.device)
+        positions = starts[:, None] + offsets  # [B, num_queries]
+        tables = self.kv_cache.block_tables
+        block_size = tables.block_size
+        blocks = tables.table[slot_ids[:, None], positions // block_size].long()
         return FlatBatch(
-            positions=(starts[:, None] + offsets).view(-1),
-            # contiguous() copies: for B = 1 the expanded view would keep stride 0
-            slot_mapping=slot_ids[:, None].expand(B, num_queries).contiguous().view(-1),
+            positions=positions.view(-1),
+            slot_mapping=(blocks * block_size + positions % block_size).view(-1),
             slot_ids=slot_ids,
             context_lens=starts + num_queries,
             query_start=torch.arange(0, (B + 1) * num_queries, num_queries, device=self.device),
             max_queries=num_queries, cos=self.cos, sin=self.sin, ops=self.ops,
+            block_tables=tables.table,
         )
 
     def fixed_step_hidden(self, input_ids: torch.Tensor, slot_ids: torch.Tensor,
@@ -231,6 +246,7 @@ class ModelRunner:
         ``scatter`` = (flat indices into it, device token ids) overwrites some of them on the
         device (drafts that never visit the host)."""
         cache = self.kv_cache
+        cache.block_tables.sync()
         B, width = ids.shape
         starts = cache.lengths_np[slots]
         num_queries = self._graph_for(B, width, num_layers)
@@ -287,13 +303,16 @@ class ModelRunner:
         np.cumsum(counts, out=query_start[1:])
         offsets = np.arange(int(counts.max()))
         positions = (starts[:, None] + offsets)[offsets < counts[:, None]]
-        slot_mapping = np.repeat(np.asarray(slots, dtype=np.int64), counts)
+        tables = self.kv_cache.block_tables
+        slot_mapping = tables.slot_mapping(
+            np.repeat(np.asarray(slots, dtype=np.int64), counts), positions)
 
         def dev(a) -> torch.Tensor:
             return to_device(np.ascontiguousarray(a, dtype=np.int64), self.device)
 
         return FlatBatch(dev(positions), dev(slot_mapping), dev(slots), dev(starts + counts),
-                         dev(query_start), int(counts.max()), self.cos, self.sin, self.ops)
+                         dev(query_start), int(counts.max()), self.cos, self.sin, self.ops,
+                         tables.table)
 
     @torch.inference_mode()
     def verify(self, slots: list[int], last_token_ids: list[int], draft_token_ids: torch.Tensor,
@@ -350,22 +369,22 @@ class ModelRunner:
             if window is not None:
                 attn_mask &= query_pos - keys < window
             attn_mask = attn_mask[:, None]  # [B, 1, width, kv_len]
-        first = slots[0]
-        contiguous = slots == list(range(first, first + B))
+        tables = self.kv_cache.block_tables
+        num_blocks = -(-kv_len // tables.block_size)
         meta = AttentionMetadata(
             cos=self.cos[rope_positions].unsqueeze(2),
             sin=self.sin[rope_positions].unsqueeze(2),
             write_slots=torch.from_numpy(slots_np).to(self.device),
             write_positions=torch.from_numpy(write_positions).to(self.device),
+            slot_mapping=torch.from_numpy(tables.slot_mapping(slots_np, write_positions)).to(
+                self.device),
             valid_index=None if valid_index is None
             else torch.from_numpy(valid_index).to(self.device),
-            read_slots=slice(first, first + B) if contiguous
-            else torch.tensor(slots, device=self.device),
+            block_tables=torch.from_numpy(np.ascontiguousarray(
+                tables.table_np[slots, :num_blocks])).to(self.device),
             kv_len=kv_len,
             attn_mask=attn_mask,
             is_causal=is_causal,
-            slot_ids=torch.tensor(slots, dtype=torch.int64) if self.device.type == "cpu"
-            else None,
         )
         return meta, positions, valid_index
 

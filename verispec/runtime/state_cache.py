@@ -1,9 +1,10 @@
-"""The cache of a hybrid (Mamba2 + attention) model: attention KV rows plus recurrent state per
+"""The cache of a hybrid (Mamba2 + attention) model: paged attention KV plus recurrent state per
 slot, rolled back by moving the slot's length (REFERENCE §6).
 
-``HybridCache`` is a ``KVCache`` (same lengths, ``advance`` / ``truncate`` / ``free``, the same
-per-layer ``k_layers`` / ``v_layers`` the model's forward takes) whose K/V cover the attention
-layers only; a Mamba2 layer's entry in ``k_layers`` and ``v_layers`` is its
+``HybridCache`` is a ``KVCache`` (same block tables and lengths, ``advance`` / ``truncate`` /
+``free``, the same per-layer ``k_layers`` / ``v_layers`` the model's forward takes) whose paged
+K/V cover the attention layers only (a request's recurrent state does not grow with its length,
+so it stays one entry per slot, not per block); a Mamba2 layer's entry in ``k_layers`` and ``v_layers`` is its
 ``MambaLayerState``: conv and SSM state for each slot at its last ``ring_size`` lengths, the
 state after L tokens at ring index ``L % ring_size`` (``verispec.models.granite_hybrid``).
 
@@ -34,7 +35,7 @@ import torch
 from verispec.models.config import ModelConfig
 from verispec.models.granite_hybrid import HybridModelConfig
 from verispec.models.mamba2 import MambaLayerState, stores_every_position
-from verispec.runtime.kv_cache import KVCache
+from verispec.runtime.kv_cache import DEFAULT_BLOCK_SIZE, BlockTables, KVCache
 
 logger = logging.getLogger("verispec")
 
@@ -45,18 +46,22 @@ def is_hybrid(config: ModelConfig) -> bool:
 
 def make_cache(config: ModelConfig, num_slots: int, max_model_len: int, dtype: torch.dtype,
                device: torch.device | str = "cpu", num_layers: int | None = None,
-               extra_rows: int = 0, max_step_tokens: int = 1) -> KVCache:
+               extra_rows: int = 0, max_step_tokens: int = 1,
+               block_tables: BlockTables | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+               num_blocks: int | None = None) -> KVCache:
     """The cache for ``config``'s model: a ``HybridCache`` for a hybrid (``max_step_tokens``
     sizes its state ring), else a ``KVCache``; ``extra_rows`` > 0 adds the padding rows and the
-    scratch slot of fixed-shape (GPU) steps."""
+    scratch slot of fixed-shape (GPU) steps; ``block_tables`` shares another cache's blocks
+    (``kv_cache.KVCache``)."""
     if is_hybrid(config):
         return HybridCache(config, num_slots, max_model_len, dtype, device, num_layers,
-                           max_step_tokens, extra_rows)
-    return KVCache(config, num_slots, max_model_len, dtype, device, num_layers, extra_rows)
+                           max_step_tokens, extra_rows, block_tables, block_size, num_blocks)
+    return KVCache(config, num_slots, max_model_len, dtype, device, num_layers, extra_rows,
+                   block_tables, block_size, num_blocks)
 
 
 class HybridCache(KVCache):
-    """K/V ``[num_attention_layers, num_slots, max_model_len, kv_heads, head_dim]`` and one
+    """K/V ``[num_attention_layers, num_blocks, block_size, kv_heads, head_dim]`` and one
     ``MambaLayerState`` per Mamba2 layer (of the first ``num_layers`` layers).
 
     With ``extra_rows`` (the GPU path) the K/V have ``extra_rows`` more rows per slot and, as
@@ -73,22 +78,17 @@ class HybridCache(KVCache):
         num_layers: int | None = None,
         max_step_tokens: int = 1,
         extra_rows: int = 0,
+        block_tables: BlockTables | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int | None = None,
     ) -> None:
         if max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens!r}")
-        self.num_slots = num_slots
-        self.max_model_len = max_model_len
         self.num_layers = config.num_hidden_layers if num_layers is None else num_layers
-        self.extra_rows = extra_rows
-        self.scratch_slot = num_slots if extra_rows else None
         self.ring_size = max_step_tokens + 1
         types = config.layer_types[: self.num_layers]
-        num_attention = types.count("attention")
-        rows = num_slots + (self.scratch_slot is not None)
-        shape = (num_attention, rows, max_model_len + extra_rows, config.num_key_value_heads,
-                 config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._init_pages(config, types.count("attention"), num_slots, max_model_len, dtype,
+                         device, extra_rows, block_tables, block_size, num_blocks)
         k_attention, v_attention = iter(self.k.unbind(0)), iter(self.v.unbind(0))
         self.states: list[MambaLayerState] = []
         self.k_layers, self.v_layers = [], []
@@ -102,7 +102,6 @@ class HybridCache(KVCache):
                 self.states.append(state)
                 self.k_layers.append(state)
                 self.v_layers.append(state)
-        self.lengths_np = np.zeros(num_slots, dtype=np.int64)  # committed length per slot
         self.state_start_np = np.zeros(num_slots, dtype=np.int64)  # oldest length with a state
         if num_slots:
             logger.info(
