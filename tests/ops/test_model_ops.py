@@ -68,7 +68,6 @@ def _paged(logical: torch.Tensor, table: torch.Tensor, block_size: int,
 
 def _logical(pool: torch.Tensor, table: torch.Tensor, num_slots: int, max_len: int):
     """The inverse of ``_paged``: [num_slots, max_len, ...]."""
-    bs = pool.shape[1]
     return torch.stack([pool[table[s].long()].flatten(0, 1)[:max_len] for s in range(num_slots)])
 
 

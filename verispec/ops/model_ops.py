@@ -6,9 +6,10 @@ A step holds T new tokens of B requests, flattened request-major: request b owns
 context_lens[b] - 1`` of its request (n_b = its number of new tokens). The KV cache is paged
 (``verispec.runtime.kv_cache``): per layer a pool ``[num_blocks, block_size, Hkv, D]``; position
 t of the request in slot s lives in block ``block_tables[s, t // block_size]`` at row
-``t % block_size``, and a token's *cache slot* (``slot_mapping``) is ``block * block_size + row``. Every op computes each
-row the same way whatever else is in the batch and however many tokens the step holds (REFERENCE
-§12): a row's result depends on that row (and, for attention, on its own cache rows) only.
+``t % block_size``, and a token's *cache slot* (``slot_mapping``) is ``block * block_size +
+row``. Every op computes each row the same way whatever else is in the batch and however many
+tokens the step holds (REFERENCE §12): a row's result depends on that row (and, for attention,
+on its own cache rows) only.
 
 - ``rms_norm(x, weight, eps, residual=None)``: with ``residual``, first ``residual += x`` in place
   (the decoder's residual add), then the norm of the sum;

@@ -329,7 +329,8 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
             cos.stride(0), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             out.stride(0), out.stride(1), scale, 0 if window is None else window, eps)
-    meta = dict(BLOCK_SIZE=k_cache.shape[1], HQ=num_heads, HKV=num_kv_heads, D=D, BLOCK_Q=ATTENTION_BLOCK_Q,
+    meta = dict(BLOCK_SIZE=k_cache.shape[1], HQ=num_heads, HKV=num_kv_heads, D=D,
+                BLOCK_Q=ATTENTION_BLOCK_Q,
                 BLOCK_KV=ATTENTION_BLOCK_KV, HAS_QK_NORM=has_norm, WINDOWED=window is not None,
                 PRECISION=_precision(qkv.dtype), num_warps=4)
     fused = max_queries <= FUSED_WRITE_MAX_QUERIES

@@ -4,9 +4,10 @@ slot, rolled back by moving the slot's length (REFERENCE §6).
 ``HybridCache`` is a ``KVCache`` (same block tables and lengths, ``advance`` / ``truncate`` /
 ``free``, the same per-layer ``k_layers`` / ``v_layers`` the model's forward takes) whose paged
 K/V cover the attention layers only (a request's recurrent state does not grow with its length,
-so it stays one entry per slot, not per block); a Mamba2 layer's entry in ``k_layers`` and ``v_layers`` is its
-``MambaLayerState``: conv and SSM state for each slot at its last ``ring_size`` lengths, the
-state after L tokens at ring index ``L % ring_size`` (``verispec.models.granite_hybrid``).
+so it stays one entry per slot, not per block); a Mamba2 layer's entry in ``k_layers`` and
+``v_layers`` is its ``MambaLayerState``: conv and SSM state for each slot at its last
+``ring_size`` lengths, the state after L tokens at ring index ``L % ring_size``
+(``verispec.models.granite_hybrid``).
 
 ``ring_size = max_step_tokens + 1``: a verify step of k + 1 tokens from length b writes the states
 of lengths b + 1 .. b + k + 1, and b itself stays (an early-exit draft, which writes b + 1 .. b + k
