@@ -36,7 +36,8 @@ from verispec import SamplingParams
 from verispec.engine import llm as llm_module
 from verispec.models.loader import load_model
 from verispec.models.mamba2 import MAX_RECURRENT_TOKENS
-from verispec.runtime import model_runner as model_runner_module
+from verispec.proposers import draft_model as draft_model_module
+from verispec.proposers import eagle as eagle_module
 from verispec.runtime.model_runner import ModelRunner
 
 
@@ -143,7 +144,8 @@ def flat_engine(monkeypatch):
     def make(*args, **kwargs):
         with monkeypatch.context() as patch:
             patch.setattr(llm_module, "ModelRunner", _FlatRunner)
-            patch.setattr(model_runner_module, "ModelRunner", _FlatRunner)
+            patch.setattr(draft_model_module, "ModelRunner", _FlatRunner)
+            patch.setattr(eagle_module, "ModelRunner", _FlatRunner)
             llm = engine(*args, **kwargs)
         assert llm.runner.flat and llm.runner.graphs is not None
         return llm

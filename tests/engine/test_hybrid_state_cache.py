@@ -74,7 +74,8 @@ def test_chunked_feed_keeps_its_last_two_lengths():
 
 def test_memory_covers_attention_kv_and_every_state_position():
     c = cache(max_step_tokens=3, num_slots=2)
-    assert c.k.shape == (1, 2, 128, 2, 8)  # one attention layer
+    # one attention layer, paged: 2 slots x 128 positions in blocks of 16, + the scratch block
+    assert c.k.shape == (1, 2 * 8 + 1, 16, 2, 8)
     assert len(c.states) == 3 and len(c.k_layers) == 4
     conv_dim = 2 * 32 + 2 * 2 * 8
     per_layer = 2 * 4 * 4 * (conv_dim * 3 + 4 * 16 * 8)  # slots x ring x float32 x (conv + ssm)
@@ -87,6 +88,7 @@ def test_flat_layout_cache_has_a_scratch_slot_for_states_too(tmp_path):
     runner = ModelRunner(model, 2, 64, flat_layout=True, max_step_tokens=4)
     c = runner.kv_cache
     assert isinstance(c, HybridCache) and c.scratch_slot == 2 and c.ring_size == 5
-    assert c.k.shape[1:3] == (3, 64 + 4)  # slots + scratch, rows + padding rows
+    # blocks for 2 slots of 64 positions + 4 padding positions each, + the scratch block
+    assert c.k.shape[1:3] == (2 * 5 + 1, 16) and c.block_tables.table_np.shape == (3, 5)
     assert all(s.conv.shape[:2] == (3, 5) and s.scratch_slot == 2 for s in c.states)
     assert c.position_nbytes * 3 * 5 == c.state_nbytes

@@ -81,7 +81,8 @@ def test_own_cache_holds_only_the_drafting_layers(target):
     cache = proposer.runner.kv_cache
     assert not proposer.shares_target_cache
     assert proposer.runner.model is target.model  # no second model
-    assert cache.num_layers == 2 and cache.k.shape[:3] == (2, 4, MAX_MODEL_LEN)
+    blocks = 4 * -(-MAX_MODEL_LEN // cache.block_size) + 1  # 4 slots at full length + scratch
+    assert cache.num_layers == 2 and cache.k.shape[:3] == (2, blocks, cache.block_size)
     # The dtype a runner picks for its cache (it may be wider than the model's).
     assert cache.k.dtype == ModelRunner(target.model, 1, 8).kv_cache.k.dtype
     assert early_exit(target, 2).runner.model is target.model  # a LoadedModel works too

@@ -22,7 +22,9 @@ from verispec.engine.request import Request, RequestOutput
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.spec_decode import SpeculativeDecoder
 from verispec.models.loader import load_model, parse_dtype
+from verispec.runtime import memory
 from verispec.runtime.cuda_graphs import batch_buckets
+from verispec.runtime.kv_cache import DEFAULT_BLOCK_SIZE
 from verispec.runtime.model_runner import ModelRunner
 from verispec.sample.logprobs import token_logprobs
 from verispec.sample.sampler import Sampler, SamplingTensors, draw_seed
@@ -30,7 +32,10 @@ from verispec.sampling_params import SamplingParams
 
 logger = logging.getLogger("verispec")
 
-DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 8}
+# Prefill tokens one step may take (more prompts wait for the next step; a longer single prompt
+# still runs alone): bounds a step's activation memory.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 # bfloat16 halves the bytes a decode step reads; verification of several tokens then costs
 # little more than one (REFERENCE §11). Exactness tests pin float32.
 DEFAULT_DTYPE = "bfloat16"
@@ -72,9 +77,16 @@ class LLM:
     ----------
     model : local HF directory, ``.gguf`` file, or None for the bundled SmolLM2-135M-Instruct
     dtype : ``"bfloat16"`` (default) or ``"float32"``
-    max_model_len : most tokens (prompt + output) per request; default
-        ``min(max_position_embeddings, 2048)``
-    max_num_seqs : requests running at once (KV cache slots)
+    max_model_len : most tokens (prompt + output) per request; default the model's
+        ``max_position_embeddings``
+    max_num_seqs : requests running at once; default 256 on CUDA, 8 on CPU
+    block_size : tokens per KV cache block (a power of two; default 16)
+    gpu_memory_utilization : on CUDA, the fraction of the GPU's memory the engine may use
+        (weights, activations, KV pool); the KV pool gets what the rest leaves (default 0.9)
+    kv_cache_memory : bytes of the KV pool (an int or a string such as ``"4GiB"``): on CPU,
+        default enough for ``max_num_seqs`` full-length requests but at most 1 GiB (and at least
+        one); on CUDA it overrides ``gpu_memory_utilization``
+    max_num_batched_tokens : most prompt tokens one prefill step takes (default 8192)
     speculative_config : SpeculativeConfig or a dict of vLLM ``speculative_config`` keys;
         None (or ``method="none"``) decodes one token per step
     device : torch device, default ``"cpu"``
@@ -91,21 +103,37 @@ class LLM:
         model: str | None = None,
         dtype: str | torch.dtype = DEFAULT_DTYPE,
         max_model_len: int | None = None,
-        max_num_seqs: int = 8,
+        max_num_seqs: int | None = None,
         speculative_config: SpeculativeConfig | dict | None = None,
         device: str | torch.device = "cpu",
         enforce_eager: bool = False,
         batch_invariant: bool = True,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory: int | str | None = None,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         parse_dtype(dtype)
         for name, flag in (("enforce_eager", enforce_eager), ("batch_invariant", batch_invariant)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.enforce_eager = enforce_eager
+        self.device = check_device(device)
+        if max_num_seqs is None:
+            max_num_seqs = DEFAULT_MAX_NUM_SEQS[self.device.type]
         _check_positive_int("max_num_seqs", max_num_seqs)
         if max_model_len is not None:
             _check_positive_int("max_model_len", max_model_len)
-        self.device = check_device(device)
+        _check_positive_int("block_size", block_size)
+        if block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        memory.check_utilization(gpu_memory_utilization)
+        if kv_cache_memory is not None:
+            kv_cache_memory = memory.parse_bytes(kv_cache_memory)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+        _check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        self.max_num_batched_tokens = max_num_batched_tokens
         if isinstance(speculative_config, dict):
             if speculative_config.get("method") == "none":
                 speculative_config = None
@@ -126,7 +154,7 @@ class LLM:
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         if max_model_len is None:
-            max_model_len = min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+            max_model_len = config.max_position_embeddings
         elif max_model_len > config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
@@ -135,15 +163,22 @@ class LLM:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         k = 0 if speculative_config is None else speculative_config.num_speculative_tokens
+        self.num_speculative_tokens = k
+        # The runner starts on a pool of a few blocks; the memory plan sizes it once the
+        # proposer (whose caches share the blocks) is built and a step has been measured.
         self.runner = ModelRunner(self.loaded.model, max_num_seqs, max_model_len, self.device,
                                   max_step_tokens=k + 1, enforce_eager=enforce_eager,
-                                  batch_invariant=batch_invariant)
-        self.scheduler = Scheduler(max_num_seqs)
+                                  batch_invariant=batch_invariant, block_size=block_size,
+                                  num_blocks=2)
         self.sampler = Sampler()
         self.spec = None if speculative_config is None else SpeculativeDecoder(
             speculative_config, self.runner, config.vocab_size, max_num_seqs, max_model_len,
             tokenizer=self.tokenizer,
         )
+        self.kv_plan = self._plan_kv_cache(gpu_memory_utilization, kv_cache_memory)
+        logger.info("%s", self.kv_plan.summary())
+        self.scheduler = Scheduler(max_num_seqs, self.runner.kv_cache, max_num_batched_tokens,
+                                   lookahead=k + 1, on_preempt=self._on_preempt)
         # CUDA graphs (no-op on CPU and with enforce_eager): decode, verify, the proposer's draft
         self.runner.capture([1] if self.spec is None else [1, k + 1])
         if self.spec is not None:
@@ -154,6 +189,53 @@ class LLM:
         self._next_request_id = 0
         self.num_steps = 0  # engine steps run (prefill and decode)
         self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
+
+    def _plan_kv_cache(self, utilization: float, kv_bytes: int | None) -> memory.KVPlan:
+        """Size the KV pool (``runtime.memory``) and allocate it for every cache on the target's
+        block tables (the proposer's share them)."""
+        tables = self.runner.kv_cache.block_tables
+        per_block = sum(cache.block_nbytes for cache in tables.caches)
+        full = self.max_num_seqs * tables.max_blocks + 1  # more blocks could never be used
+        if kv_bytes is not None:
+            source = f"kv_cache_memory={kv_bytes}"
+            num_blocks = memory.blocks_for_bytes(kv_bytes, per_block)
+        elif self.device.type == "cpu":
+            one = -(-self.max_model_len // tables.block_size) + 1
+            num_blocks = min(full, max(one, memory.blocks_for_bytes(
+                memory.DEFAULT_CPU_KV_BYTES, per_block)))
+            source = "the default kv_cache_memory"
+        else:
+            peak = self.runner.profile_peak_memory(
+                self.max_num_batched_tokens, self.max_num_seqs * (self.num_speculative_tokens + 1))
+            free, total = torch.cuda.mem_get_info(self.device)
+            kv_bytes = int(utilization * total) - (total - free) - peak
+            if kv_bytes < per_block * 2:
+                raise ValueError(
+                    f"gpu_memory_utilization={utilization} leaves no memory for the KV cache: "
+                    f"{(total - free) / memory.GiB:.1f} GiB in use (weights) and "
+                    f"{peak / memory.GiB:.1f} GiB for a step of max_num_batched_tokens="
+                    f"{self.max_num_batched_tokens} exceed {utilization} x "
+                    f"{total / memory.GiB:.1f} GiB; raise gpu_memory_utilization or lower "
+                    "max_num_batched_tokens / max_num_seqs")
+            num_blocks = memory.blocks_for_bytes(kv_bytes, per_block)
+            source = f"gpu_memory_utilization={utilization}"
+        memory.check_plan(num_blocks, tables.block_size, self.max_model_len, source)
+        num_blocks = min(num_blocks, full)
+        try:
+            tables.resize_pool(num_blocks)
+        except torch.OutOfMemoryError:
+            raise ValueError(
+                f"the KV pool of {num_blocks} blocks ({num_blocks * per_block / memory.GiB:.1f} "
+                f"GiB) does not fit in memory; lower kv_cache_memory or "
+                "gpu_memory_utilization") from None
+        return memory.KVPlan(num_blocks, tables.block_size, per_block, self.max_model_len,
+                             self.max_num_seqs)
+
+    def _on_preempt(self, request: Request) -> None:
+        """The scheduler takes the request's blocks back (it frees the target's cache): forget
+        its proposer state, keeping its adaptive draft plan for when it is recomputed."""
+        if self.spec is not None:
+            self.spec.release(request, preempted=True)
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -325,8 +407,7 @@ class LLM:
         if request.finished:
             request.metrics.finished_time = now
             request.metrics.num_generated_tokens = request.num_output_tokens
-            self.runner.kv_cache.free(request.slot)
-            self.scheduler.finish(request)
+            self.scheduler.finish(request)  # the proposer's state goes in on_committed
         return request.finished
 
     def _hit_stop_string(self, request: Request) -> bool:
@@ -455,8 +536,6 @@ class LLM:
     def _abort(self, requests: Sequence[Request]) -> None:
         for request in requests:
             if not request.finished:
-                if request.slot >= 0:
-                    self.runner.kv_cache.free(request.slot)
-                    if self.spec is not None:
-                        self.spec.release(request)
+                if request.slot >= 0 and self.spec is not None:
+                    self.spec.release(request)
                 self.scheduler.abort(request)

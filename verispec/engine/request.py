@@ -104,6 +104,10 @@ class Request:
         self.num_tokens = self.num_prompt_tokens
         self.max_num_draft_tokens = 0  # set by a speculative engine step
         self.spec_stats: SpecDecodingStats | None = None  # set at admission when speculating
+        self.admission = 0  # order of its latest admission (the newest is preempted first)
+        # The speculative planner's state of a preempted request, restored when it is
+        # recomputed (engine.spec_decode).
+        self.spec_plan_state: tuple | None = None
         self.finish_reason: str | None = None
         self.stop_text_len: int | None = None  # text cut before a stop string
         # One dict per output token when the request asked for logprobs (RequestOutput.logprobs)

@@ -164,6 +164,7 @@ class SpeculativeDecoder:
             device=runner.device,
             dtype=runner.dtype,
             target_model=runner,
+            block_tables=runner.kv_cache.block_tables,
         )
         self.proposer = build_proposer(config, context)
         self.rejection_sampler = RejectionSampler(config, runner.device)
@@ -229,17 +230,26 @@ class SpeculativeDecoder:
         return self.logger.total
 
     def admit(self, request: Request) -> None:
-        """A request took a slot: reset its acceptance estimate and its stats."""
-        self._accepted[request.slot] = ALPHA_PRIOR * PRIOR_TRIALS
-        self._tried[request.slot] = PRIOR_TRIALS
-        self._steps_off[request.slot] = 0
-        self._probe_interval[request.slot] = REPROBE_STEPS
-        self._probing[request.slot] = False
-        request.spec_stats = SpecDecodingStats(self.k)
+        """A request took a slot: start its acceptance estimate and its stats, or, for a
+        request preempted earlier, restore them (its draft plan, hence its tokens, go on as if
+        it had never left)."""
+        saved = getattr(request, "spec_plan_state", None)
+        state = saved if saved is not None else (
+            ALPHA_PRIOR * PRIOR_TRIALS, PRIOR_TRIALS, 0, REPROBE_STEPS, False)
+        (self._accepted[request.slot], self._tried[request.slot], self._steps_off[request.slot],
+         self._probe_interval[request.slot], self._probing[request.slot]) = state
+        request.spec_plan_state = None
+        if request.spec_stats is None:
+            request.spec_stats = SpecDecodingStats(self.k)
 
-    def release(self, request: Request) -> None:
-        """A request left its slot."""
-        self.proposer.free(request.slot)
+    def release(self, request: Request, preempted: bool = False) -> None:
+        """A request left its slot (``preempted``: it will be recomputed; keep its plan)."""
+        slot = request.slot
+        if preempted:
+            request.spec_plan_state = (
+                self._accepted[slot], self._tried[slot], self._steps_off[slot],
+                self._probe_interval[slot], self._probing[slot])
+        self.proposer.free(slot)
 
     def _plan(self, batch: Sequence[Request]) -> None:
         """Set each request's ``max_num_draft_tokens`` for this step."""

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from verispec.config import SpeculativeConfig
+from verispec.runtime.kv_cache import BlockTables
 
 
 @runtime_checkable
@@ -98,6 +99,9 @@ class ProposerContext:
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
     target_model: Any = None
+    # The target's KV block tables: a proposer's own KV cache shares them (its block i belongs
+    # to the request that holds the target's block i), so the engine's reservation covers it.
+    block_tables: BlockTables | None = None
 
 
 class Proposer(abc.ABC):

@@ -214,6 +214,10 @@ class ModelProposer(Proposer):
         last two committed tokens at positions ``starts`` [B_a] (host arrays or device
         tensors)."""
         self._check_captured_buffers()
+        # the step writes the two fed tokens and k - 1 drafts from ``starts``
+        self.runner.kv_cache.prepare_write(slots, lambda: np.asarray(
+            starts.cpu() if isinstance(starts, torch.Tensor) else starts).reshape(-1)
+            + self.num_speculative_tokens + 1)
         rows = {"ids": ids, "slots": slots[:, None], "starts": starts.reshape(-1, 1)}
         if not self.greedy:
             rows["temperature"] = np.array([[float(requests[r].temperature)] for r in active],
@@ -469,7 +473,8 @@ class DraftModelProposer(ModelProposer):
             max_step_tokens=config.num_speculative_tokens + 1,
             enforce_eager=ctx.device.type == "cuda" and target_graphs is None,
             # drafts decide which tokens a sampled request emits: batch invariant like the target
-            batch_invariant=getattr(ctx.target_model, "batch_invariant", True))
+            batch_invariant=getattr(ctx.target_model, "batch_invariant", True),
+            block_tables=ctx.block_tables)
         if target_graphs is not None and self.runner.graphs is not None:
             self.runner.graphs.pool = target_graphs.pool  # one memory pool for every capture
         self._init_buffers(ctx.max_num_seqs, self.loaded.config.vocab_size)

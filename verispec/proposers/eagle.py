@@ -114,7 +114,8 @@ class EagleProposer(ModelProposer):
             self.head, ctx.max_num_seqs, ctx.max_model_len, ctx.device,
             max_step_tokens=self.width, flat_layout=target.flat,
             enforce_eager=target.graphs is None,
-            batch_invariant=getattr(target, "batch_invariant", True))
+            batch_invariant=getattr(target, "batch_invariant", True),
+            block_tables=ctx.block_tables)
         if target.graphs is not None and self.runner.graphs is not None:
             self.runner.graphs.pool = target.graphs.pool  # one memory pool for every capture
         self.draft_to_target = self.head.draft_to_target()  # [draft_vocab_size] int64 or None
@@ -272,6 +273,10 @@ class EagleProposer(ModelProposer):
         and ``hidden`` [B_a, W * D] the pairs from positions ``starts`` [B_a], the first
         ``counts`` [B_a] real (host arrays or device tensors)."""
         self._check_captured_buffers()
+        # the step writes W pairs and k - 1 drafts from ``starts``
+        self.runner.kv_cache.prepare_write(slots, lambda: np.asarray(
+            starts.cpu() if isinstance(starts, torch.Tensor) else starts).reshape(-1)
+            + self.width + self.num_speculative_tokens)
         inputs = {"ids": ids, "hidden": hidden, "slots": slots[:, None],
                   "starts": starts.reshape(-1, 1), "counts": counts.reshape(-1, 1)}
         if not self.greedy:

@@ -87,6 +87,7 @@ class EarlyExitProposer(ModelProposer):
                 model.config, ctx.max_num_seqs, ctx.max_model_len, self.runner.kv_cache.k.dtype,
                 ctx.device, num_layers=num_layers, extra_rows=self.runner.kv_cache.extra_rows,
                 max_step_tokens=config.num_speculative_tokens + 1,  # a hybrid's state ring
+                block_tables=ctx.block_tables,
             )
         self._init_buffers(self.runner.kv_cache.num_slots, model.config.vocab_size)
 

@@ -114,6 +114,16 @@ class BlockTables:
             self.table = torch.zeros((num_slots + 1, max_blocks), dtype=torch.int32,
                                      device=self.device)
         self._dirty: set[int] = set()
+        self.caches: list[KVCache] = []  # every cache whose pools these tables index
+
+    def resize_pool(self, num_blocks: int) -> None:
+        """A new pool of ``num_blocks`` blocks for every cache on these tables (start-up, while
+        no slot holds a block: the memory plan, after a profile run on a small pool)."""
+        if self.pool.num_free != self.pool.num_usable:
+            raise ValueError("cannot resize a KV pool whose blocks are in use")
+        self.pool = BlockPool(num_blocks)
+        for cache in self.caches:
+            cache.allocate()
 
     def blocks_needed(self, slot: int, num_tokens: int) -> int:
         """Blocks the slot lacks to hold positions ``[0, num_tokens)``."""
@@ -166,7 +176,7 @@ class BlockTables:
 
 def full_pool_blocks(num_slots: int, max_blocks: int) -> int:
     """A pool where every slot can hold ``max_blocks`` blocks at once (+ the scratch block)."""
-    return num_slots * max_blocks + 1
+    return max(2, num_slots * max_blocks + 1)
 
 
 class KVCache:
@@ -197,8 +207,6 @@ class KVCache:
         self.num_layers = config.num_hidden_layers if num_layers is None else num_layers
         self._init_pages(config, self.num_layers, num_slots, max_model_len, dtype, device,
                          extra_rows, block_tables, block_size, num_blocks)
-        self.k_layers = list(self.k.unbind(0))  # per-layer views, indexed once here
-        self.v_layers = list(self.v.unbind(0))
 
     def _init_pages(self, config: ModelConfig, num_attention_layers: int, num_slots: int,
                     max_model_len: int, dtype: torch.dtype, device, extra_rows: int,
@@ -222,11 +230,30 @@ class KVCache:
             self.owns_blocks = False
         self.block_tables = block_tables
         self.block_size = block_tables.block_size
-        shape = (num_attention_layers, block_tables.pool.num_blocks, self.block_size,
-                 config.num_key_value_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._block_shape = (self.block_size, config.num_key_value_heads, config.head_dim)
+        self.num_attention_layers = num_attention_layers
+        self.dtype, self.device = dtype, torch.device(device)
         self.lengths_np = np.zeros(num_slots, dtype=np.int64)  # committed length per slot (host)
+        block_tables.caches.append(self)
+        self.allocate()
+
+    def allocate(self) -> None:
+        """(Re)allocate the pools for the tables' pool size, zero-filled."""
+        self.k = self.v = None  # the old pools go before the new ones come
+        shape = (self.num_attention_layers, self.block_tables.pool.num_blocks) + self._block_shape
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._build_layers()
+
+    def _build_layers(self) -> None:
+        self.k_layers = list(self.k.unbind(0))  # per-layer views, indexed once here
+        self.v_layers = list(self.v.unbind(0))
+
+    @property
+    def block_nbytes(self) -> int:
+        """K and V bytes of one block in this cache."""
+        return 2 * self.num_attention_layers * int(np.prod(self._block_shape)) * (
+            torch.empty((), dtype=self.dtype).element_size())
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, num_attention_layers: int, block_size: int,
@@ -251,6 +278,18 @@ class KVCache:
         """Set the committed length of each slot (a proposer whose captured step wrote its
         rows; the positions must lie in the slots' reserved blocks)."""
         self.lengths_np[slots] = lengths
+
+    def prepare_write(self, slots, ends) -> None:
+        """Before a captured step writes positions below ``ends()[i]`` of ``slots[i]`` (a
+        callable: computed only where needed): a cache that owns its blocks reserves them (a
+        shared cache's are the engine's to reserve, up to ``max_model_len``; a write past them
+        lands in the scratch block); then the device tables are brought up to date."""
+        if self.owns_blocks:
+            capacity = self.block_tables.max_blocks * self.block_size
+            for slot, end in zip(np.asarray(slots).tolist(), np.asarray(ends()).tolist()):
+                if not self.block_tables.reserve(slot, min(int(end), capacity)):
+                    raise ValueError(f"slot {slot}: no free KV block for positions up to {end}")
+        self.block_tables.sync()
 
     def check_append(self, slot: int, num_tokens: int) -> None:
         """Make sure ``num_tokens`` positions can be appended to ``slot``: within

@@ -445,6 +445,36 @@ class ModelRunner:
                 rows = rows[meta.valid_index]
         return self.model.compute_logits(rows)
 
+    @torch.inference_mode()
+    def profile_peak_memory(self, num_tokens: int, num_logit_rows: int) -> int:
+        """Bytes of device memory the largest eager steps take above what is allocated now (CUDA;
+        the memory plan): a prefill of ``num_tokens`` tokens (written to the scratch block) and
+        the float32 logits of ``num_logit_rows`` rows with one softmax over them (a verify step
+        of every slot and its sampling)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        scratch = torch.tensor([self.kv_cache.block_tables.scratch_slot], device=self.device)
+        counts = np.array([min(num_tokens, self.max_model_len)], dtype=np.int64)
+        if self.flat:
+            batch = self.flat_batch([int(scratch)], counts, np.zeros(1, dtype=np.int64))
+            kwargs = {"counts": torch.tensor(counts, device=self.device)} if self.hybrid else {}
+            ids = torch.zeros(int(counts[0]), dtype=torch.int64, device=self.device)
+            hidden = self.model.forward_flat(ids, batch, self.kv_cache.k_layers,
+                                             self.kv_cache.v_layers, None, **kwargs)
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+            del ids, batch
+            rows = hidden[-1:].expand(num_logit_rows, -1).contiguous()
+            del hidden
+            logits = self.compute_logits(rows)
+            probs = torch.softmax(logits, dim=-1)
+            del rows, logits, probs
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        torch.cuda.empty_cache()
+        return int(peak * 1.05) + (64 << 20)  # headroom for allocator fragmentation
+
     def _capture_kwargs(self) -> dict:
         """The model's ``capture_layers`` argument: the listed layers below the final norm."""
         inner = tuple(i for i in self.capture_layers if i < self.config.num_hidden_layers)

@@ -87,22 +87,13 @@ class HybridCache(KVCache):
             raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens!r}")
         self.num_layers = config.num_hidden_layers if num_layers is None else num_layers
         self.ring_size = max_step_tokens + 1
-        types = config.layer_types[: self.num_layers]
-        self._init_pages(config, types.count("attention"), num_slots, max_model_len, dtype,
-                         device, extra_rows, block_tables, block_size, num_blocks)
-        k_attention, v_attention = iter(self.k.unbind(0)), iter(self.v.unbind(0))
-        self.states: list[MambaLayerState] = []
-        self.k_layers, self.v_layers = [], []
-        for layer_type in types:
-            if layer_type == "attention":
-                self.k_layers.append(next(k_attention))
-                self.v_layers.append(next(v_attention))
-            else:
-                state = MambaLayerState.allocate(config, num_slots, self.ring_size, device,
-                                                 scratch_slot=self.scratch_slot is not None)
-                self.states.append(state)
-                self.k_layers.append(state)
-                self.v_layers.append(state)
+        self.layer_types = config.layer_types[: self.num_layers]
+        self.states: list[MambaLayerState] = [
+            MambaLayerState.allocate(config, num_slots, self.ring_size, device,
+                                     scratch_slot=bool(extra_rows))
+            for layer_type in self.layer_types if layer_type != "attention"]
+        self._init_pages(config, self.layer_types.count("attention"), num_slots, max_model_len,
+                         dtype, device, extra_rows, block_tables, block_size, num_blocks)
         self.state_start_np = np.zeros(num_slots, dtype=np.int64)  # oldest length with a state
         if num_slots:
             logger.info(
@@ -112,6 +103,19 @@ class HybridCache(KVCache):
                 "" if self.scratch_slot is None else " (+ 1 scratch)", self.ring_size,
                 self.state_nbytes, self.state_nbytes / 2**20, self.position_nbytes,
                 super().nbytes)
+
+    def _build_layers(self) -> None:
+        k_attention, v_attention = iter(self.k.unbind(0)), iter(self.v.unbind(0))
+        states = iter(self.states)
+        self.k_layers, self.v_layers = [], []
+        for layer_type in self.layer_types:
+            if layer_type == "attention":
+                self.k_layers.append(next(k_attention))
+                self.v_layers.append(next(v_attention))
+            else:
+                state = next(states)
+                self.k_layers.append(state)
+                self.v_layers.append(state)
 
     @property
     def state_nbytes(self) -> int:
