@@ -269,7 +269,7 @@ def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, NUM_CHUNKS, NC_P2: tl.constex
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """See ``model_ops.argmax``: programs of ``ARGMAX_CHUNK`` columns, then one per row over
     their partials (torch's reduction gives a single row one block of threads, and one program
-    per row streaming it is slower still for many rows; docs/benchmarks.md)."""
+    per row leaves a long row to one program; docs/benchmarks.md)."""
     R, N = logits.shape
     out = torch.empty(R, dtype=torch.int64, device=logits.device)
     if R and N:
