@@ -12,7 +12,7 @@ proportion to the cores it has left.
 
 ``verispec train-draft`` is the exception: a training run keeps every core busy from start to
 end, so spinning costs nobody a core, and its steps open thousands of small parallel regions
-whose wake-ups made a step ~1.5x slower (``ACTIVE_COMMANDS``).
+whose wake-ups would slow every step (``ACTIVE_COMMANDS``).
 
 The OpenMP runtime reads its wait policy once, when torch loads it, so the variable is set by
 ``import verispec`` only if torch is not imported yet (the CLI always imports verispec first). A
@@ -32,8 +32,7 @@ USER_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 # The verispec command whose workers spin: a training run keeps every core busy for its whole
 # length, thousands of small parallel regions a step, and each passive region waits for its
-# workers to wake (on a 2-core Xeon VM a training step of the bundled model's head took 0.51 s
-# with passive workers, 0.34 s with spinning ones).
+# workers to wake (docs/benchmarks.md).
 ACTIVE_COMMANDS = ("train-draft",)
 
 

@@ -112,8 +112,8 @@ def _run(llm: LLM, prompts: Sequence[Any], params: SamplingParams, batch_size: i
 def _warm_up(llm: LLM, prompts: Sequence[Any], params: SamplingParams, batch_size: int) -> None:
     """The first batch, run in full and untimed: kernels compiled or loaded on first use (Triton
     on CUDA, for every context length and draft count the run reaches) are ready before timing.
-    A shorter pass is not enough: on an H100 (tiny model) the second full pass over the same
-    prompts ran three to four times faster than the first."""
+    A shorter pass is not enough: a full pass compiles variants a shorter one never meets, and
+    the timed pass would pay for them."""
     _run(llm, prompts[:batch_size], params, batch_size, "warm-up")
 
 

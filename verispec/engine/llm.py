@@ -328,8 +328,8 @@ class LLM:
         """On CUDA, run the sampler (and the rejection sampler, with speculation) once on dummy
         batches of every graph bucket size, greedy and random, so that their kernels are
         compiled and their launch plans made before the first request: a kernel variant first
-        met mid-generation (a batch that shrank past a threshold of the launch plan) costs
-        0.3-0.6 s of compilation inside a step. Top-k / top-p / min-p variants still compile on
+        met mid-generation (a batch that shrank past a threshold of the launch plan) would stall
+        a step for its compilation. Top-k / top-p / min-p variants still compile on
         first use."""
         if self.device.type != "cuda":
             return

@@ -77,14 +77,11 @@ CPU_VERIFY_COSTS = {
     torch.bfloat16: (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 3.9),
 }
 # Where the compiled kernels run the matmuls of a few rows (models.cpu_kernels: each weight row
-# read once for up to four input rows), both dtypes: bfloat16 1.0, 1.11, 1.20-1.23, 1.19-1.24,
-# 1.36-1.42, 1.51-1.53, 1.60-1.73 in two runs (torch's own bfloat16 matmul in the same run:
-# 1.50, 1.99, 2.46, ...); float32 1.0, 1.08-1.11, 1.13-1.20, 1.17-1.20, 1.31-1.33, 1.44-1.48,
-# 1.55-1.60.
+# read once for up to four input rows), both dtypes; the measured ranges are in
+# docs/benchmarks.md.
 CPU_VERIFY_COSTS_WITH_KERNELS = (1.0, 1.1, 1.2, 1.25, 1.4, 1.5, 1.65)
-# bfloat16 through the AMX kernel (up to 16 rows cost about one; 2-core Xeon VM, passive and
-# spinning OpenMP workers, two runs each): 1.0, 1.01-1.07, 1.05-1.08, 1.07-1.13, 1.07-1.13,
-# 1.07-1.15, 1.13-1.20, 1.14-1.21.
+# bfloat16 through the AMX kernel (up to 16 rows cost about one; passive and spinning OpenMP
+# workers; docs/benchmarks.md).
 CPU_VERIFY_COSTS_AMX = (1.0, 1.05, 1.07, 1.1, 1.1, 1.12, 1.17)
 GPU_COST_PER_TOKEN = 0.01  # memory-bound decode: a few more rows are nearly free
 

@@ -9,8 +9,8 @@
  * [num_blocks * block_size, kv heads, head_dim]. The cache is float32; q and out are bfloat16 (io_bf16) or
  * float32; scores, softmax and the weighted sum run in float32. It reads each key and value
  * row where it lies in the cache (no gathered copy) and needs no layout change of q: what
- * torch's SDPA costs at one query per request is mostly fixed overhead (~75 us a call on a
- * 2-core AMD EPYC, plus the casts around it). One (token, head) per OpenMP work item, taken as
+ * torch's SDPA costs at one query per request is mostly fixed overhead, plus the casts around
+ * it (docs/benchmarks.md). One (token, head) per OpenMP work item, taken as
  * threads come free; each sums its rows in order, so its result depends on nothing else in the
  * batch (batch invariance). Built and loaded by verispec/models/cpu_kernels.py.
  */

@@ -35,8 +35,8 @@
 /* Output features per block: a thread takes a block, and for each group of input rows computes
  * every feature of it, so that the group's inputs stay in L1 while the block's weight rows
  * (in L2) are reused by every group; input rows are read from L2 once per block instead of
- * once per feature. One thread, the bundled model's four matrices of a layer x 30, 40 rows:
- * float32 167 -> 115 ms (MKL's sgemm: 96), bfloat16 167 -> 140 ms; one row unchanged. */
+ * once per feature. This is what makes a prefill's many rows cheap; one row is unchanged
+ * (docs/benchmarks.md). */
 #define N_BLOCK 32
 
 /* out[g] = sum_k x_g[k] w[k] for the `rows` (1..GROUP, a constant after inlining) input rows
@@ -165,7 +165,7 @@ static void f32_group_rows(const float *w, const float *x, int64_t k_size, int r
 void f32_linear(const float *x, const float *w, const float *bias, float *y, int64_t m_size,
                 int64_t n_size, int64_t k_size, int num_threads) {
     /* Rows of more than 1024 floats two at a time: four of them do not fit L1 beside the
-     * weight stream (a step of four rows over the hybrid model's matrices 48.7 -> 46.1 ms). */
+     * weight stream. */
     int group = k_size > 1024 ? 2 : F32_GROUP;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t n0 = 0; n0 < n_size; n0 += N_BLOCK) {

@@ -5,23 +5,22 @@ number of rows), and a fast bfloat16 matmul for CPUs whose torch has none.
 
 On an x86-64 CPU with AVX2 but without AVX-512 (oneDNN's bfloat16 path then refuses to run,
 ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is False), torch's bfloat16 ``F.linear`` falls
-back to a generic kernel that is compute-bound: on a 2-core AMD EPYC, the bundled model's 121
-weight matrices take ~19 ms for one input row and ~83 ms for five, where streaming their 269 MB
-once takes ~10-13 ms. ``bf16_linear.c`` widens the weights in registers and accumulates in
+back to a generic kernel that is compute-bound: it widens every weight for every input row, and
+a few rows take several times as long as streaming the weights once (docs/benchmarks.md).
+``bf16_linear.c`` widens the weights in registers and accumulates in
 float32 with FMA, reading each weight row once for up to four input rows, so the product is
 memory-bound again up to a verify step's few rows.
 No maintained library offers this for bfloat16 on such CPUs, hence the few dozen lines of C.
 
 Where the CPU has bfloat16 instructions, ``bf16_linear_avx512.c`` does the same with AVX-512
 BF16 or AMX (``bf16_isas()``; runtime dispatch by CPU and weight shape, never by row count).
-On a 2-core Xeon VM with AMX (spinning OpenMP workers), the bundled model's matrices take
-16.3 / 25.0 / 56 ms for 1 / 4 / 16 rows with AVX2, 13.0 / 20.6 / 40 with AVX-512 BF16,
-11.1 / 13.6 / 14.9 with AMX: a verify step's few rows cost about one. torch's own bfloat16
+With AMX a verify step's few rows cost about one (docs/benchmarks.md compares the three
+kernels). torch's own bfloat16
 matmul (oneDNN, also AMX) picks its kernel by the number of rows, so it cannot give one row's
 bits in every batch.
 
-Decode attention: torch's SDPA over one query per request costs ~75 us a call here, nearly all
-of it fixed overhead, plus casts of q and the output around it (the cache is float32);
+Decode attention: torch's SDPA over one query per request is nearly all fixed overhead, plus
+casts of q and the output around it (the cache is float32);
 ``attention.c`` reads keys and values where they lie in the cache, for bfloat16 or float32
 q (``cache_attention``).
 
@@ -33,8 +32,7 @@ their words for the sampling noise (``verispec.ops.philox``), in a loop instead 
 torch array operations a draw; the exponential race (``verispec.ops.sampling.race``) and the
 rejection sampler after p (``verispec.ops.rejection``) in one call each instead of ~25 and ~45
 small torch ops, each of which pays its cache misses again after every forward of a running
-engine (a draft draw 0.66 -> 0.28 ms, a rejection step of B = 1, k = 3 1.6 -> 0.8 ms:
-docs/benchmarks.md).
+engine (docs/benchmarks.md).
 
 The C files are compiled on first use with the system C compiler (``cc -O3 -mavx2 -mfma
 -fopenmp``, a few seconds, one log line) into ``$VERISPEC_CACHE/kernels`` (default

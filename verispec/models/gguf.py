@@ -1,7 +1,7 @@
 """GGUF files: read with the ``gguf`` package, dequantise, and cache as an HF-format directory.
 
-Parsing a GGUF in Python and dequantising it takes seconds (transformers' own GGUF path ~20 s on
-the bundled model), so the first load writes ``config.json``, ``model.safetensors`` (float32)
+Parsing a GGUF in Python and dequantising it takes seconds (docs/design.md §11 for transformers'
+own GGUF path), so the first load writes ``config.json``, ``model.safetensors`` (float32)
 and the tokenizer (built by transformers from the GGUF metadata, chat template included) into
 ``$VERISPEC_CACHE/gguf`` (default ``~/.cache/verispec/gguf``), with a progress bar on stderr;
 later loads read that directory directly. The directory is named by the SHA-256 of the file's

@@ -61,8 +61,8 @@ class AttentionMetadata:
 
 
 # Steps of at most this many new tokens per request (decode, verify, short prefills) attend
-# through cpu_kernels.cache_attention on CPU where it is available (torch's SDPA costs ~75 us a
-# call there, mostly fixed overhead); longer ones through SDPA.
+# through cpu_kernels.cache_attention on CPU where it is available (torch's SDPA call is mostly
+# fixed overhead at so few queries); longer ones through SDPA.
 CPU_KERNEL_MAX_QUERIES = 16
 # float32 products of at most this many rows use cpu_kernels.f32_linear on CPU (see linear).
 CPU_KERNEL_MAX_ROWS = 8
@@ -111,23 +111,21 @@ def linear(
 
     Why: on CPU, torch's float32 ``F.linear`` goes to MKL's sgemm, which for a few rows (decode, a
     verify step) runs on one thread; ``bmm`` over row blocks gives each thread its own block.
-    Measured on a 2-core AMD EPYC over the bundled model's 121 weight matrices: 1 row 47.7 ->
-    30.7 ms, 5 rows 81.3 -> 49.2 ms, 64 rows 251 -> 181 ms (docs/benchmarks.md). float32 only:
+    Faster at every row count we measured (docs/benchmarks.md). float32 only:
     bfloat16's CPU matmul (oneDNN) already uses every thread.
 
     With ``upcast_rows > 0`` and at least that many rows, a bfloat16 product runs in float32: the
     weight and input widened exactly, float32 accumulation, the output rounded to bfloat16 once —
     what a bfloat16 matmul computes, up to summation order. Why: on a CPU without bfloat16
-    instructions the bfloat16 matmul of many rows is slow (40 rows: 483 ms over the bundled
-    model's layers, 123 ms widened; a 40-token prefill 544 -> 180 ms). For a few rows widening
+    instructions the bfloat16 matmul of many rows is compute-bound and several times slower
+    than the widened product (docs/benchmarks.md). For a few rows widening
     every weight costs more than it saves, hence the threshold.
 
     Below it, a bfloat16 product on a CPU without a fast bfloat16 matmul in torch goes to
-    ``cpu_kernels.bf16_linear`` (float32 accumulation, one rounding, memory-bound: the bundled
-    model's matrices in ~12 instead of ~19 ms for one row, ~29 instead of ~80 ms for five), and
-    a float32 product of at most ``CPU_KERNEL_MAX_ROWS`` rows to ``cpu_kernels.f32_linear``
-    (each weight row read once for up to four input rows: 1 row 24 instead of 30 ms with the
-    row blocks, 5 rows 31 instead of 58, 16 rows equal).
+    ``cpu_kernels.bf16_linear`` (float32 accumulation, one rounding, memory-bound where torch's
+    fallback is compute-bound), and a float32 product of at most ``CPU_KERNEL_MAX_ROWS`` rows to
+    ``cpu_kernels.f32_linear`` (each weight row read once for up to four input rows, faster than
+    the row blocks up to where MKL takes over; docs/benchmarks.md).
     """
     out_features, in_features = weight.shape
     if batch_invariant and weight.device.type == "cpu":

@@ -4,8 +4,8 @@
  *
  * Why: torch's fused CPU layer norm opens an OpenMP parallel region for every call of more than
  * one row, and with passive OpenMP workers (cpu_threads.py) each region waits for a worker to
- * wake (~90 us on a 2-core VM): the 61 norms of a verify step of the bundled model cost 5.5 ms
- * instead of 0.4. Rows of a decode or verify step are normalised here serially (a parallel
+ * wake, which costs far more than the norm of a few rows (docs/benchmarks.md). Rows of a
+ * decode or verify step are normalised here serially (a parallel
  * region only from PARALLEL_ELEMENTS on), each summed in one fixed order whatever the number of
  * rows (batch invariance, REFERENCE §12). Built and loaded by verispec/models/cpu_kernels.py.
  */

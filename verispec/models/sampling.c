@@ -4,9 +4,9 @@
  * the rejection sampler of verispec/ops/rejection.py after p (rejection_rows).
  *
  * Why: a race over one block of 4096 tokens needs 1024 Philox evaluations; numpy runs the ten
- * rounds as ~80 array operations (~0.1 ms at any size up to a few thousand counters, most of it
- * per-call overhead, and torch ~10 more to make uniforms), this loop takes a few microseconds on
- * the calling thread. The rounds are integer arithmetic, so the words are those of the numpy and
+ * rounds as ~80 array operations (mostly per-call overhead at any size up to a few thousand
+ * counters, and torch ~10 more to make uniforms); this loop runs them on the calling thread
+ * without that overhead. The rounds are integer arithmetic, so the words are those of the numpy and
  * torch rounds bit for bit; uniform_of makes them uniform with torch's roundings. Built and
  * loaded by verispec/models/cpu_kernels.py.
  */

@@ -62,9 +62,9 @@ def get_backend(device: torch.device | str) -> Backend:
 
 # Logits of at most this many elements are sampled on a CPU by one thread. Each of the ~20
 # torch ops of a rejection step over [k + 1, V] rows opens an OpenMP parallel region, and with
-# passive workers (``verispec.cpu_threads``) each region waits for a worker to wake: B = 1,
-# k = 3 over the bundled model's 49 152 tokens took 2.2 ms on a 2-core VM, 1.1 ms on one
-# thread. These ops split their work by rows, never within one, so a row's bits do not depend
+# passive workers (``verispec.cpu_threads``) each region waits for a worker to wake, which at
+# these sizes costs more than a second thread saves (docs/benchmarks.md).
+# These ops split their work by rows, never within one, so a row's bits do not depend
 # on the number of threads (tests/ops/test_sampling.py); a large batch keeps them all.
 ONE_THREAD_ELEMENTS = 1 << 21
 

@@ -79,8 +79,8 @@ def check_logits(name: str, logits: torch.Tensor, contiguous: bool = False) -> i
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """[R, V] -> [R] int64: the first index of each row's maximum (NaN counts as the maximum),
     as ``torch.argmax``. On the CPU through ``torch.max(dim).indices``, which returns the same
-    index (documented: the first maximal value) and is 3-4x faster there (256 rows of a 49k
-    vocabulary on 2 cores: 16.5 -> 3.7 ms; one row 68 -> 23 us)."""
+    index (documented: the first maximal value) and is several times faster there
+    (docs/benchmarks.md)."""
     if x.device.type == "cpu":
         return x.max(dim=-1).indices
     return torch.argmax(x, dim=-1)

@@ -186,7 +186,7 @@ def _chunk_stats(x, stats_ptr, part_f_ptr, part_i_ptr, row_part, plane, chunk, v
     dropped: anything more on it here (the same sum without the draft, which the one-hot
     residual needs and the decider computes for the one chunk) keeps it live, 80-120
     registers a thread instead of 56-64, and the launch, which streams the logits, is then
-    1.2x slower (fewer programs an SM)."""
+    slower (fewer programs an SM)."""
     ids = _tile_ids(chunk * CHUNK, CHUNK // 4)  # [CHUNK / 4, 4]
     valid = ids < vocab_size
     out = row_part + chunk

@@ -276,8 +276,8 @@ def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, NUM_CHUNKS, NC_P2: tl.constex
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """See ``model_ops.argmax``: programs of ``ARGMAX_CHUNK`` columns, then one per row over
-    their partials (torch's reduction gives a single row one block of threads: ~28 us for 128k
-    float32 logits on an H100; one program per row streaming it, ~58 us for 64 rows)."""
+    their partials (torch's reduction gives a single row one block of threads, and one program
+    per row leaves a long row to one program; docs/benchmarks.md)."""
     R, N = logits.shape
     out = torch.empty(R, dtype=torch.int64, device=logits.device)
     if R and N:
@@ -367,7 +367,7 @@ class LinearConfig:
 # LINEAR_MIN_PROGRAMS programs, so that enough of them stream the weight; a row tile of 128 or
 # 256 only for more than half its rows. Measured on an H100 over the Llama-3.1-8B shapes at 1,
 # 16, 64 and 256 rows (``--parts sweep`` of benchmarks/profile_gpu_step.py), this rule (with
-# the two tables below) picks a tile within 2.2 % of the fastest in all 20 cases.
+# the two tables below) picks a tile close to the fastest in every case (docs/benchmarks.md).
 LINEAR_TILES = {
     2: (LinearConfig(256, 128, 8, 4, 64), LinearConfig(128, 128, 8, 3),
         LinearConfig(64, 128, 4, 4), LinearConfig(64, 64, 4, 4), LinearConfig(64, 32, 4, 6)),
@@ -376,18 +376,17 @@ LINEAR_TILES = {
 }
 LINEAR_MIN_PROGRAMS = 96
 # At up to 16 rows (decode and draft steps of small batches), products of up to 8192 outputs
-# stream their weight faster in row tiles of 16 and output tiles of 32 (H100: Llama-3.1-8B qkv
-# 21.0 -> 20.1 us, Llama-3.2-1B down 18.9 -> 18.0 us); wider products keep the tiles above.
+# stream their weight faster in row tiles of 16 and output tiles of 32 (more programs share the
+# weight stream); wider products keep the tiles above.
 LINEAR_FEW_ROWS = {2: (16, 8192, LinearConfig(16, 32, 4, 6))}  # itemsize: rows, outputs, tile
 # Loads by the tensor-memory accelerator from this many rows on (bfloat16 / float16 on Hopper).
-# H100, Llama-3.1-8B shapes at 256 rows, best tile each way: qkv 32.9 -> 30.2 us, o 21.3 ->
-# 18.7, gate_up 125.2 -> 117.9, down 66.6 -> 55.5, LM head 523.5 -> 493.0; at 64 rows within
-# 3 % either way; at 1 and 16 rows up to 6 % slower.
+# Bulk copies pay for many rows, are even at 64 and cost more at 16 and fewer (the sweep of
+# benchmarks/profile_gpu_step.py; docs/benchmarks.md).
 LINEAR_TMA_MIN_ROWS = {2: 17}
 # Above 128 rows (verify steps of large batches, near compute-bound) deeper pipelines of 64
-# features per step pay (H100, Llama-3.1-8B shapes at 256 rows: 256 x 128 tile with 4 stages
-# instead of 3: gate_up 117.9 -> 106.9 us, LM head 480.0 -> 441.3; 128 x 128 with 5 stages of
-# 64 instead of 3 of 128: qkv 30.1 -> 27.6); at 128 rows and fewer they do not.
+# features per step pay: the 256 x 128 tile with 4 stages instead of 3, the 128 x 128 tile with
+# 5 stages of 64 features instead of 3 of 128 (docs/benchmarks.md); at 128 rows and fewer they
+# do not.
 LINEAR_MANY_ROWS = {(2, LinearConfig(128, 128, 8, 3)): LinearConfig(128, 128, 8, 5, 64)}
 
 

@@ -33,14 +33,14 @@ _MAX_CHUNK = 4096  # tokens per statistics chunk: 16 KB of float32 logits
 # 8 programs per 4096-token block), or of a rejected row's whole residual (full rule)
 _BLOCK_RACE_CHUNK = 512
 _ROW_RACE_CHUNK = 2048
-# batch size from which a statistics program reads two chunks of its row (H200, k = 4,
-# V = 128 256, one-hot rule: B = 128 77.6 vs 82.4 us, B = 256 143.7 vs 157.9; B = 64 47.3 vs
-# 45.8, where a row is decided later); with synthetic rates, where most programs skip, from 32
+# batch size from which a statistics program reads two chunks of its row: below it one chunk
+# decides a row sooner, above it two halve the programs (docs/benchmarks.md); with synthetic
+# rates, where most programs skip, from 32
 _GROUP_BATCH = 128
 _GROUP_BATCH_SYNTHETIC = 32
 # warps per program of the mask search (one program per row, a latency-bound loop of passes
-# over the row): 32 where the rows fit one per SM (H100, V = 151 936, B = 8: top-k 50 516 ->
-# 363 us, top-p 1316 -> 918), 8 beyond
+# over the row): 32 where the rows fit one per SM, so each pass over a row is short; 8 beyond
+# (docs/benchmarks.md)
 _MASK_WARPS = 8
 _MASK_WIDE_WARPS = 32
 _MAX_PLANS = 4096

@@ -56,9 +56,8 @@ class CapturedHidden:
     rows: torch.Tensor  # [>= sum(counts), len(capture_layers) * hidden] model dtype
 # bfloat16 CPU matmuls of this many rows or more run in float32 (prefill; see models.llama.linear).
 # Decode and verify steps keep a bfloat16 matmul: widening the LM head every step costs more than
-# it saves there. With the compiled bfloat16 kernel (models.cpu_kernels) the crossover is later:
-# on a 2-core AMD EPYC over the bundled model's matrices, 16 rows 76 ms against 159 widened,
-# 32 rows 165 against 190.
+# it saves there. With the compiled bfloat16 kernel (models.cpu_kernels) the crossover is later
+# (docs/benchmarks.md).
 CPU_UPCAST_ROWS = 16
 CPU_UPCAST_ROWS_WITH_KERNEL = 32
 

@@ -43,7 +43,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
                scale: float) -> torch.Tensor:
     """SDPA of [B, hq, S, d] queries over [B, hkv, N, d] keys and values with a [S, N] mask. On
     a CPU in float32 even under bfloat16 autocast: torch's CPU flash attention, backward
-    included, is ~1.6x faster in float32 there (67 -> 41 ms a step at 8 sequences)."""
+    included, is faster in float32 there."""
     gqa = q.shape[1] != k.shape[1]
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
@@ -58,8 +58,7 @@ class _SoftCrossEntropy(torch.autograd.Function):
     number of rows whose argmaxes agree; [N, V] logits of any float dtype, computed in float32
     over chunks of ``LOSS_CHUNK`` rows. The gradient is ``softmax(logits) - softmax(target)``,
     recomputed chunk by chunk in the backward pass: nothing of size [N, V] is kept or built
-    beyond the gradient itself (a training step of the bundled model's head, 8 sequences, on a
-    2-core CPU: 0.44 -> 0.39 s)."""
+    beyond the gradient itself, which keeps a CPU training step's memory traffic small."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor):
@@ -157,8 +156,8 @@ def ttt_loss(
     are trained and counted; the prompt is context only (every sequence repeats the chat
     template's system prompt, which would otherwise be a large, trivially learned share), and
     steps 1.. skip the leading positions whose predictions no step trains (the first
-    ``min(response_start) - num_steps``: ~15 % of a CPU step for the bundled model's chat
-    prompts). Step 0 runs everywhere: its keys are the context of every later position."""
+    ``min(response_start) - num_steps``: a visible share of a CPU step for chat prompts).
+    Step 0 runs everywhere: its keys are the context of every later position."""
     B, S = token_ids.shape
     c = head.config
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim

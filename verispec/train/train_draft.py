@@ -191,8 +191,8 @@ def _collate(samples: list[Sample], max_len: int, draft_head: torch.Tensor,
     tokens, aux, final, lengths, starts = (t.to(device) for t in (tokens, aux, final, lengths,
                                                                    starts))
     aux = aux.float() if aux_scale is None else aux.float() / aux_scale
-    # the labels' logits in draft_head's dtype (bfloat16 with amp: 41 -> 15 ms a step on a
-    # 2-core CPU with AMX; the target's own bfloat16 LM head rounds its logits alike)
+    # the labels' logits in draft_head's dtype (bfloat16 with amp, a fast matmul on CPUs with
+    # AMX; the target's own bfloat16 LM head rounds its logits alike)
     return tokens, aux, final.to(draft_head.dtype) @ draft_head.T, lengths, starts
 
 
@@ -264,7 +264,7 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
     target = llm.loaded.model
     if llm.device.type == "cpu" and cpu_kernels.torch_has_fast_bf16():
         # torch's bfloat16 matmul is fast here: keep it for many rows instead of the runner's
-        # float32 widening (64 sequences at once: 172 -> 324 tokens/s on a 2-core AMD EPYC)
+        # float32 widening, which slows the generation of many sequences at once
         set_matmuls = getattr(target, "set_cpu_matmuls", None)
         if set_matmuls is not None:
             set_matmuls(torch.get_num_threads(), upcast_rows=0, batch_invariant=False)
@@ -311,8 +311,8 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
     aux_scale = aux_scale.to(device)
     head.to(device)
     # bfloat16 autocast: float32 weights, gradients and optimizer, the matmuls in bfloat16
-    # (1.35 -> 0.80 s a step on a 2-core Xeon with AMX); on a CPU without a fast bfloat16
-    # matmul, float32 (there autocast would be slower).
+    # (where torch has a fast bfloat16 matmul, a step is much faster); on a CPU without one, in
+    # float32 (there autocast would be slower).
     amp = cfg.amp and (device.type == "cuda" or cpu_kernels.torch_has_fast_bf16())
     draft_head = target.lm_head_weight.detach()[draft_ids.to(device)].to(  # [V_draft, H]
         torch.bfloat16 if amp else torch.float32)
@@ -321,8 +321,7 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
         p.requires_grad_(True)
     steps_per_epoch = math.ceil(len(samples) / cfg.batch_size)
     total_steps = steps_per_epoch * cfg.epochs
-    # fused: one kernel for every parameter (on a 2-core CPU ~6x faster than the per-tensor
-    # loop, ~5 % of a training step)
+    # fused: one kernel for every parameter instead of a loop of small ops per tensor
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0,
                                   fused=True)
     warmup = max(1, min(cfg.warmup_steps, total_steps // 4))
