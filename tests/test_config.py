@@ -1,6 +1,6 @@
 """SpeculativeConfig validation and the synthetic-rate helpers.
 
-Strategy: every rule of REFERENCE §3 gets a case with the message checked; the conversion and
+Strategy: every rule of docs/design.md §3 gets a case with the message checked; the conversion and
 schedule examples are reproduced literally.
 """
 

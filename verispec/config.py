@@ -1,4 +1,4 @@
-"""Frozen configuration dataclasses that validate themselves (REFERENCE §3, §5).
+"""Frozen configuration dataclasses that validate themselves (docs/design.md §3, §5).
 
 ``SpeculativeConfig`` uses vLLM's ``speculative_config`` key names so a vLLM dict carries over
 unchanged through ``SpeculativeConfig.from_dict``.
@@ -100,8 +100,8 @@ class SpeculativeConfig:
     ``method``: proposer name (``"ngram"``, ``"draft_model"``, ``"early_exit"``, ``"eagle"``,
     ``"eagle3"``; validated against the proposer registry by the engine). ``model``: the draft
     model for ``"draft_model"``, the head's directory for ``"eagle"`` / ``"eagle3"``.
-    ``rejection_sample_method``: ``"standard"`` (exact) or ``"synthetic"`` (benchmarking, REFERENCE
-    §3 rule 4), which takes exactly one of ``synthetic_acceptance_rates`` (unconditional, length k)
+    ``rejection_sample_method``: ``"standard"`` (exact) or ``"synthetic"`` (benchmarking,
+    docs/design.md §3 rule 4), which takes exactly one of ``synthetic_acceptance_rates`` (unconditional, length k)
     or ``synthetic_acceptance_length``.
     """
 

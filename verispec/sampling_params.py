@@ -21,7 +21,7 @@ class SamplingParams:
 
     ``temperature`` 0 means greedy (argmax). ``top_k`` 0 or -1 disables top-k, ``top_p`` 1.0 and
     ``min_p`` 0.0 disable theirs. The processed distribution is logits / temperature, then top-k,
-    top-p and min-p masks, renormalised (REFERENCE §3). ``seed`` None draws one at admission.
+    top-p and min-p masks, renormalised (docs/design.md §3). ``seed`` None draws one at admission.
     ``stop`` strings and ``stop_token_ids`` end the request; the EOS token does too unless
     ``ignore_eos``. ``max_tokens`` counts generated tokens. ``logprobs`` None returns no log
     probabilities; an integer N returns, for every output token, its log probability under the

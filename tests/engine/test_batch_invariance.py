@@ -1,4 +1,4 @@
-"""Batch invariance on CPU, in float32 and bfloat16 (REFERENCE §12, issue 26 item 1).
+"""Batch invariance on CPU, in float32 and bfloat16 (docs/design.md §12, issue 26 item 1).
 
 Strategy: a request's rows must be computed the same way whatever else is in the batch and
 however many tokens the step holds for it, so the checks compare bits, not closeness:

@@ -2,7 +2,7 @@
 prompts for a model, the Leviathan prediction, the acceptance estimate, the table, the plot and
 the progress bar.
 
-Strategy: closed forms checked against the formulas of REFERENCE §10 on a grid (and exactly at
+Strategy: closed forms checked against the formulas of docs/design.md §10 on a grid (and exactly at
 alpha = 0 and 1), the estimate checked to recover alpha from geometric rates and from the
 counters of simulated geometric acceptance through ``SpecDecodingStats``; loaders fed good and
 bad files; prompt preparation run against stand-in models (with and without a tokenizer or a

@@ -3,7 +3,7 @@
 Strategy: tiny random Llama targets and drafts (logits spread enough that greedy argmax ties are
 rare). Every check compares two runs that must agree token for token: graphs against
 ``enforce_eager``; greedy speculation (draft model, early exit, n-gram; greedy and
-probabilistic drafting) against greedy plain decoding, in bfloat16 and float32 (REFERENCE §12);
+probabilistic drafting) against greedy plain decoding, in bfloat16 and float32 (docs/design.md §12);
 a request alone against the same request in a batch of 8 (another graph bucket), greedy and
 seeded sampling; the captured draft against the eager draft for tokens and q. Skipped without
 CUDA (CPU CI runs the same logic through the torch twins in test_flat_runner.py and

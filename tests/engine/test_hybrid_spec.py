@@ -1,8 +1,8 @@
 """Speculative decoding on a hybrid (Mamba2 + attention) target, through the whole engine.
 
 Strategy: a tiny random GraniteMoeHybrid target (3 Mamba2 layers around one attention layer) and
-properties that hold for any weights only if the recurrent state is rolled back right (REFERENCE
-§6: the next step continues from the state after its last accepted position).
+properties that hold for any weights only if the recurrent state is rolled back right
+(docs/design.md §6: the next step continues from the state after its last accepted position).
 - Greedy: speculative output == plain output, token for token, for every proposer (n-gram, a
   Llama draft model with greedy and probabilistic drafts, a hybrid draft model, early exit
   through the first layer and through every layer, the latter accepting every draft), in
@@ -152,7 +152,7 @@ def test_greedy_speculative_equals_plain(name, target_dir, draft_dir, hybrid_dra
 
 @pytest.mark.parametrize("name", ["ngram", "early_exit_1"])
 def test_greedy_speculative_equals_plain_in_bfloat16(name, target_dir, draft_dir):
-    """REFERENCE §12: in every dtype (the states stay float32; the bfloat16 projections are
+    """docs/design.md §12: in every dtype (the states stay float32; the bfloat16 projections are
     computed row by row alike in a decode and in a verify step)."""
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     plain = engine(target_dir, dtype="bfloat16").generate(PROMPTS, params)

@@ -91,7 +91,7 @@ def test_bf16_linear_any_leading_shape_and_strides(isa):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("in_features, out_features", [(576, 64), (1536, 48), (40, 24)])
 def test_bf16_linear_rows_do_not_depend_on_the_batch(isa, in_features, out_features):
-    """Batch invariance (REFERENCE §12): every row has the same bits computed alone, in any
+    """Batch invariance (docs/design.md §12): every row has the same bits computed alone, in any
     group of rows and at any place in a group or AMX tile (1 .. 40 rows)."""
     gen = torch.Generator().manual_seed(in_features)
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()

@@ -133,7 +133,7 @@ def test_greedy_tokens_equal_transformers_generate(hf_and_dir):
 
 def test_verify_step_bits_equal_decode_steps_and_batch_invariant(hf_and_dir):
     """A verify forward of k + 1 tokens, batched with another request of a different length, gives
-    the bits of k + 1 one-token steps of the request alone (REFERENCE §12)."""
+    the bits of k + 1 one-token steps of the request alone (docs/design.md §12)."""
     _, model_dir = hf_and_dir
     runner = _runner(model_dir)
     ids = torch.randint(3, VOCAB, (60,), generator=torch.Generator().manual_seed(2)).tolist()

@@ -1,7 +1,7 @@
 """The model ops of the GPU step: each Triton kernel against its torch twin on the same inputs
 (Triton's interpreter on CPU, the GPU with ``VERISPEC_TEST_DEVICE=cuda``), and the property the
 GPU engine relies on: a row's result does not depend on the other rows of the call (batch
-invariance, REFERENCE §12), checked bit for bit.
+invariance, docs/design.md §12), checked bit for bit.
 
 Strategy: small random shapes that exercise every branch (residual or not, qk-norm, sliding
 window, several queries per request with different context lengths, split and unsplit matmuls);

@@ -1,4 +1,4 @@
-"""Rejection sampler behaviour: the tables of REFERENCE §9, mixed batches, 0-draft requests, the
+"""Rejection sampler behaviour: the tables of docs/design.md §9, mixed batches, 0-draft requests, the
 output contract, synthetic extremes and batch invariance.
 
 Strategy: deterministic cases use peaked logits (one token at +20) so the greedy and random

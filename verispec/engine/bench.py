@@ -4,7 +4,7 @@ For each configuration the same prompts run through a fresh ``LLM`` (greedy unle
 flags say otherwise); reported per run: generated tokens/s, speedup over the no-speculation run,
 mean acceptance length, per-position acceptance, and the Leviathan et al. prediction from the
 measured acceptance and the measured costs: ``c`` = proposer time per draft token over a plain
-decode step, ``verify_cost`` = verify step over a plain decode step (REFERENCE §10). Each
+decode step, ``verify_cost`` = verify step over a plain decode step (docs/design.md §10). Each
 engine first runs the first batch untimed, so kernels compiled on first use are not timed; a row
 counts its timed pass alone.
 

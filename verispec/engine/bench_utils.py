@@ -1,7 +1,7 @@
 """Helpers for ``verispec bench`` and the benchmark scripts: the Leviathan et al. prediction,
 an estimate of the per-position acceptance rate, a human table, a plot and progress bars.
 
-Prediction (REFERENCE §10, Leviathan et al. 2023). If every draft position is accepted with
+Prediction (docs/design.md §10, Leviathan et al. 2023). If every draft position is accepted with
 probability alpha given that the ones before it were, and proposing one draft token costs c
 target steps, a step with k drafts emits on average
 
@@ -97,7 +97,7 @@ def expected_speedup(alpha: float, k: int, c: float, verify_cost: float = 1.0) -
 
 
 def estimate_acceptance_rate(acceptance_rate_per_pos: Sequence[float]) -> float:
-    """Per-position acceptance rate alpha from measured per-position rates (REFERENCE §8).
+    """Per-position acceptance rate alpha from measured per-position rates (docs/design.md §8).
 
     ``acceptance_rate_per_pos[i]`` is the unconditional rate a_{i+1} = P(first i + 1 drafts
     accepted) = accepted_per_pos[i] / drafts (``SpecDecodingStats.acceptance_rate_per_pos``).

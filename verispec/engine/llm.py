@@ -37,7 +37,7 @@ DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 8}
 # still runs alone): bounds a step's activation memory.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 # bfloat16 halves the bytes a decode step reads; verification of several tokens then costs
-# little more than one (REFERENCE §11). Exactness tests pin float32.
+# little more than one (docs/design.md §11). Exactness tests pin float32.
 DEFAULT_DTYPE = "bfloat16"
 
 
@@ -477,7 +477,7 @@ class LLM:
 
     def get_metrics(self) -> dict:
         """Aggregate metrics since start-up: speculative decoding counters and rates with vLLM's
-        definitions (REFERENCE §8) under ``"spec_decoding"`` (None without speculation)."""
+        definitions (docs/design.md §8) under ``"spec_decoding"`` (None without speculation)."""
         return {"spec_decoding": None if self.spec is None else self.spec.stats.to_dict()}
 
     def spec_decoding_log_line(self, elapsed_s: float) -> str | None:

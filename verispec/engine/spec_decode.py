@@ -1,11 +1,11 @@
-"""The speculative decode step: propose, verify, accept, commit (REFERENCE §3, §5, §8).
+"""The speculative decode step: propose, verify, accept, commit (docs/design.md §3, §5, §8).
 
 One step for a batch of running requests:
 
 1. each request gets ``max_num_draft_tokens`` = k cut by ``max_model_len`` and its remaining
    ``max_tokens`` (and by the per-request switch below); the proposer drafts ``n_r`` tokens;
 2. one target forward over ``[last committed token, d_1 .. d_{n_r}]`` of every request returns
-   the ``n_r + 1`` rows of each in the flattened layout of REFERENCE §2;
+   the ``n_r + 1`` rows of each in the flattened layout of docs/design.md §2;
 3. the rejection sampler keeps the accepted drafts and adds the recovered or bonus token;
 4. the engine commits the output tokens in order (a stop inside an accepted run ends the request
    there), rolls the target cache back to the committed tokens, and the proposer rolls its own.
@@ -38,7 +38,7 @@ Synthetic mode never switches off: the user asked for a given acceptance.
 
 A step in which no request drafted (the n-gram found no match, or every request is switched off)
 is a plain decode step: one row per request through the plain sampler. Its tokens are the ones
-the rejection sampler would emit as bonus tokens (same stream, same position: REFERENCE §4), so
+the rejection sampler would emit as bonus tokens (same stream, same position: docs/design.md §4), so
 this changes cost, never output.
 """
 
@@ -178,7 +178,7 @@ class SpeculativeDecoder:
         self.verify_time_s = 0.0
         self.num_steps = 0
         # The target logits of the last step and the first row of each request in them
-        # (``[sum(n_r + 1), V]``, REFERENCE §2): output token j of request r came from row
+        # (``[sum(n_r + 1), V]``, docs/design.md §2): output token j of request r came from row
         # ``first_rows[r] + j``. Read by the engine right after the step, for logprobs.
         self.step_logits: tuple[torch.Tensor, np.ndarray] | None = None
         # Per slot: exponential averages of accepted drafts and drafts tried; alpha their ratio.

@@ -17,7 +17,7 @@
  * CPU a thread the OS preempts takes fewer, instead of the whole step waiting for its fixed
  * half). Which thread sums an output never changes how it is summed.
  *
- * Batch invariance (REFERENCE §12): y[m, n] is summed in the same order whatever the number of
+ * Batch invariance (docs/design.md §12): y[m, n] is summed in the same order whatever the number of
  * rows M and wherever row m falls in a group: four float32 chains over 32 weights at a time
  * (even and odd elements of two halves), folded, then chains over 16 weights, then the scalar
  * tails. A row's result depends on its own input and the weight only, so a token gives the same

@@ -14,7 +14,7 @@
  * Both sum in float32 and round once to bfloat16, as the AVX2 kernel. Each product of two
  * bfloat16 values is exact in float32; the instructions add them in a fixed order per output
  * element with round-to-nearest and flush denormal inputs and results to zero (a bfloat16
- * subnormal is below 1.2e-38). Batch invariance (REFERENCE §12): row m's outputs are summed
+ * subnormal is below 1.2e-38). Batch invariance (docs/design.md §12): row m's outputs are summed
  * by the same instruction sequence over its own input alone, whatever the number of rows and
  * wherever the row falls in a group or tile, and which kernel runs depends on the CPU and the
  * weight's shape only. Dispatch: cpu_kernels.bf16_linear.

@@ -1,6 +1,6 @@
 """Compiled CPU kernels: bfloat16 and float32 linear layers and attention over the KV cache,
 each computing a row the same way whatever the number of rows (the CPU path's batch invariance,
-REFERENCE §12: MKL and oneDNN choose their kernels, and so a row's summation order, by the
+docs/design.md §12: MKL and oneDNN choose their kernels, and so a row's summation order, by the
 number of rows), and a fast bfloat16 matmul for CPUs whose torch has none.
 
 On an x86-64 CPU with AVX2 but without AVX-512 (oneDNN's bfloat16 path then refuses to run,

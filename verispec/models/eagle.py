@@ -1,4 +1,4 @@
-"""EAGLE draft heads (REFERENCE §5): one decoder layer fed the target's own hidden states.
+"""EAGLE draft heads (docs/design.md §5): one decoder layer fed the target's own hidden states.
 
 Two architectures, named as vLLM's ``speculative_config`` methods:
 

@@ -156,7 +156,7 @@ def invariant_linear(
     bias: torch.Tensor | None,  # [out_features] or None
 ) -> torch.Tensor:
     """``F.linear`` on CPU with every output row computed by one algorithm, in one summation
-    order, whatever the number of rows (REFERENCE §12): a token's row has the same bits decoded
+    order, whatever the number of rows (docs/design.md §12): a token's row has the same bits decoded
     alone, in a batch, as one of a verify step's k + 1 rows or in a prefill.
 
     The compiled kernels (``cpu_kernels.bf16_linear`` / ``f32_linear``, float32 accumulation in
@@ -194,7 +194,7 @@ def invariant_attention(
 ) -> torch.Tensor:
     """Attention of each new token over exactly the cache rows it sees, one token per SDPA call:
     the call's shape depends on the token's own rows alone, so its result does not depend on the
-    batch or on the other tokens of the step (REFERENCE §12). The CPU path where the compiled
+    batch or on the other tokens of the step (docs/design.md §12). The CPU path where the compiled
     attention kernel does not run; slower (one call per token), never different between batches.
     Returns [B, S, heads, head_dim] in the cache dtype (zeros for a token that sees no row)."""
     B, S, num_heads, head_dim = q.shape

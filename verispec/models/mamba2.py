@@ -11,7 +11,7 @@ The Mamba2 mixer (per token t, head h, head dim p, state n; ``A = -exp(A_log)``)
     out         = out_proj(rmsnorm_grouped(y * silu(z)) * norm_weight)
 
 Two forms compute it, chosen per request by its own number of new tokens in the forward (so a
-request's result never depends on its batch, REFERENCE §12):
+request's result never depends on its batch, docs/design.md §12):
 
 - **recurrent** (at most ``MAX_RECURRENT_TOKENS`` new tokens: decode, a verify step of k + 1 <= 33
   tokens, short prompts): the update above one token at a time, the state after every token
@@ -24,7 +24,7 @@ request's result never depends on its batch, REFERENCE §12):
   after the feed's last two tokens are kept (a captured draft that re-feeds the last committed
   token starts from the one before it, ``verispec.proposers.draft_model``).
 
-Recurrent state per request slot (``MambaLayerState``, REFERENCE §6): the conv state (the last
+Recurrent state per request slot (``MambaLayerState``, docs/design.md §6): the conv state (the last
 d_conv - 1 conv inputs) and the SSM state, kept for the last ``ring_size`` lengths of the slot in
 a ring indexed by ``length % ring_size``. The state after a slot's first L tokens is at ring index
 ``L % ring_size``. A verify step of k + 1 tokens from length b writes the states after every

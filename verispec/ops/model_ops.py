@@ -8,7 +8,7 @@ context_lens[b] - 1`` of its request (n_b = its number of new tokens). The KV ca
 t of the request in slot s lives in block ``block_tables[s, t // block_size]`` at row
 ``t % block_size``, and a token's *cache slot* (``slot_mapping``) is ``block * block_size +
 row``. Every op computes each row the same way whatever else is in the batch and however many
-tokens the step holds (REFERENCE §12): a row's result depends on that row (and, for attention,
+tokens the step holds (docs/design.md §12): a row's result depends on that row (and, for attention,
 on its own cache rows) only.
 
 - ``rms_norm(x, weight, eps, residual=None)``: with ``residual``, first ``residual += x`` in place

@@ -1,7 +1,7 @@
 """Counter-based randomness: Philox4x32-10 in torch, word for word Triton's ``tl.rand*``.
 
 Every random draw in verispec is a pure function of ``(seed, position, stream, index)``
-(REFERENCE §4). The four are packed into Triton's 64-bit ``offset`` so that a Triton kernel calling
+(docs/design.md §4). The four are packed into Triton's 64-bit ``offset`` so that a Triton kernel calling
 ``tl.rand(seed, offset)`` and the torch code here produce the same 32-bit words:
 
     offset = ((position * NUM_STREAMS + stream) << 32) | (index >> 2)
@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# Named streams (REFERENCE §4). Keep in sync with verispec/ops/triton_kernels.py.
+# Named streams (docs/design.md §4). Keep in sync with verispec/ops/triton_kernels.py.
 DRAFT_STREAM = 0  # the proposer's draft sampling
 ACCEPT_STREAM = 1  # acceptance uniforms u
 RESIDUAL_STREAM = 2  # recovered-token sampling at the first rejection

@@ -1,4 +1,4 @@
-"""Rejection sampling in the flattened batch layout, torch twin (REFERENCE §2-§3).
+"""Rejection sampling in the flattened batch layout, torch twin (docs/design.md §2-§3).
 
 Request r owns drafts ``draft_token_ids[cu[r]:cu[r+1]]`` (n_r of them, possibly 0) and target rows
 ``cu[r] + r ... cu[r+1] + r``: its n_r verify rows, then its bonus row. With p_i the processed
@@ -17,7 +17,7 @@ of that -1 is sampled as its bonus row would be (p, sample stream). Any other id
 rounding) falls back to p. Only the first rejected
 position is sampled (O(B V) noise, not O(B k V)); when all drafts pass the bonus token is sampled
 from the bonus row. ``u_i`` comes from the acceptance stream at the draft's position, the recovered
-token from the residual stream, the bonus from the sample stream (REFERENCE §4), so a request's
+token from the residual stream, the bonus from the sample stream (docs/design.md §4), so a request's
 tokens do not depend on the rest of the batch.
 """
 

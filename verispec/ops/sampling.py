@@ -1,6 +1,6 @@
 """Logits processing and sampling, torch twin (the CPU path and the oracle of the Triton kernels).
 
-The processed distribution (REFERENCE §3) of a row with temperature T > 0 is
+The processed distribution (docs/design.md §3) of a row with temperature T > 0 is
 
     z = logits / T
     top-k:  keep z_v >= the k-th largest z                      (ties at the boundary all kept)
@@ -14,7 +14,7 @@ Every mask is a threshold on one row, so a kernel can find it by bisection inste
 land on the same set. Rows with T = 0 are greedy; their p is computed with T = 1 and unused.
 
 Sampling a token proportional to weights w uses the exponential race ``argmax_v w_v / E_v`` with
-``E_v = -log u_v`` from the row's Philox stream (REFERENCE §3): no sort, no cumsum, no
+``E_v = -log u_v`` from the row's Philox stream (docs/design.md §3): no sort, no cumsum, no
 ``torch.multinomial``, no host sync. Over a vocabulary larger than ``SAMPLING_BLOCK`` the race
 runs in two levels (``race``), so that a kernel draws noise for one block of the row, not all V.
 """
@@ -263,7 +263,7 @@ def sample(
 
 def draft_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """The proposer's distribution q: softmax(logits / T) in float32 (temperature only,
-    REFERENCE §3). logits [R, V]; temperature [R] (0 treated as 1). Returns [R, V] float32."""
+    docs/design.md §3). logits [R, V]; temperature [R] (0 treated as 1). Returns [R, V] float32."""
     return _processed_probs(logits, temperature)
 
 

@@ -1,6 +1,6 @@
 """Rejection sampling (and plain sampling) in two Triton launches; no program waits for another.
 
-Under every rule of REFERENCE §3 a verify row decides itself: its draft passes or not from this
+Under every rule of docs/design.md §3 a verify row decides itself: its draft passes or not from this
 row alone (u_i < p_i(d_i); u_i q_i(d_i) < p_i(d_i) under the full rule; d_i == argmax for a
 greedy target; u_i < c_i for synthetic rates), and the token the request emits if this row is
 its final one is sampled from this row alone. A request's output is its accepted drafts up to

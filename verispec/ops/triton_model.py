@@ -2,7 +2,7 @@
 (``verispec.ops.model_ops`` has the contract and the torch twins).
 
 Every kernel computes a row with the same instructions whatever the number of rows, so a token's
-result does not depend on its batch (REFERENCE §12):
+result does not depend on its batch (docs/design.md §12):
 
 - ``_rms_norm_kernel``: one program per row, residual add and norm in one pass;
 - ``_silu_mul_kernel``: elementwise (where the gate|up projection is not fused with it);

@@ -1,4 +1,4 @@
-"""Proposers: the base class, the registry and the registered proposers (REFERENCE §5).
+"""Proposers: the base class, the registry and the registered proposers (docs/design.md §5).
 
 Importing this package registers every built-in proposer, so ``available_proposers()`` lists
 them all.

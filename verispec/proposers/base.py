@@ -1,4 +1,4 @@
-"""The proposer interface and registry (REFERENCE §1, §5).
+"""The proposer interface and registry (docs/design.md §1, §5).
 
 A proposer guesses up to k draft tokens per running request; the target verifies them all in one
 forward. The engine drives every proposer through the same four calls:
@@ -59,7 +59,7 @@ class ProposalRequest(Protocol):
 
 
 class DraftProposal(NamedTuple):
-    """One step's drafts in the flattened layout of REFERENCE §2 (unpacks as a 3-tuple).
+    """One step's drafts in the flattened layout of docs/design.md §2 (unpacks as a 3-tuple).
 
     Attributes
     ----------

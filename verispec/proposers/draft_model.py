@@ -1,4 +1,4 @@
-"""Draft-model proposer (REFERENCE §5): a second, smaller Llama-family model drafts k tokens.
+"""Draft-model proposer (docs/design.md §5): a second, smaller Llama-family model drafts k tokens.
 
 ``ModelProposer`` holds what every model-based proposer shares (``draft_model`` here,
 ``early_exit`` in ``verispec.proposers.early_exit``): a ``ModelRunner`` whose per-slot KV cache
@@ -87,7 +87,7 @@ class ModelProposer(Proposer):
     A subclass builds ``self.runner`` (whose ``kv_cache`` rows are the proposer's cache) and
     calls ``_init_buffers``; ``num_layers`` (None = all) is passed to every forward.
 
-    Buffers, allocated once and indexed by slot (REFERENCE §5; a CUDA-graph replay writes only
+    Buffers, allocated once and indexed by slot (docs/design.md §5; a CUDA-graph replay writes only
     buffers that existed at capture):
 
     - ``draft_token_buffer``: [max_num_seqs, k] int64, d_1..d_{n_r} of the last step;

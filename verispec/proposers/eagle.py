@@ -1,4 +1,4 @@
-"""EAGLE proposers (REFERENCE §5): a one-layer head fed the target's own hidden states drafts k
+"""EAGLE proposers (docs/design.md §5): a one-layer head fed the target's own hidden states drafts k
 tokens. ``method="eagle"`` loads an EAGLE-1 head, ``"eagle3"`` an EAGLE-3 head
 (``verispec.models.eagle``); ``SpeculativeConfig.model`` is the head's directory.
 

@@ -1,4 +1,4 @@
-"""n-gram proposer (prompt lookup, REFERENCE §5): drafts copied from earlier in the context.
+"""n-gram proposer (prompt lookup, docs/design.md §5): drafts copied from earlier in the context.
 
 For a context ``t_0 .. t_{L-1}`` the suffix of length n is ``t_{L-n} .. t_{L-1}``. Find the
 longest n in ``[prompt_lookup_min, prompt_lookup_max]`` whose suffix also occurs earlier, i.e.
@@ -83,7 +83,7 @@ def ngram_lookup(
 class NgramProposer(Proposer):
     """Prompt lookup on the host; drafts carry no distribution.
 
-    ``draft_probs`` is None and the rejection sampler uses the one-hot rule (REFERENCE §3 rule
+    ``draft_probs`` is None and the rejection sampler uses the one-hot rule (docs/design.md §3 rule
     2). A request whose ``token_ids`` is a numpy array is read in place. Any other sequence (a
     Python list) is mirrored into a per-slot host array that grows by the newly committed tokens
     only, so a step costs O(new tokens) of conversion instead of O(context); ``free(slot)``

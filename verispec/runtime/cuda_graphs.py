@@ -1,4 +1,4 @@
-"""CUDA graphs for fixed-shape steps (REFERENCE §7): capture once per batch-size bucket, replay
+"""CUDA graphs for fixed-shape steps (docs/design.md §7): capture once per batch-size bucket, replay
 with the inputs copied into static buffers.
 
 A *step* is a function of a few per-request input rows (token ids, slots, positions, ...) that

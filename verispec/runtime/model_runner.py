@@ -6,7 +6,7 @@ This is the one entry point every kind of step uses:
 - prefill: ``forward(slots, [prompt_ids ...])`` -> logits of each prompt's last token;
 - decode: ``forward(slots, [[last_token] ...])``;
 - speculative verify: ``forward(slots, [[last_token, d_1, .., d_n_r] ...], logits="all")`` ->
-  the ``sum(n_r + 1)`` rows in the flattened layout of REFERENCE §2, then ``kv_cache.truncate``
+  the ``sum(n_r + 1)`` rows in the flattened layout of docs/design.md §2, then ``kv_cache.truncate``
   each slot to its committed length;
 - early-exit drafting: ``forward(..., num_layers=N)`` runs the first N layers + norm + LM head
   (it writes only those layers' cache rows, which the verify forward later rewrites);
@@ -317,7 +317,7 @@ class ModelRunner:
     def verify(self, slots: list[int], last_token_ids: list[int], draft_token_ids: torch.Tensor,
                num_draft_tokens: np.ndarray) -> torch.Tensor:
         """The verify forward: request b feeds its last committed token and its n_b drafts
-        (``draft_token_ids`` [sum n_b] on the device, REFERENCE §2 order). Returns the
+        (``draft_token_ids`` [sum n_b] on the device, docs/design.md §2 order). Returns the
         ``sum(n_b + 1)`` rows of target logits, float32, in the flattened layout."""
         counts = np.asarray(num_draft_tokens, dtype=np.int64) + 1
         if not self.flat:
@@ -402,7 +402,7 @@ class ModelRunner:
         slots : B distinct cache slots
         token_ids : B non-empty lists of new token ids (different lengths allowed)
         logits : ``"last"`` -> [B, vocab] float32 for each request's last new token;
-            ``"all"`` -> [sum(len(t)), vocab] float32, request-major (REFERENCE §2 layout);
+            ``"all"`` -> [sum(len(t)), vocab] float32, request-major (docs/design.md §2 layout);
             ``"none"`` -> None (fill the cache only)
         num_layers : run only the first N layers (early exit); default all
 

@@ -1,5 +1,5 @@
 """The cache of a hybrid (Mamba2 + attention) model: paged attention KV plus recurrent state per
-slot, rolled back by moving the slot's length (REFERENCE §6).
+slot, rolled back by moving the slot's length (docs/design.md §6).
 
 ``HybridCache`` is a ``KVCache`` (same block tables and lengths, ``advance`` / ``truncate`` /
 ``free``, the same per-layer ``k_layers`` / ``v_layers`` the model's forward takes) whose paged

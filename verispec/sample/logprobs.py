@@ -1,4 +1,4 @@
-"""Log probabilities of output tokens under the processed target distribution p (REFERENCE §3).
+"""Log probabilities of output tokens under the processed target distribution p (docs/design.md §3).
 
 Every output token is distributed as p of the target row at its position, however it was
 produced: sampled in a plain step, accepted as a draft, recovered at the first rejection, or
@@ -6,8 +6,8 @@ sampled as the bonus token (that is what exactness means). Its log probability i
 ``log p(token)`` of that row, never of the residual ``norm(max(0, p - q))`` it may have been drawn
 from. In a verify step the row that checks draft i of a request is the row of the position that
 draft occupies, the distribution a plain step would have sampled from there; so logprobs are the
-same with and without speculation (greedy speculation emits the plain greedy tokens, REFERENCE
-§12). Greedy rows (temperature 0) report p computed with temperature 1 and the request's masks.
+same with and without speculation (greedy speculation emits the plain greedy tokens,
+docs/design.md §12). Greedy rows (temperature 0) report p computed with temperature 1 and the request's masks.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from verispec.sample.sampler import SamplingTensors
 
 
 class RejectionSampler:
-    """Keeps exactly the draft tokens that preserve the target distribution (REFERENCE §3).
+    """Keeps exactly the draft tokens that preserve the target distribution (docs/design.md §3).
 
     In synthetic mode the conditional rates are made once, as a tensor on ``device``.
     """

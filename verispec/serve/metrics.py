@@ -8,7 +8,7 @@ the process's own metrics (``process_resident_memory_bytes``, ...) are there too
 Request metrics are observed by the engine thread when a step's tokens reach a request:
 time to first token from the request's arrival at the server, inter-token latency between two
 successive deliveries of new tokens (a speculative step may deliver several at once, as in vLLM),
-end-to-end latency when it finishes. Speculative decoding counters follow REFERENCE §8.
+end-to-end latency when it finishes. Speculative decoding counters follow docs/design.md §8.
 """
 
 from __future__ import annotations
