@@ -101,8 +101,8 @@ class SpeculativeConfig:
     ``"eagle3"``; validated against the proposer registry by the engine). ``model``: the draft
     model for ``"draft_model"``, the head's directory for ``"eagle"`` / ``"eagle3"``.
     ``rejection_sample_method``: ``"standard"`` (exact) or ``"synthetic"`` (benchmarking,
-    docs/design.md §3 rule 4), which takes exactly one of ``synthetic_acceptance_rates`` (unconditional, length k)
-    or ``synthetic_acceptance_length``.
+    docs/design.md §3 rule 4), which takes exactly one of ``synthetic_acceptance_rates``
+    (unconditional, length k) or ``synthetic_acceptance_length``.
     """
 
     method: str = "ngram"

@@ -1,4 +1,5 @@
-"""SpecDecodingStats: vLLM's counter definitions, aggregation and the log line (docs/design.md §8)."""
+"""SpecDecodingStats: vLLM's counter definitions, aggregation and the log line
+(docs/design.md §8)."""
 
 from __future__ import annotations
 

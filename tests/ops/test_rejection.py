@@ -1,5 +1,5 @@
-"""Rejection sampler behaviour: the tables of docs/design.md §9, mixed batches, 0-draft requests, the
-output contract, synthetic extremes and batch invariance.
+"""Rejection sampler behaviour: the tables of docs/design.md §9, mixed batches, 0-draft requests,
+the output contract, synthetic extremes and batch invariance.
 
 Strategy: deterministic cases use peaked logits (one token at +20) so the greedy and random
 paths have known answers; invariance runs one seeded batch, then the same requests shuffled and

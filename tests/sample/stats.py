@@ -14,7 +14,8 @@ P_VALUE_THRESHOLD = 1e-6
 
 
 def reference_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
-    """Processed distribution of one row in float64, written from docs/design.md §3 with numpy only."""
+    """Processed distribution of one row in float64, written from docs/design.md §3 with numpy
+    only."""
     z = np.asarray(logits, dtype=np.float64) / (temperature if temperature > 0 else 1.0)
     vocab = z.shape[0]
     if 0 < top_k < vocab:

@@ -276,8 +276,8 @@ def test_greedy_target_emits_argmax_exactly(draft_temperature, device):
 
 def test_biased_sampler_fails_the_test(monkeypatch):
     """The test of the test: drawing the recovered token with the noise that chose the draft
-    (one stream for both, the bug docs/design.md §4 warns of) must be caught. Torch backend only: the
-    bias is injected by pointing its residual stream at the draft stream."""
+    (one stream for both, the bug docs/design.md §4 warns of) must be caught. Torch backend only:
+    the bias is injected by pointing its residual stream at the draft stream."""
     case = _random_case("biased_residual", 31, vocab=23, k=2, scale=1.0)
     monkeypatch.setattr(philox, "RESIDUAL_STREAM", philox.DRAFT_STREAM)
     counts = run_case(case, "cpu", rejection_sample=torch_rejection.rejection_sample)

@@ -1,4 +1,5 @@
-"""Speculative decoding metrics with vLLM's definitions (docs/design.md §8), so dashboards carry over.
+"""Speculative decoding metrics with vLLM's definitions (docs/design.md §8), so dashboards carry
+over.
 
 Per step and request with n_r > 0: drafts += 1, draft_tokens += n_r, accepted += a,
 accepted_per_pos[0 .. a-1] += 1. Requests that proposed nothing are not counted.

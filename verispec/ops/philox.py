@@ -1,8 +1,8 @@
 """Counter-based randomness: Philox4x32-10 in torch, word for word Triton's ``tl.rand*``.
 
 Every random draw in verispec is a pure function of ``(seed, position, stream, index)``
-(docs/design.md §4). The four are packed into Triton's 64-bit ``offset`` so that a Triton kernel calling
-``tl.rand(seed, offset)`` and the torch code here produce the same 32-bit words:
+(docs/design.md §4). The four are packed into Triton's 64-bit ``offset`` so that a Triton kernel
+calling ``tl.rand(seed, offset)`` and the torch code here produce the same 32-bit words:
 
     offset = ((position * NUM_STREAMS + stream) << 32) | (index >> 2)
     word   = index & 3        of tl.randint4x(seed, offset)

@@ -1,5 +1,5 @@
-"""Early-exit proposer (self-speculation, docs/design.md §5): the target's own first N layers, its final
-norm and its LM head draft the tokens. No second model is held in memory.
+"""Early-exit proposer (self-speculation, docs/design.md §5): the target's own first N layers, its
+final norm and its LM head draft the tokens. No second model is held in memory.
 
 The draft logits of a token are ``lm_head(norm(h_N))`` where ``h_N`` is the hidden state after
 layer N (``ModelRunner.forward(..., num_layers=N)``). The K/V that layer i < N writes for a token
