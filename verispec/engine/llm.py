@@ -294,6 +294,8 @@ class LLM:
             logits = self._run(batch, is_prefill)
             outputs = [[t] for t in self._sample(batch, logits)]
             step_logits = (logits, np.arange(len(batch)))
+            if is_prefill:  # a recomputed request's next token comes from its next step
+                outputs = [[] if r.num_output_tokens else out for r, out in zip(batch, outputs)]
         else:  # propose, verify, accept
             outputs = self.spec.step(batch, self._sampling_tensors(batch))
             step_logits = self.spec.step_logits
@@ -310,7 +312,10 @@ class LLM:
     def _run(self, batch: list[Request], is_prefill: bool) -> torch.Tensor:
         """[B, V] logits of the next token of each request."""
         if is_prefill:
-            new_tokens = [r.token_ids.tolist() for r in batch]
+            # A preempted request is recomputed up to its last token, which its next step feeds
+            # as it would have without the preemption: the cache and the step are those it had.
+            new_tokens = [r.token_ids[: r.num_tokens - 1 if r.num_output_tokens else None].tolist()
+                          for r in batch]
         else:
             new_tokens = [[r.last_token_id] for r in batch]
         return self.runner.forward([r.slot for r in batch], new_tokens)
