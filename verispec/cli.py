@@ -22,10 +22,24 @@ ENGINE_FLAGS: dict[str, dict] = {
                   "(default: the bundled SmolLM2-135M-Instruct)"),
     "dtype": dict(default="bfloat16", choices=["bfloat16", "float32"],
                   help="weights and activations (default: %(default)s)"),
-    "max_model_len": dict(type=int, default=None, help="most tokens per request "
-                          "(default: min(max_position_embeddings, 2048))"),
-    "max_num_seqs": dict(type=int, default=8,
-                         help="requests running at once (default: %(default)s)"),
+    "max_model_len": dict(type=int, default=None, help="most tokens per request (default: the "
+                          "model's max_position_embeddings; refused at start when the KV pool "
+                          "cannot hold one request of this length)"),
+    "max_num_seqs": dict(type=int, default=None,
+                         help="requests running at once (default: 256 on CUDA, 8 on CPU)"),
+    "block_size": dict(type=int, default=16,
+                       help="tokens per KV cache block, a power of two (default: %(default)s)"),
+    "gpu_memory_utilization": dict(
+        type=float, default=0.9, help="on CUDA, the fraction of GPU memory for weights, "
+        "activations and the KV pool, in (0, 1]; the pool gets what weights and the largest "
+        "step leave (default: %(default)s)"),
+    "kv_cache_memory": dict(
+        default=None, help="bytes of the KV pool, e.g. 4GiB or 512MiB (CPU default: enough for "
+        "max-num-seqs full-length requests, at most 1GiB; on CUDA it overrides "
+        "--gpu-memory-utilization). Too small for one max-model-len request: refused at start"),
+    "max_num_batched_tokens": dict(
+        type=int, default=None, help="most prompt tokens one prefill step takes (default: "
+        "8192; a longer prompt runs alone)"),
     "device": dict(default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)"),
     "enforce_eager": dict(action="store_true",
                           help="on CUDA, run every step eagerly instead of replaying the CUDA "

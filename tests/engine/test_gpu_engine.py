@@ -249,3 +249,44 @@ def test_head_dim_below_16_is_one_clear_error(tmp_path):
     path = save_llama(tmp_path, num_layers=1, vocab_size=VOCAB, hidden_size=32)  # 4 heads of 8
     with pytest.raises(ValueError, match="head_dim=8"):
         LLM(path, device="cuda", max_num_seqs=2)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("method", [None, "draft_model", "eagle3"])
+def test_preempted_and_pieced_requests_keep_their_tokens(dirs, heads, dtype, method):
+    """On the GPU (paged Triton attention, graphs over block tables): a pool of a few blocks more
+    than one full-length request forces preemptions, and prefills of at most 16 tokens a forward
+    split every prompt; greedy and seeded tokens equal those of an unpressured engine."""
+    spec = None if method is None else _spec(dirs, method, "probabilistic", heads)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (5, 40, 17, 60, 9, 33, 25, 50)]
+    params = [SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.0 if i % 2 else 0.9,
+                             seed=i) for i in range(8)]
+    free = LLM(dirs[0], dtype=dtype, device="cuda", max_num_seqs=8, max_model_len=128,
+               block_size=16, speculative_config=spec)
+    expected = [o.token_ids for o in free.generate(prompts, params)]
+    per_block = free.kv_plan.bytes_per_block
+    del free
+    tight = LLM(dirs[0], dtype=dtype, device="cuda", max_num_seqs=8, max_model_len=128,
+                block_size=16, kv_cache_memory=(1 + 8 + 4) * per_block,
+                max_num_batched_tokens=16, speculative_config=spec)
+    got = [o.token_ids for o in tight.generate(prompts, params)]
+    assert tight.scheduler.num_preemptions > 0
+    assert got == expected
+    pool = tight.runner.kv_cache.pool
+    assert pool.num_free == pool.num_usable
+
+
+def test_memory_plan_on_cuda(dirs):
+    """The default plan gives the pool what utilization leaves (capped where no more could be
+    used) and says so; impossible flags are one clear error each, never a CUDA OOM."""
+    llm = LLM(dirs[0], device="cuda", max_num_seqs=4)
+    assert llm.max_num_seqs == 4 and llm.max_model_len == 512
+    assert llm.kv_plan.max_full_length_requests == 4
+    assert LLM(dirs[0], device="cuda").max_num_seqs == 256  # the CUDA default
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0.001 leaves no memory"):
+        LLM(dirs[0], device="cuda", gpu_memory_utilization=0.001)
+    with pytest.raises(ValueError, match="max_model_len=512 needs 32 KV blocks"):
+        LLM(dirs[0], device="cuda", kv_cache_memory="64KiB")
+    with pytest.raises(ValueError, match="does not fit in memory"):
+        LLM(dirs[0], device="cuda", kv_cache_memory="100TiB", max_num_seqs=10**6)

@@ -127,3 +127,31 @@ def test_fixed_batch_index_tensors_are_contiguous(loaded, batch_size):
         assert t.dim() == 1 and t.stride(0) == 1, name
     # no blocks reserved: every position maps into the scratch block 0
     assert batch.slot_mapping.tolist() == [p for _ in range(batch_size) for p in range(2)]
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_long_forwards_in_pieces_equal_one_forward(loaded, flat):
+    """A prefill of more tokens than ``max_forward_tokens`` runs as several forwards (a
+    request's tokens split across them in order): the logits and the cache are bit for bit
+    those of one forward, and the hidden states an EAGLE head reads are joined in order. (The
+    flat layout on CPU runs the torch twins, whose matmul rows depend on the row count: there
+    the pieces agree to rounding; on the GPU, bit for bit, tests/engine/test_gpu_engine.py.)"""
+    prompts = [list(range(3, 40)), [7, 3, 9], list(range(50, 71))]
+    outs = []
+    for limit in (None, 8, 13):
+        runner = ModelRunner(loaded.model, 4, 64, flat_layout=flat, enforce_eager=True)
+        runner.capture_layers = (0, runner.config.num_hidden_layers)
+        runner.max_forward_tokens = limit
+        last = runner.forward([2, 0, 1], prompts)
+        hidden = runner.captured_hidden
+        follow = runner.forward([2, 0, 1], [[5], [6], [7]])
+        tables = runner.kv_cache.block_tables
+        k = [runner.kv_cache.k[:, tables.blocks(s)].flatten(1, 2)[:, :runner.kv_cache.length(s)]
+             for s in (2, 0, 1)]
+        outs.append((last, follow, hidden.rows, hidden.counts.tolist(), k))
+    same = torch.equal if not flat else (
+        lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-5))
+    for other in outs[1:]:
+        assert same(other[0], outs[0][0]) and same(other[1], outs[0][1])
+        assert same(other[2], outs[0][2]) and other[3] == outs[0][3]
+        assert all(same(a, b) for a, b in zip(other[4], outs[0][4]))

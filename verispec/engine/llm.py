@@ -175,6 +175,11 @@ class LLM:
             speculative_config, self.runner, config.vocab_size, max_num_seqs, max_model_len,
             tokenizer=self.tokenizer,
         )
+        # Longer forwards run in pieces: the memory plan measures a step of this many tokens.
+        self.runner.max_forward_tokens = max_num_batched_tokens
+        draft_runner = getattr(getattr(self.spec, "proposer", None), "runner", None)
+        if draft_runner is not None and draft_runner is not self.runner:
+            draft_runner.max_forward_tokens = max_num_batched_tokens
         self.kv_plan = self._plan_kv_cache(gpu_memory_utilization, kv_cache_memory)
         logger.info("%s", self.kv_plan.summary())
         self.scheduler = Scheduler(max_num_seqs, self.runner.kv_cache, max_num_batched_tokens,

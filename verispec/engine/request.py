@@ -98,8 +98,10 @@ class Request:
         self.temperature = params.temperature
         self.slot = -1  # assigned at admission
         self.num_prompt_tokens = len(prompt_token_ids)
-        # Committed tokens (prompt, then output) in one preallocated buffer.
-        self._token_buf = np.zeros(max_model_len, dtype=np.int64)
+        # Committed tokens (prompt, then output) in one preallocated buffer, as long as the
+        # request can ever get (not max_model_len: a long-context server queues many requests).
+        capacity = min(max_model_len, self.num_prompt_tokens + params.max_tokens)
+        self._token_buf = np.zeros(max(capacity, self.num_prompt_tokens), dtype=np.int64)
         self._token_buf[: self.num_prompt_tokens] = prompt_token_ids
         self.num_tokens = self.num_prompt_tokens
         self.max_num_draft_tokens = 0  # set by a speculative engine step

@@ -103,6 +103,9 @@ class ModelRunner:
         # output; every forward then keeps them in ``captured_hidden`` (captured steps too).
         self.capture_layers: tuple[int, ...] = ()
         self.captured_hidden: CapturedHidden | None = None
+        # Forwards of more new tokens than this (prefills) run in pieces of at most this many
+        # (``_forward_in_pieces``); None: any size in one forward.
+        self.max_forward_tokens: int | None = None
         self._paging = dict(block_tables=block_tables, block_size=block_size,
                             num_blocks=num_blocks, num_layers=num_layers)
         if self.flat:
@@ -413,6 +416,9 @@ class ModelRunner:
             raise ValueError(f"logits must be one of {LOGITS_MODES}, got {logits!r}")
         cache = self.kv_cache
         counts = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=len(token_ids))
+        limit = self.max_forward_tokens
+        if limit is not None and logits != "all" and not self.hybrid and counts.sum() > limit:
+            return self._forward_in_pieces(slots, token_ids, counts, logits, num_layers, limit)
         starts = cache.lengths_np[slots]
         for slot, n in zip(slots, counts):
             cache.check_append(slot, int(n))
@@ -473,6 +479,50 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - base
         torch.cuda.empty_cache()
         return int(peak * 1.05) + (64 << 20)  # headroom for allocator fragmentation
+
+    def _forward_in_pieces(self, slots: list[int], token_ids: list[list[int]],
+                           counts: np.ndarray, logits: str, num_layers: int | None,
+                           limit: int) -> torch.Tensor | None:
+        """``forward`` of more than ``limit`` new tokens as several forwards of at most
+        ``limit`` (a request's tokens in order, each piece attending to the cache the earlier
+        ones wrote), so a step's activation memory is bounded. Batch invariance makes the
+        logits and the cache those of one forward; the captured hidden states are joined."""
+        pieces: list[list[tuple[int, int, int]]] = [[]]  # per forward: (request, lo, hi)
+        room = limit
+        for b, n in enumerate(counts.tolist()):
+            lo = 0
+            while lo < n:
+                if room == 0:
+                    pieces.append([])
+                    room = limit
+                hi = min(n, lo + room)
+                pieces[-1].append((b, lo, hi))
+                room -= hi - lo
+                lo = hi
+                if lo < n:  # the rest of this request goes to the next forward
+                    room = 0
+        starts = self.kv_cache.lengths_np[slots].copy()
+        last_rows: dict[int, torch.Tensor] = {}
+        captured: dict[int, list[torch.Tensor]] = {b: [] for b in range(len(slots))}
+        for piece in pieces:
+            sub_slots = [slots[b] for b, _, _ in piece]
+            sub_tokens = [list(token_ids[b][lo:hi]) for b, lo, hi in piece]
+            out = self.forward(sub_slots, sub_tokens, "none" if logits == "none" else "last",
+                               num_layers)
+            kept = self.captured_hidden
+            for i, (b, lo, hi) in enumerate(piece):
+                if out is not None and hi == counts[b]:
+                    last_rows[b] = out[i]
+                if self.capture_layers and kept is not None:
+                    start = int(kept.row_start[i])
+                    captured[b].append(kept.rows[start:start + hi - lo])
+        if self.capture_layers:
+            rows = torch.cat([r for b in range(len(slots)) for r in captured[b]])
+            self.captured_hidden = CapturedHidden(list(slots), starts, counts.copy(),
+                                                  np.cumsum(counts) - counts, rows)
+        if logits == "none":
+            return None
+        return torch.stack([last_rows[b] for b in range(len(slots))])
 
     def _capture_kwargs(self) -> dict:
         """The model's ``capture_layers`` argument: the listed layers below the final norm."""

@@ -236,4 +236,5 @@ class AsyncEngine:
     def _update_gauges(self) -> None:
         scheduler = self.llm.scheduler
         self.metrics.set_queue(len(scheduler.running), len(scheduler.waiting),
-                               self.llm.max_num_seqs - scheduler.num_free_slots)
+                               self.llm.max_num_seqs - scheduler.num_free_slots,
+                               scheduler.kv_cache_usage, scheduler.num_preemptions)

@@ -33,7 +33,7 @@ class ServerMetrics:
     Parameters
     ----------
     model_name : the served model name (the ``model_name`` label)
-    num_kv_slots : KV cache slots of the engine (``max_num_seqs``)
+    num_kv_slots : request slots of the engine (``max_num_seqs``)
     num_spec_tokens : k, or 0 without speculation (no speculative metrics then, as vLLM)
     """
 
@@ -57,6 +57,10 @@ class ServerMetrics:
             "KV cache slots held by requests (one per running request).")
         self.kv_cache_usage = make(
             Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        # exposed as vllm:num_preemptions_total
+        self.num_preemptions = make(
+            Counter, "vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self._preemptions_seen = 0
         self.prompt_tokens = make(
             Counter, "vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = make(
@@ -90,11 +94,16 @@ class ServerMetrics:
             self.spec_accepted_per_pos = [per_pos.labels(**labels, position=str(i))
                                           for i in range(num_spec_tokens)]
 
-    def set_queue(self, num_running: int, num_waiting: int, num_kv_slots_in_use: int) -> None:
+    def set_queue(self, num_running: int, num_waiting: int, num_kv_slots_in_use: int,
+                  kv_cache_usage: float = 0.0, num_preemptions: int = 0) -> None:
+        """The scheduler's state: queue lengths, slots in use, the fraction of KV blocks in use
+        and its running count of preemptions."""
         self.num_requests_running.set(num_running)
         self.num_requests_waiting.set(num_waiting)
         self.kv_slots_in_use.set(num_kv_slots_in_use)
-        self.kv_cache_usage.set(num_kv_slots_in_use / self.num_kv_slots)
+        self.kv_cache_usage.set(kv_cache_usage)
+        self.num_preemptions.inc(num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = num_preemptions
 
     def observe_spec(self, total: SpecDecodingStats) -> None:
         """Advance the speculative counters to the engine's running totals ``total``."""

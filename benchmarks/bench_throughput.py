@@ -1,0 +1,184 @@
+"""Offline throughput, shaped like vLLM's ``benchmark_throughput``: many seeded requests submitted at
+once, the engine drives them to the end, output tokens per second.
+
+The workload: ``--num-requests`` (1 000) random token-id prompts with log-normal lengths (median
+256, clipped to 32..3 000) and log-normal output lengths (median 192, clipped to 16..1 024),
+``ignore_eos``, greedy, on a random-weight Llama-3.1-8B-shaped target (``--tiny``: a tiny one, for
+a smoke run on CPU). Printed per engine: output tokens/s, time to first token p50 / p99, the
+peak number of running requests, the peak fraction of the KV cache in use, preemptions.
+
+``--baseline DIR`` also runs the engine of another source tree (DIR holds its ``verispec``
+package, e.g. a checkout of the previous commit) in a subprocess, with ``--baseline-max-num-seqs``
+tried from the largest down until one starts at ``--baseline-max-model-len`` (its KV cache was one
+slot per request at full length), on the same requests, and prints the ratio.
+
+    python benchmarks/bench_throughput.py --workdir /tmp/bench [--baseline .baseline]
+
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+PROMPT_MEDIAN, PROMPT_RANGE = 256, (32, 3000)
+OUTPUT_MEDIAN, OUTPUT_RANGE = 192, (16, 1024)
+SIGMA = 0.8  # log-normal spread of both lengths
+
+
+def workload(num: int, vocab_size: int, seed: int, scale: float = 1.0):
+    """(prompts, max_tokens) of ``num`` requests; ``scale`` shrinks the lengths (tiny runs)."""
+    rng = np.random.default_rng(seed)
+
+    def lengths(median, bounds):
+        lo, hi = (max(1, int(b * scale)) for b in bounds)
+        raw = rng.lognormal(np.log(median * scale), SIGMA, size=num)
+        return np.clip(raw.round().astype(int), lo, hi)
+
+    prompt_lens, output_lens = lengths(PROMPT_MEDIAN, PROMPT_RANGE), lengths(OUTPUT_MEDIAN,
+                                                                             OUTPUT_RANGE)
+    prompts = [rng.integers(0, vocab_size, size=n).tolist() for n in prompt_lens]
+    return prompts, output_lens.tolist()
+
+
+def run_engine(model_dir: str, device: str, num_requests: int, seed: int, scale: float,
+               llm_kwargs: dict) -> dict:
+    """Start an engine, submit every request at once, step to the end: the measurements."""
+    from verispec import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model_dir, device=device, dtype="bfloat16", **llm_kwargs)
+    startup_s = time.perf_counter() - start
+    prompts, max_tokens = workload(num_requests, llm.model_config.vocab_size, seed, scale)
+    # warm-up: a few requests through prefill and decode
+    llm.generate(prompts[:4], [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)] * 4)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    scheduler = llm.scheduler
+    start = time.perf_counter()
+    requests = [llm.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
+                for p, m in zip(prompts, max_tokens)]
+    peak_running, peak_usage = 0, 0.0
+    while llm.has_unfinished_requests:
+        llm.step()
+        peak_running = max(peak_running, len(scheduler.running))
+        usage = getattr(scheduler, "kv_cache_usage", None)
+        if usage is None:  # one slot per request: slots in use
+            usage = len(scheduler.running) / llm.max_num_seqs
+        peak_usage = max(peak_usage, usage)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    outputs = [llm.get_output(r) for r in requests]
+    num_out = sum(len(o.token_ids) for o in outputs)
+    ttft = np.array([o.metrics.time_to_first_token_s for o in outputs])
+    plan = getattr(llm, "kv_plan", None)
+    return {
+        "max_num_seqs": llm.max_num_seqs, "max_model_len": llm.max_model_len,
+        "requests": num_requests, "output_tokens": num_out,
+        "prompt_tokens": int(sum(len(p) for p in prompts)), "seconds": elapsed,
+        "output_tokens_per_s": num_out / elapsed, "ttft_p50_s": float(np.median(ttft)),
+        "ttft_p99_s": float(np.quantile(ttft, 0.99)), "peak_running": peak_running,
+        "peak_kv_usage": peak_usage,
+        "preemptions": getattr(scheduler, "num_preemptions", 0),
+        "kv_pool_tokens": None if plan is None else plan.num_tokens,
+        "startup_s": startup_s,
+        "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30
+        if device.startswith("cuda") else None,
+    }
+
+
+def checkpoint(workdir: str, tiny: bool, device: str) -> str:
+    """The random 8B-shaped (or tiny) target, built once under ``workdir``."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_gpu_e2e
+
+    path = os.path.join(workdir, "target")
+    kwargs = bench_gpu_e2e.model_configs(tiny)["target"]
+    os.makedirs(path, exist_ok=True)
+    if not bench_gpu_e2e.has_checkpoint(path, kwargs):
+        bench_gpu_e2e.build_checkpoint(kwargs, path, torch.device(device), seed=0)
+    return path
+
+
+def run_baseline(args, model_dir: str) -> dict | None:
+    """The other tree's engine in a subprocess, at the largest max_num_seqs that starts."""
+    for max_num_seqs in args.baseline_max_num_seqs:
+        cmd = [sys.executable, os.path.abspath(__file__), "--engine-only", "--model", model_dir,
+               "--device", args.device, "--num-requests", str(args.num_requests),
+               "--seed", str(args.seed), "--scale", str(args.scale),
+               "--llm-kwargs", json.dumps({"max_num_seqs": max_num_seqs,
+                                           "max_model_len": args.baseline_max_model_len})]
+        env = dict(os.environ, PYTHONPATH=os.path.abspath(args.baseline),
+                   VERISPEC_BENCH_NO_LOCAL="1")
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode == 0 and lines:
+            return json.loads(lines[-1])
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
+        print(f"baseline max_num_seqs={max_num_seqs} did not run: {tail[0][:200]}")
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", default="/tmp/verispec_bench_throughput")
+    parser.add_argument("--model", default=None, help="a model directory (default: build one)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model and short requests")
+    parser.add_argument("--num-requests", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scale", type=float, default=None,
+                        help="multiply the length distributions (default 1; 0.05 with --tiny)")
+    parser.add_argument("--llm-kwargs", default="{}", help="JSON of LLM arguments (ours)")
+    parser.add_argument("--baseline", default=None, help="source tree of the engine to compare")
+    parser.add_argument("--baseline-max-model-len", type=int, default=4096)
+    parser.add_argument("--baseline-max-num-seqs", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[128, 112, 96, 80, 64])
+    parser.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.scale is None:
+        args.scale = 0.05 if args.tiny else 1.0
+    if args.engine_only:  # a subprocess of run_baseline: one engine, one JSON line
+        if os.environ.get("VERISPEC_BENCH_NO_LOCAL"):
+            sys.path = [p for p in sys.path
+                        if os.path.abspath(p) != os.path.abspath(os.path.join(
+                            os.path.dirname(os.path.abspath(__file__)), ".."))]
+        print(json.dumps(run_engine(args.model, args.device, args.num_requests, args.seed,
+                                    args.scale, json.loads(args.llm_kwargs))))
+        return
+    model_dir = args.model or checkpoint(args.workdir, args.tiny, args.device)
+    rows = [dict(engine="verispec (paged)", **run_engine(
+        model_dir, args.device, args.num_requests, args.seed, args.scale,
+        json.loads(args.llm_kwargs)))]
+    if args.baseline:
+        torch.cuda.empty_cache() if args.device.startswith("cuda") else None
+        base = run_baseline(args, model_dir)
+        if base is not None:
+            rows.append(dict(engine="baseline (one slot per request)", **base))
+    from verispec.engine.bench_utils import machine_description, print_table
+
+    print(machine_description())
+    columns = ["engine", "max_num_seqs", "max_model_len", "output_tokens_per_s", "ttft_p50_s",
+               "ttft_p99_s", "peak_running", "peak_kv_usage", "preemptions", "kv_pool_tokens",
+               "seconds", "startup_s"]
+    print_table(rows, columns)
+    result = {"benchmark": "throughput", "machine": machine_description(), "rows": rows}
+    if len(rows) == 2:
+        result["ratio"] = rows[0]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"]
+        print(f"output tokens/s ratio (paged / baseline): {result['ratio']:.2f}x")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
