@@ -433,3 +433,33 @@ def test_captured_draft_refuses_swapped_buffers(llama_dir):
     proposer.draft_probs_buffer = torch.zeros_like(proposer.draft_probs_buffer)
     with pytest.raises(RuntimeError, match="replaced after the CUDA graph was captured"):
         proposer.propose(requests)
+
+
+def _save_word_tokenizer(path, words: list[str]) -> None:
+    """A word-level tokenizer over ``words`` (ids in order) next to a model's weights."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=words[0]).save_pretrained(path)
+
+
+def test_draft_tokenizer_is_checked_in_a_running_engine(tmp_path):
+    """Regression: the engine gave the proposer no tokenizer, so the draft/target tokenizer
+    check never ran outside unit tests. A draft whose tokenizer has the target's size but other
+    tokens is refused by ``LLM``; one with the same tokenizer runs."""
+    from verispec import LLM
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 3)]
+    target = save_llama(tmp_path / "target", num_layers=2)
+    same = save_llama(tmp_path / "same", num_layers=1, seed=1)
+    other = save_llama(tmp_path / "other", num_layers=1, seed=2)
+    _save_word_tokenizer(target, words)
+    _save_word_tokenizer(same, words)
+    _save_word_tokenizer(other, words[:-1] + ["zz"])
+    spec = {"method": "draft_model", "num_speculative_tokens": 2}
+    llm = LLM(target, dtype="float32", speculative_config={**spec, "model": same})
+    assert llm.generate(["w1 w2 w3"], {"max_tokens": 4, "ignore_eos": True})[0].token_ids
+    with pytest.raises(ValueError, match=r"tokenizer of the target's size whose tokens differ"):
+        LLM(target, dtype="float32", speculative_config={**spec, "model": other})

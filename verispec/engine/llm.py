@@ -177,7 +177,7 @@ class LLM:
         )
         # Longer forwards run in pieces: the memory plan measures a step of this many tokens.
         self.runner.max_forward_tokens = max_num_batched_tokens
-        draft_runner = getattr(getattr(self.spec, "proposer", None), "runner", None)
+        draft_runner = None if self.spec is None else self.spec.proposer.runner
         if draft_runner is not None and draft_runner is not self.runner:
             draft_runner.max_forward_tokens = max_num_batched_tokens
         self.kv_plan = self._plan_kv_cache(gpu_memory_utilization, kv_cache_memory)

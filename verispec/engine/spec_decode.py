@@ -113,8 +113,8 @@ def measured_costs(runner: ModelRunner, proposer, k: int) -> tuple[float, ...] |
         return None
     decode = graphs.time_step(runner.graph_name(1))
     step = graphs.time_step(runner.graph_name(k + 1))
-    draft_graphs = getattr(getattr(proposer, "runner", None), "graphs", None)
-    name = getattr(proposer, "graph_name", None)
+    draft_graphs = None if proposer.runner is None else proposer.runner.graphs
+    name = proposer.graph_name
     if draft_graphs is not None and name is not None and draft_graphs.has(name):
         step += draft_graphs.time_step(name)
     ratio = max(1.0, round(step / decode / COST_ROUNDING) * COST_ROUNDING)
@@ -161,6 +161,7 @@ class SpeculativeDecoder:
             device=runner.device,
             dtype=runner.dtype,
             target_model=runner,
+            tokenizer=tokenizer,
             block_tables=runner.kv_cache.block_tables,
         )
         self.proposer = build_proposer(config, context)
@@ -191,12 +192,11 @@ class SpeculativeDecoder:
     def capture(self) -> None:
         """Capture the proposer's draft graphs (the target's verify graph is the engine's) and
         measure the step costs from the graphs (no-op without CUDA graphs)."""
-        capture = getattr(self.proposer, "capture", None)
-        if capture is not None:
-            capture()
-            draft_graphs = getattr(getattr(self.proposer, "runner", None), "graphs", None)
-            if draft_graphs is not None and draft_graphs is not self.runner.graphs:
-                draft_graphs.log_summary("draft")
+        self.proposer.capture()
+        draft_runner = self.proposer.runner
+        if (draft_runner is not None and draft_runner.graphs is not None
+                and draft_runner.graphs is not self.runner.graphs):
+            draft_runner.graphs.log_summary("draft")
         costs = measured_costs(self.runner, self.proposer, self.k)
         if costs is not None:
             self.costs = costs

@@ -25,6 +25,7 @@ import torch
 
 from verispec.config import SpeculativeConfig
 from verispec.runtime.kv_cache import BlockTables
+from verispec.runtime.model_runner import ModelRunner
 
 
 @runtime_checkable
@@ -86,11 +87,12 @@ class DraftProposal(NamedTuple):
 
 @dataclass(frozen=True)
 class ProposerContext:
-    """What the engine knows at start-up that a proposer may need.
+    """What the engine knows at start-up that a proposer may need (n-gram needs none of it).
 
-    ``target_model`` is the loaded target (early exit drafts with its first layers, final norm
-    and LM head; a draft model checks its vocabulary against ``vocab_size``). n-gram needs none
-    of it.
+    ``target_model`` is the target's ``ModelRunner`` in a running engine (EAGLE reads its hidden
+    states, early exit drafts with its first layers, final norm and LM head and may share its
+    cache; a draft model follows its layout and graphs); tests may give the model itself.
+    ``tokenizer`` is the target's (None for a model without one): a draft model's must match.
     """
 
     max_num_seqs: int = 1
@@ -99,6 +101,7 @@ class ProposerContext:
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
     target_model: Any = None
+    tokenizer: Any = None
     # The target's KV block tables: a proposer's own KV cache shares them (its block i belongs
     # to the request that holds the target's block i), so the engine's reservation covers it.
     block_tables: BlockTables | None = None
@@ -154,6 +157,12 @@ class Proposer(abc.ABC):
 
     name: str = ""  # set by @register_proposer
     uses_draft_probs: bool = False
+    # What the engine's step uses besides propose / on_commit / free (declared, never probed):
+    # the runner a model-based proposer drives (its KV cache shares the target's block tables;
+    # the engine sets its ``max_forward_tokens`` and logs its graphs), and the name of its
+    # captured draft step in that runner's graphs (its cost is measured at start-up).
+    runner: ModelRunner | None = None
+    graph_name: str | None = None
 
     def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
         self.config = config
@@ -184,7 +193,10 @@ class Proposer(abc.ABC):
         engine has them on the host already (it checks stop conditions token by token)."""
 
     def free(self, slot: int) -> None:  # noqa: B027 - optional hook, no-op by default
-        """The request in ``slot`` finished or was aborted; forget its state."""
+        """The request in ``slot`` finished, was aborted or preempted; forget its state."""
+
+    def capture(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Capture the proposer's CUDA graphs (after the target's; no-op without graphs)."""
 
     @property
     def draft_cost(self) -> float:

@@ -431,6 +431,13 @@ def check_vocab_sizes(
                 f"target's tokenizer has {num_target}: a draft model must share the target's "
                 "vocabulary"
             )
+        draft_vocab, target_vocab = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
+        if draft_vocab != target_vocab:
+            differ = sorted(t for t in draft_vocab.keys() ^ target_vocab.keys())[:3] or sorted(
+                t for t in draft_vocab if draft_vocab[t] != target_vocab[t])[:3]
+            raise ValueError(
+                f"draft model {model_path!r} has a tokenizer of the target's size whose tokens "
+                f"differ (e.g. {differ!r}): a draft model must share the target's vocabulary")
 
 
 @register_proposer("draft_model")
@@ -456,8 +463,8 @@ class DraftModelProposer(ModelProposer):
             )
         ctx = self.context
         self.loaded = load_model(config.model, ctx.dtype, ctx.device)
-        target_tokenizer = getattr(ctx, "tokenizer", None)
-        if target_tokenizer is None:
+        target_tokenizer = ctx.tokenizer
+        if target_tokenizer is None:  # a LoadedModel given as the target
             target_tokenizer = getattr(ctx.target_model, "tokenizer", None)
         target_vocab_size = ctx.vocab_size
         if target_vocab_size is None:  # the target's config (a runner, a model or a LoadedModel)
