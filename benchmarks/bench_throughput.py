@@ -1,5 +1,5 @@
-"""Offline throughput, shaped like vLLM's ``benchmark_throughput``: many seeded requests submitted at
-once, the engine drives them to the end, output tokens per second.
+"""Offline throughput, shaped like vLLM's ``benchmark_throughput``: many seeded requests submitted
+at once, the engine drives them to the end, output tokens per second.
 
 The workload: ``--num-requests`` (1 000) random token-id prompts with log-normal lengths (median
 256, clipped to 32..3 000) and log-normal output lengths (median 192, clipped to 16..1 024),
