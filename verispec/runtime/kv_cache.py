@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from verispec.models.config import ModelConfig
+from verispec.ops import to_device
 
 DEFAULT_BLOCK_SIZE = 16
 SCRATCH_BLOCK = 0
@@ -113,7 +114,7 @@ class BlockTables:
         else:
             self.table = torch.zeros((num_slots + 1, max_blocks), dtype=torch.int32,
                                      device=self.device)
-        self._dirty: set[int] = set()
+        self._dirty: dict[int, tuple[int, int]] = {}  # slot -> changed entries [lo, hi)
         self.caches: list[KVCache] = []  # every cache whose pools these tables index
 
     def resize_pool(self, num_blocks: int) -> None:
@@ -143,8 +144,12 @@ class BlockTables:
             return False
         self.table_np[slot, have:have + need] = self.pool.allocate(need)
         self.num_blocks_np[slot] = have + need
-        self._dirty.add(slot)
+        self._mark(slot, have, have + need)
         return True
+
+    def _mark(self, slot: int, lo: int, hi: int) -> None:
+        old = self._dirty.get(slot)
+        self._dirty[slot] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
 
     def release(self, slot: int) -> None:
         """Return every block of ``slot`` to the pool."""
@@ -153,19 +158,21 @@ class BlockTables:
             self.pool.free(self.table_np[slot, :have].tolist())
             self.table_np[slot, :have] = SCRATCH_BLOCK
             self.num_blocks_np[slot] = 0
-            self._dirty.add(slot)
+            self._mark(slot, 0, have)
 
     def blocks(self, slot: int) -> list[int]:
         return self.table_np[slot, : int(self.num_blocks_np[slot])].tolist()
 
     def sync(self) -> None:
-        """Copy the rows changed since the last sync to the device table (no-op on CPU)."""
+        """Copy the entries changed since the last sync to the device table, in one indexed
+        write through pinned memory (it does not wait for the device; no-op on CPU)."""
         if not self._dirty:
             return
         if self.device.type != "cpu":
-            rows = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
-            self.table[torch.from_numpy(rows).to(self.device)] = torch.from_numpy(
-                self.table_np[rows]).to(self.device)
+            rows = np.concatenate([np.full(hi - lo, s) for s, (lo, hi) in self._dirty.items()])
+            cols = np.concatenate([np.arange(lo, hi) for lo, hi in self._dirty.values()])
+            self.table[to_device(rows, self.device), to_device(cols, self.device)] = to_device(
+                self.table_np[rows, cols], self.device)
         self._dirty.clear()
 
     def slot_mapping(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
