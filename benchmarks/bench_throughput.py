@@ -121,6 +121,7 @@ def run_baseline(args, model_dir: str) -> dict | None:
                                            "max_model_len": args.baseline_max_model_len})]
         env = dict(os.environ, PYTHONPATH=os.path.abspath(args.baseline),
                    VERISPEC_BENCH_NO_LOCAL="1")
+        print(f"baseline: trying max_num_seqs={max_num_seqs}", flush=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode == 0 and lines:
@@ -161,6 +162,7 @@ def main() -> None:
     rows = [dict(engine="verispec (paged)", **run_engine(
         model_dir, args.device, args.num_requests, args.seed, args.scale,
         json.loads(args.llm_kwargs)))]
+    print("paged:", json.dumps(rows[0]), flush=True)
     if args.baseline:
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
         base = run_baseline(args, model_dir)

@@ -7,6 +7,7 @@ tokens per request through the same ``_commit`` (stop conditions checked token b
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -182,8 +183,13 @@ class LLM:
             draft_runner.max_forward_tokens = max_num_batched_tokens
         self.kv_plan = self._plan_kv_cache(gpu_memory_utilization, kv_cache_memory)
         logger.info("%s", self.kv_plan.summary())
+        # (a function of the proposer, not a method of the engine: no reference cycle keeps a
+        # dropped engine and its CUDA graphs alive until a garbage collection, which could then
+        # fall inside another engine's graph capture)
+        on_preempt = None if self.spec is None else functools.partial(self.spec.release,
+                                                                      preempted=True)
         self.scheduler = Scheduler(max_num_seqs, self.runner.kv_cache, max_num_batched_tokens,
-                                   lookahead=k + 1, on_preempt=self._on_preempt)
+                                   lookahead=k + 1, on_preempt=on_preempt)
         # CUDA graphs (no-op on CPU and with enforce_eager): decode, verify, the proposer's draft
         self.runner.capture([1] if self.spec is None else [1, k + 1])
         if self.spec is not None:
@@ -235,12 +241,6 @@ class LLM:
                 "gpu_memory_utilization") from None
         return memory.KVPlan(num_blocks, tables.block_size, per_block, self.max_model_len,
                              self.max_num_seqs)
-
-    def _on_preempt(self, request: Request) -> None:
-        """The scheduler takes the request's blocks back (it frees the target's cache): forget
-        its proposer state, keeping its adaptive draft plan for when it is recomputed."""
-        if self.spec is not None:
-            self.spec.release(request, preempted=True)
 
     # ----------------------------------------------------------------- requests in and out
 

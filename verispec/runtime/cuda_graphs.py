@@ -21,6 +21,7 @@ CPU.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -144,8 +145,17 @@ class CUDAGraphRunner:
                 step(static)  # warm-up: compiles kernels, makes launch plans and workspaces
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                outputs = step(static)
+            # No garbage collection inside a capture: freeing an unreachable object that holds
+            # a CUDA graph (another engine dropped earlier) resets that graph, which a capture
+            # in progress does not permit (the capture fails).
+            gc_was_enabled = gc.isenabled()
+            gc.disable()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    outputs = step(static)
+            finally:
+                if gc_was_enabled:
+                    gc.enable()
             captured[bucket] = _Captured(graph, static, outputs, staging, copied)
         if self.capture_graphs:
             torch.cuda.synchronize(self.device)

@@ -26,6 +26,7 @@ while serving.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 
 import numpy as np
@@ -115,7 +116,15 @@ class BlockTables:
             self.table = torch.zeros((num_slots + 1, max_blocks), dtype=torch.int32,
                                      device=self.device)
         self._dirty: dict[int, tuple[int, int]] = {}  # slot -> changed entries [lo, hi)
-        self.caches: list[KVCache] = []  # every cache whose pools these tables index
+        # every cache whose pools these tables index (weak: a cache refers to its tables)
+        self._caches: list[weakref.ref[KVCache]] = []
+
+    @property
+    def caches(self) -> list[KVCache]:
+        return [cache for cache in (ref() for ref in self._caches) if cache is not None]
+
+    def add_cache(self, cache: KVCache) -> None:
+        self._caches.append(weakref.ref(cache))
 
     def resize_pool(self, num_blocks: int) -> None:
         """A new pool of ``num_blocks`` blocks for every cache on these tables (start-up, while
@@ -241,7 +250,7 @@ class KVCache:
         self.num_attention_layers = num_attention_layers
         self.dtype, self.device = dtype, torch.device(device)
         self.lengths_np = np.zeros(num_slots, dtype=np.int64)  # committed length per slot (host)
-        block_tables.caches.append(self)
+        block_tables.add_cache(self)
         self.allocate()
 
     def allocate(self) -> None:
