@@ -69,8 +69,20 @@ def run_engine(model_dir: str, device: str, num_requests: int, seed: int, scale:
     requests = [llm.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
                 for p, m in zip(prompts, max_tokens)]
     peak_running, peak_usage = 0, 0.0
+    kinds: list[tuple[bool, int]] = []  # per step: prefill?, requests
+    schedule = scheduler.schedule
+
+    def recorded_schedule():
+        batch, is_prefill = schedule()
+        kinds.append((is_prefill, len(batch)))
+        return batch, is_prefill
+
+    scheduler.schedule = recorded_schedule
+    step_times = []
     while llm.has_unfinished_requests:
+        step_start = time.perf_counter()
         llm.step()
+        step_times.append(time.perf_counter() - step_start)
         peak_running = max(peak_running, len(scheduler.running))
         usage = getattr(scheduler, "kv_cache_usage", None)
         if usage is None:  # one slot per request: slots in use
@@ -83,7 +95,13 @@ def run_engine(model_dir: str, device: str, num_requests: int, seed: int, scale:
     num_out = sum(len(o.token_ids) for o in outputs)
     ttft = np.array([o.metrics.time_to_first_token_s for o in outputs])
     plan = getattr(llm, "kv_plan", None)
+    prefill = [t for t, (p, _) in zip(step_times, kinds) if p]
+    decode = [t for t, (p, _) in zip(step_times, kinds) if not p]
+    decode_rows = [n for p, n in kinds if not p]
     return {
+        "prefill_steps": len(prefill), "prefill_s": sum(prefill),
+        "decode_steps": len(decode), "decode_s": sum(decode),
+        "mean_decode_batch": float(np.mean(decode_rows)) if decode_rows else 0.0,
         "max_num_seqs": llm.max_num_seqs, "max_model_len": llm.max_model_len,
         "requests": num_requests, "output_tokens": num_out,
         "prompt_tokens": int(sum(len(p) for p in prompts)), "seconds": elapsed,
@@ -111,23 +129,34 @@ def checkpoint(workdir: str, tiny: bool, device: str) -> str:
     return path
 
 
+def run_subprocess(args, model_dir: str, llm_kwargs: dict, tree: str | None) -> dict | None:
+    """One engine in a process of its own (all its GPU memory back at exit): the engine of
+    source tree ``tree`` (None: this one)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--engine-only", "--model", model_dir,
+           "--device", args.device, "--num-requests", str(args.num_requests),
+           "--seed", str(args.seed), "--scale", str(args.scale),
+           "--llm-kwargs", json.dumps(llm_kwargs)]
+    env = dict(os.environ)
+    if tree is not None:
+        env.update(PYTHONPATH=os.path.abspath(tree), VERISPEC_BENCH_NO_LOCAL="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
+    print(f"{tree or 'this tree'} {llm_kwargs} did not run: {tail[0][:300]}", flush=True)
+    return None
+
+
 def run_baseline(args, model_dir: str) -> dict | None:
-    """The other tree's engine in a subprocess, at the largest max_num_seqs that starts."""
+    """The other tree's engine, at the largest max_num_seqs that starts."""
     for max_num_seqs in args.baseline_max_num_seqs:
-        cmd = [sys.executable, os.path.abspath(__file__), "--engine-only", "--model", model_dir,
-               "--device", args.device, "--num-requests", str(args.num_requests),
-               "--seed", str(args.seed), "--scale", str(args.scale),
-               "--llm-kwargs", json.dumps({"max_num_seqs": max_num_seqs,
-                                           "max_model_len": args.baseline_max_model_len})]
-        env = dict(os.environ, PYTHONPATH=os.path.abspath(args.baseline),
-                   VERISPEC_BENCH_NO_LOCAL="1")
         print(f"baseline: trying max_num_seqs={max_num_seqs}", flush=True)
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode == 0 and lines:
-            return json.loads(lines[-1])
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
-        print(f"baseline max_num_seqs={max_num_seqs} did not run: {tail[0][:200]}")
+        row = run_subprocess(args, model_dir, {"max_num_seqs": max_num_seqs,
+                                               "max_model_len": args.baseline_max_model_len},
+                             args.baseline)
+        if row is not None:
+            return row
     return None
 
 
@@ -159,12 +188,14 @@ def main() -> None:
                                     args.scale, json.loads(args.llm_kwargs))))
         return
     model_dir = args.model or checkpoint(args.workdir, args.tiny, args.device)
-    rows = [dict(engine="verispec (paged)", **run_engine(
-        model_dir, args.device, args.num_requests, args.seed, args.scale,
-        json.loads(args.llm_kwargs)))]
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the checkpoint's build
+    ours = run_subprocess(args, model_dir, json.loads(args.llm_kwargs), None)
+    if ours is None:
+        sys.exit("the engine of this tree did not run")
+    rows = [dict(engine="verispec (paged)", **ours)]
     print("paged:", json.dumps(rows[0]), flush=True)
     if args.baseline:
-        torch.cuda.empty_cache() if args.device.startswith("cuda") else None
         base = run_baseline(args, model_dir)
         if base is not None:
             rows.append(dict(engine="baseline (one slot per request)", **base))
@@ -173,7 +204,8 @@ def main() -> None:
     print(machine_description())
     columns = ["engine", "max_num_seqs", "max_model_len", "output_tokens_per_s", "ttft_p50_s",
                "ttft_p99_s", "peak_running", "peak_kv_usage", "preemptions", "kv_pool_tokens",
-               "seconds", "startup_s"]
+               "seconds", "prefill_steps", "prefill_s", "decode_steps", "decode_s",
+               "mean_decode_batch", "startup_s"]
     print_table(rows, columns)
     result = {"benchmark": "throughput", "machine": machine_description(), "rows": rows}
     if len(rows) == 2:
