@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+import numpy as np
+
 from verispec.engine.request import Request
 from verispec.runtime.kv_cache import KVCache
 
@@ -67,6 +69,19 @@ class Scheduler:
         end = min(num_tokens + self.lookahead, self.kv_cache.max_model_len)
         return self.kv_cache.block_tables.reserve(request.slot, end)
 
+    def _reserve_all(self) -> bool:
+        """Blocks for every running request's next step in one pass (the common case), or
+        False with nothing taken when the pool lacks them."""
+        if not self.running:
+            return True
+        cache = self.kv_cache
+        slots = np.fromiter((r.slot for r in self.running), dtype=np.int64,
+                            count=len(self.running))
+        ends = np.fromiter((r.num_tokens for r in self.running), dtype=np.int64,
+                           count=len(self.running))
+        np.minimum(ends + self.lookahead, cache.max_model_len, out=ends)
+        return cache.block_tables.reserve_many(slots, ends)
+
     def schedule(self) -> tuple[list[Request], bool]:
         """The requests of the next step and whether it is a prefill. A new list: the step
         releases finished requests from ``running`` while it walks the batch."""
@@ -90,14 +105,16 @@ class Scheduler:
         if admitted:
             self.running.extend(admitted)
             return admitted, True
-        # Oldest first: a request that cannot grow preempts the newest ones (maybe itself).
-        for request in list(self.running):
-            if request not in self.running:
-                continue  # preempted below for an older request
-            while not self._reserve(request, request.num_tokens):
-                self.preempt(self.running[-1])
-                if request not in self.running:
-                    break
+        if self.kv_cache is not None and not self._reserve_all():
+            # Oldest first: a request that cannot grow preempts the newest ones (maybe itself).
+            index = 0
+            while index < len(self.running):
+                request = self.running[index]
+                while not self._reserve(request, request.num_tokens):
+                    self.preempt(self.running[-1])
+                    if self.running[-1:] == [] or index >= len(self.running):
+                        break
+                index += 1
         if not self.running and self.waiting:  # everything preempted: prefill again
             return self.schedule()
         return list(self.running), False

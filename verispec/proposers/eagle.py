@@ -139,8 +139,7 @@ class EagleProposer(ModelProposer):
         cache = runner.kv_cache
         counts = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=len(token_ids))
         starts = cache.lengths_np[slots]
-        for slot, n in zip(slots, counts):
-            cache.check_append(slot, int(n))
+        cache.check_append_many(slots, counts)
         if runner.flat:
             ids = ops.to_device(np.concatenate(token_ids).astype(np.int64), self.device)
             normed, out = self.head.forward_flat(

@@ -160,6 +160,20 @@ class BlockTables:
         old = self._dirty.get(slot)
         self._dirty[slot] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
 
+    def reserve_many(self, slots: np.ndarray, ends: np.ndarray) -> bool:
+        """``reserve(slots[i], ends[i])`` for every i, all or nothing: False (nothing taken)
+        when the pool lacks blocks for all of them. One numpy pass; only the slots that cross
+        into a new block (one step in ``block_size``) take the per-slot path."""
+        need = -(-ends // self.block_size) - self.num_blocks_np[slots]
+        grow = np.flatnonzero(need > 0)
+        if grow.size == 0:
+            return True
+        if int(need[grow].sum()) > self.pool.num_free:
+            return False
+        for i in grow.tolist():
+            self.reserve(int(slots[i]), int(ends[i]))
+        return True
+
     def release(self, slot: int) -> None:
         """Return every block of ``slot`` to the pool."""
         have = int(self.num_blocks_np[slot])
@@ -306,6 +320,14 @@ class KVCache:
                 if not self.block_tables.reserve(slot, min(int(end), capacity)):
                     raise ValueError(f"slot {slot}: no free KV block for positions up to {end}")
         self.block_tables.sync()
+
+    def check_append_many(self, slots, num_tokens: np.ndarray) -> None:
+        """``check_append`` for every slot at once (the per-step path)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        ends = self.lengths_np[slots] + num_tokens
+        if (ends > self.max_model_len).any() or not self.block_tables.reserve_many(slots, ends):
+            for slot, n in zip(slots.tolist(), np.asarray(num_tokens).tolist()):
+                self.check_append(slot, int(n))  # the error naming the slot
 
     def check_append(self, slot: int, num_tokens: int) -> None:
         """Make sure ``num_tokens`` positions can be appended to ``slot``: within

@@ -328,8 +328,7 @@ class ModelRunner:
             cu = np.concatenate([[0], np.cumsum(counts - 1)])
             return self.forward(slots, [[t] + drafts[cu[b]:cu[b + 1]] for b, t in
                                         enumerate(last_token_ids)], logits="all")
-        for slot, n in zip(slots, counts):
-            self.kv_cache.check_append(slot, int(n))
+        self.kv_cache.check_append_many(slots, counts)
         width = int(counts.max())
         ids = np.zeros((len(slots), width), dtype=np.int64)
         ids[:, 0] = last_token_ids
@@ -420,8 +419,7 @@ class ModelRunner:
         if limit is not None and logits != "all" and not self.hybrid and counts.sum() > limit:
             return self._forward_in_pieces(slots, token_ids, counts, logits, num_layers, limit)
         starts = cache.lengths_np[slots]
-        for slot, n in zip(slots, counts):
-            cache.check_append(slot, int(n))
+        cache.check_append_many(slots, counts)
         width = int(counts.max())
         if (counts == width).all():
             ids_np = np.asarray(token_ids, dtype=np.int64)
