@@ -266,10 +266,15 @@ def test_preempted_and_pieced_requests_keep_their_tokens(dirs, heads, dtype, met
                block_size=16, speculative_config=spec)
     expected = [o.token_ids for o in free.generate(prompts, params)]
     per_block = free.kv_plan.bytes_per_block
+    costs = None if method is None else free.spec.costs
     del free
     tight = LLM(dirs[0], dtype=dtype, device="cuda", max_num_seqs=8, max_model_len=128,
                 block_size=16, kv_cache_memory=(1 + 8 + 4) * per_block,
                 max_num_batched_tokens=16, speculative_config=spec)
+    if costs is not None:
+        # The planner's step costs are timed at start-up; the number of drafts it plans (and so
+        # a sampled request's tokens) follows them: give both engines the same.
+        tight.spec.costs = costs
     got = [o.token_ids for o in tight.generate(prompts, params)]
     assert tight.scheduler.num_preemptions > 0
     assert got == expected
