@@ -139,6 +139,51 @@ def gguf_to_hf_dir(gguf_path: str) -> str:
     return out
 
 
+def gguf_meta_dir(gguf_path: str) -> str:
+    """A cached directory with the GGUF's ``config.json`` and tokenizer but no weights (the
+    quantised load reads the weights from the GGUF itself: ``models.gguf_quant``), written on
+    first use; the converted directory where one exists already."""
+    full = _cache_dir(gguf_path)
+    if os.path.isfile(os.path.join(full, "model.safetensors")):
+        return full
+    out = full + "-meta"
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    logger.info("first use of %s: writing its config and tokenizer into %s", gguf_path, out)
+    tmp = tempfile.mkdtemp(prefix=".meta-", dir=os.path.dirname(out))
+    try:
+        reader = open_reader(gguf_path)
+        names = {t.name for t in reader.tensors}
+        _write_tokenizer(gguf_path, tmp)
+        _write_config(reader, tmp, tied="output.weight" not in names)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def open_reader(gguf_path: str):
+    """``gguf.GGUFReader`` of a supported architecture; ValueError naming the cause."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+    except (ValueError, IndexError, OSError, struct.error) as e:  # the gguf package's errors
+        raise ValueError(f"{gguf_path} is not a readable GGUF file ({type(e).__name__}: {e}); "
+                         "it may be truncated or corrupt") from None
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHITECTURES)}"
+        )
+    return reader
+
+
 def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
     if f is None:
@@ -159,23 +204,14 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    try:
-        reader = gguf.GGUFReader(gguf_path)
-    except (ValueError, IndexError, OSError, struct.error) as e:  # the gguf package's errors
-        raise ValueError(f"{gguf_path} is not a readable GGUF file ({type(e).__name__}: {e}); "
-                         "it may be truncated or corrupt") from None
+    reader = open_reader(gguf_path)
     arch = _field(reader, "general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHITECTURES)}"
-        )
 
     def meta(key, default=None):
         return _field(reader, f"{arch}.{key}", default)
 
     num_heads = meta("attention.head_count")
     num_kv_heads = meta("attention.head_count_kv", num_heads)
-    hidden = meta("embedding_length")
     tensors = {}
     for t in tqdm(reader.tensors, desc="[verispec] dequantising", unit="tensor",
                   disable=None):  # None: shown on a terminal only
@@ -199,7 +235,20 @@ def _convert(gguf_path: str, out_dir: str) -> None:
         tensors[hf] = torch.from_numpy(np.ascontiguousarray(w))
     logger.info("writing model.safetensors (float32)")
     save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    _write_config(reader, out_dir, tied="lm_head.weight" not in tensors)
+    _write_tokenizer(gguf_path, out_dir)
 
+
+def _write_config(reader, out_dir: str, tied: bool) -> None:
+    """``config.json`` (HF names) from the GGUF metadata."""
+    arch = _field(reader, "general.architecture")
+
+    def meta(key, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    num_heads = meta("attention.head_count")
+    num_kv_heads = meta("attention.head_count_kv", num_heads)
+    hidden = meta("embedding_length")
     vocab_size = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     config = {
         "architectures": [_ARCHITECTURES[arch]],
@@ -214,7 +263,7 @@ def _convert(gguf_path: str, out_dir: str) -> None:
         "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": meta("rope.freq_base", 10000.0),
         "max_position_embeddings": meta("context_length", 2048),
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "tie_word_embeddings": tied,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
@@ -227,7 +276,9 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
 
-    # The tokenizer and chat template, rebuilt by transformers from the GGUF metadata.
+
+def _write_tokenizer(gguf_path: str, out_dir: str) -> None:
+    """The tokenizer and chat template, rebuilt by transformers from the GGUF metadata."""
     from transformers import AutoTokenizer
 
     logger.info("building the tokenizer from the GGUF metadata")

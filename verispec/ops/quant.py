@@ -118,7 +118,8 @@ class QuantizedWeight(nn.Module):
     def __init__(self, qs: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int],
                  bits: int, group: int, qtype: str) -> None:
         super().__init__()
-        self.register_buffer("qs", qs)  # 4 bits: [Np/16, K/32, 16, 16] uint8; 8: [Np/16, K, 16] int8
+        # 4 bits: [Np/16, K/32, 16, 16] uint8; 8 bits: [Np/16, K, 16] int8 (Np: N padded)
+        self.register_buffer("qs", qs)
         self.register_buffer("scales", scales)  # [Np/16, K/G, 2, 16] float32: scales, offsets
         self.shape = torch.Size(shape)
         self.bits, self.group, self.qtype = bits, group, qtype
@@ -179,18 +180,26 @@ class QuantizedWeight(nn.Module):
         return y.reshape(*x.shape[:-1], out_features).to(x.dtype)
 
 
-def pack_gguf(qtype: str, blocks: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
-    """A GGUF tensor's blocks (uint8 [out_features, bytes per row], as ``gguf.GGUFReader``
-    gives them, rows in any order the caller chose) -> ``QuantizedWeight`` of ``shape``
-    (out_features, in_features)."""
-    out_features, in_features = shape
-    block_size = 32 if qtype in ("Q4_0", "Q4_1", "Q8_0") else 256
-    blocks = blocks.reshape(out_features * (in_features // block_size), -1)
-    q, scale, offset, group = _decode(qtype, blocks)
-    q = q.reshape(out_features, in_features)
-    scale = scale.reshape(out_features, in_features // group)
-    offset = offset.reshape(out_features, in_features // group)
-    return pack_values(q, scale, offset, BITS[qtype], group, qtype)
+def pack_gguf(parts: list[tuple[str, np.ndarray]], in_features: int) -> QuantizedWeight:
+    """GGUF tensors' blocks stacked along out_features (a fused q|k|v or gate|up): each part is
+    (type name, uint8 [rows, bytes per row] as ``gguf.GGUFReader`` gives them, rows in any order
+    the caller chose). Parts of different types meet in the widest layout (8 bits, the smaller
+    group), which holds each exactly."""
+    bits = max(BITS[qtype] for qtype, _ in parts)
+    decoded = []
+    for qtype, blocks in parts:
+        rows = blocks.shape[0]
+        block_size = 32 if qtype in ("Q4_0", "Q4_1", "Q8_0") else 256
+        q, scale, offset, group = _decode(
+            qtype, blocks.reshape(rows * (in_features // block_size), -1))
+        decoded.append((q.reshape(rows, in_features), scale.reshape(rows, -1),
+                        offset.reshape(rows, -1), group))
+    group = min(d[3] for d in decoded)
+    q = np.concatenate([d[0].astype(np.int8 if bits == 8 else np.uint8) for d in decoded])
+    scale, offset = (np.concatenate([np.repeat(d[i], d[3] // group, axis=1) for d in decoded])
+                     for i in (1, 2))
+    qtype = "+".join(dict.fromkeys(qtype for qtype, _ in parts))
+    return pack_values(q, scale, offset, bits, group, qtype)
 
 
 def pack_values(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, bits: int, group: int,
@@ -214,27 +223,6 @@ def pack_values(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, bits: int,
     return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(qs)),
                            torch.from_numpy(np.ascontiguousarray(so)), (n, k), bits, group,
                            qtype)
-
-
-def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """The weights stacked along out_features (a fused q|k|v or gate|up), each part's rows
-    first unpacked; parts of other types meet in the widest layout (8 bits, the smaller group),
-    which holds them exactly."""
-    if len(parts) == 1:
-        return parts[0]
-    bits = max(p.bits for p in parts)
-    group = min(p.group for p in parts)
-    qs, scales, offsets = [], [], []
-    for p in parts:
-        n = p.shape[0]
-        q, so = p._rows_q(slice(0, n))
-        qs.append(q.numpy().astype(np.int8 if bits == 8 else np.uint8))
-        so = so[:, ::group]  # [n, K/group, 2]
-        scales.append(so[..., 0].numpy())
-        offsets.append(so[..., 1].numpy())
-    qtype = "+".join(dict.fromkeys(p.qtype for p in parts))
-    return pack_values(np.concatenate(qs), np.concatenate(scales), np.concatenate(offsets),
-                       bits, group, qtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
