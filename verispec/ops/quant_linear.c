@@ -74,23 +74,89 @@ static X512 void dequant_q4(const uint8_t *qs, const float *so, int64_t K, int64
     }
 }
 
-/* The same for the 8-bit layout with groups of `group` (16 or 32) inputs. */
+/* The same for the 8-bit layout with groups of `group` (16 or 32) inputs; k0 % group == 0. */
 static X512 void dequant_q8(const int8_t *qs, const float *so, int64_t K, int64_t group,
                             int64_t tile, int64_t k0, int64_t kc, float *panel) {
     for (int gi = 0; gi < NG; gi++) {
         int64_t g = tile * NG + gi;
         const int8_t *q = qs + (g * K + k0) * 16;
         const float *s = so + (g * (K / group) + k0 / group) * 32;
-        __m512 scale = _mm512_setzero_ps(), offset = _mm512_setzero_ps();
-        for (int64_t k = 0; k < kc; k++, q += 16) {
-            if (k % group == 0) {
-                scale = _mm512_loadu_ps(s), offset = _mm512_loadu_ps(s + 16);
-                s += 32;
+        for (int64_t c = 0; c < kc; c += group, s += 32) {
+            __m512 scale = _mm512_loadu_ps(s), offset = _mm512_loadu_ps(s + 16);
+            for (int64_t k = c; k < c + group; k++, q += 16) {
+                __m512 v = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+                _mm512_store_ps(panel + k * NT + NR * gi, _mm512_fmadd_ps(scale, v, offset));
             }
-            __m512 v = _mm512_cvtepi32_ps(
-                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
-            _mm512_store_ps(panel + k * NT + NR * gi, _mm512_fmadd_ps(scale, v, offset));
         }
+    }
+}
+
+/* A few rows (1..MR, a constant after inlining) times a whole tile, the weights dequantised in
+ * registers (no panel): the same fma chain per output as panel_rows, so the same bits. */
+static inline X512 __attribute__((always_inline)) void fused_rows(
+    const void *qs, const float *so, int bits, int64_t group, int64_t K, int64_t tile,
+    const float *x, int rows, float *y, int64_t ldy) {
+    __m512 acc[MR][NG];
+    for (int r = 0; r < rows; r++)
+        for (int g = 0; g < NG; g++) acc[r][g] = _mm512_setzero_ps();
+    if (bits == 4) {
+        const __m512i low = _mm512_set1_epi32(15);
+        for (int64_t b = 0; b < K / 32; b++) {
+            __m512 scale[NG], offset[NG];
+            const uint8_t *q[NG];
+            for (int g = 0; g < NG; g++) {
+                int64_t gg = tile * NG + g;
+                const float *s = so + (gg * (K / 32) + b) * 32;
+                scale[g] = _mm512_loadu_ps(s), offset[g] = _mm512_loadu_ps(s + 16);
+                q[g] = (const uint8_t *)qs + (gg * (K / 32) + b) * 256;
+            }
+            for (int half = 0; half < 2; half++)
+                for (int j = 0; j < 16; j++) {
+                    int64_t k = 32 * b + 16 * half + j;
+                    for (int g = 0; g < NG; g++) {
+                        __m512i v = _mm512_cvtepu8_epi32(
+                            _mm_loadu_si128((const __m128i *)(q[g] + 16 * j)));
+                        v = half ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, low);
+                        __m512 w = _mm512_fmadd_ps(scale[g], _mm512_cvtepi32_ps(v), offset[g]);
+                        for (int r = 0; r < rows; r++)
+                            acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w,
+                                                        acc[r][g]);
+                    }
+                }
+        }
+    } else {
+        for (int64_t c = 0; c < K; c += group) {
+            __m512 scale[NG], offset[NG];
+            for (int g = 0; g < NG; g++) {
+                const float *s = so + ((tile * NG + g) * (K / group) + c / group) * 32;
+                scale[g] = _mm512_loadu_ps(s), offset[g] = _mm512_loadu_ps(s + 16);
+            }
+            for (int64_t k = c; k < c + group; k++)
+                for (int g = 0; g < NG; g++) {
+                    const int8_t *q = (const int8_t *)qs + ((tile * NG + g) * K + k) * 16;
+                    __m512 w = _mm512_fmadd_ps(
+                        scale[g],
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                            _mm_loadu_si128((const __m128i *)q))),
+                        offset[g]);
+                    for (int r = 0; r < rows; r++)
+                        acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w, acc[r][g]);
+                }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int g = 0; g < NG; g++) _mm512_storeu_ps(y + r * ldy + NR * g, acc[r][g]);
+}
+
+static X512 void fused_block(const void *qs, const float *so, int bits, int64_t group,
+                             int64_t K, int64_t tile, const float *x, int64_t rows, float *y,
+                             int64_t ldy) {
+    switch (rows) {
+    case 1: fused_rows(qs, so, bits, group, K, tile, x, 1, y, ldy); break;
+    case 2: fused_rows(qs, so, bits, group, K, tile, x, 2, y, ldy); break;
+    case 3: fused_rows(qs, so, bits, group, K, tile, x, 3, y, ldy); break;
+    default: fused_rows(qs, so, bits, group, K, tile, x, 4, y, ldy); break;
     }
 }
 
@@ -142,13 +208,17 @@ X512 void quant_linear(const float *x, const void *qs, const float *so, const fl
 #pragma omp for schedule(static)
             for (int64_t tile = 0; tile < num_tiles; tile++) {
                 float *yt = y + m0 * N + tile * NT;
-                for (int64_t k0 = 0; k0 < K; k0 += KC) {
-                    int64_t kc = K - k0 < KC ? K - k0 : KC;
-                    if (bits == 4)
-                        dequant_q4((const uint8_t *)qs, so, K, tile, k0, kc, panel);
-                    else
-                        dequant_q8((const int8_t *)qs, so, K, group, tile, k0, kc, panel);
-                    panel_block(panel, kc, x + m0 * K + k0, K, rows, yt, N, k0 == 0);
+                if (rows <= MR) { /* decode and short verify steps: no panel */
+                    fused_block(qs, so, bits, group, K, tile, x + m0 * K, rows, yt, N);
+                } else {
+                    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                        int64_t kc = K - k0 < KC ? K - k0 : KC;
+                        if (bits == 4)
+                            dequant_q4((const uint8_t *)qs, so, K, tile, k0, kc, panel);
+                        else
+                            dequant_q8((const int8_t *)qs, so, K, group, tile, k0, kc, panel);
+                        panel_block(panel, kc, x + m0 * K + k0, K, rows, yt, N, k0 == 0);
+                    }
                 }
                 if (bias)
                     for (int64_t m = 0; m < rows; m++)
