@@ -245,7 +245,7 @@ def quant_linear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor,
     ``ops/quant_linear.c``): x [M, K] float32 contiguous, qs and scales contiguous,
     ``out_features`` a multiple of 64; only where ``quant_available()``. Returns [M, N]."""
     rows, in_features = x.shape
-    y = x.new_empty((rows, out_features))
+    y = torch.empty((rows, out_features))
     if rows:
         _library().quant_linear(
             x.data_ptr(), qs.data_ptr(), scales.data_ptr(),
