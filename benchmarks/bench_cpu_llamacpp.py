@@ -72,10 +72,8 @@ def long_prompt(tokenizer, num_tokens: int) -> list[int]:
     text, ids = "", []
     while len(ids) < num_tokens:
         text += "\n\n".join(GROUNDED_PROMPTS) + "\n\n"
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                            add_generation_prompt=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) else list(ids)
-    return ids[-num_tokens:]
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[:num_tokens]
 
 
 def time_to_first_token(args, plain: LLM, llamacpp) -> dict:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from verispec.models import cpu_kernels
-from verispec.models.gguf_quant import read_tensors
+from verispec.models.gguf import read_tensors
 from verispec.ops import quant
 
 gguf = pytest.importorskip("gguf")

@@ -10,10 +10,6 @@ other quantisations) are dequantised to float32 parameters. Activations run in f
 
 from __future__ import annotations
 
-import mmap
-import struct
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from torch import nn
@@ -39,92 +35,6 @@ _LAYER_NORMS = {
     "attn_q_norm": "attn.q_norm",
     "attn_k_norm": "attn.k_norm",
 }
-
-
-@dataclass
-class GGUFTensor:
-    """One tensor of a GGUF file, as ``gguf.ReaderTensor`` names its fields."""
-
-    name: str
-    shape: tuple[int, ...]  # GGUF order: the innermost (input) dimension first
-    tensor_type: object  # gguf.GGMLQuantizationType
-    data: np.ndarray  # [rows, bytes per row] uint8 (float32 / float16 values for those types)
-
-
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-            10: "<Q", 11: "<q", 12: "<d"}
-
-
-def read_tensors(gguf_path: str) -> tuple[dict[str, object], list[GGUFTensor]]:
-    """(scalar and string metadata, the tensors memory-mapped) of a GGUF file. The gguf
-    package's reader builds every metadata array element as a numpy view (the tokenizer's
-    ~100 000 strings: ~7 s); this one skips arrays, so it takes milliseconds."""
-    import gguf
-
-    with open(gguf_path, "rb") as f:
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        if buf[:4] != b"GGUF":
-            raise ValueError("bad magic")
-        _, num_tensors, num_kv = struct.unpack_from("<IQQ", buf, 4)
-        pos = 24
-
-        def string() -> str:
-            nonlocal pos
-            (n,) = struct.unpack_from("<Q", buf, pos)
-            pos += 8 + n
-            return bytes(buf[pos - n:pos]).decode("utf-8", "replace")
-
-        def value(kind: int):
-            nonlocal pos
-            if kind == 8:
-                return string()
-            if kind == 9:
-                elem, count = struct.unpack_from("<IQ", buf, pos)
-                pos += 12
-                if elem in _SCALARS:
-                    pos += count * struct.calcsize(_SCALARS[elem])
-                else:
-                    for _ in range(count):
-                        value(elem)
-                return None
-            fmt = _SCALARS[kind]
-            pos += struct.calcsize(fmt)
-            return struct.unpack_from(fmt, buf, pos - struct.calcsize(fmt))[0]
-
-        meta = {}
-        for _ in range(num_kv):
-            key = string()
-            (kind,) = struct.unpack_from("<I", buf, pos)
-            pos += 4
-            meta[key] = value(kind)
-        infos = []
-        for _ in range(num_tensors):
-            name = string()
-            (n_dims,) = struct.unpack_from("<I", buf, pos)
-            dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
-            kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
-            pos += 4 + 8 * n_dims + 12
-            infos.append((name, dims, kind, offset))
-    except (ValueError, IndexError, KeyError, struct.error, UnicodeError) as e:
-        raise ValueError(f"{gguf_path} is not a readable GGUF file ({type(e).__name__}: {e}); "
-                         "it may be truncated or corrupt") from None
-    alignment = meta.get("general.alignment") or 32
-    start = -(-pos // alignment) * alignment
-    data = np.frombuffer(buf, dtype=np.uint8)
-    tensors = []
-    for name, dims, kind, offset in infos:
-        qtype = gguf.GGMLQuantizationType(kind)
-        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        rows = int(np.prod(dims[1:], dtype=np.int64))
-        row_bytes = dims[0] // block_size * type_size
-        raw = data[start + offset:start + offset + rows * row_bytes].reshape(rows, row_bytes)
-        if qtype.name in ("F32", "F16"):
-            raw = raw.view(np.float32 if qtype.name == "F32" else np.float16)
-            if len(dims) == 1:
-                raw = raw.reshape(-1)
-        tensors.append(GGUFTensor(name, tuple(dims), qtype, raw))
-    return meta, tensors
 
 
 def _dense(t) -> np.ndarray:
@@ -170,7 +80,7 @@ def load_quantized(gguf_path: str) -> tuple[nn.Module, ModelConfig, str]:
     config and tokenizer) of the GGUF at ``gguf_path``."""
     model_dir = gguf_files.gguf_meta_dir(gguf_path)
     arch_entry, config = resolve_architecture(read_hf_config(model_dir))
-    meta, tensors = read_tensors(gguf_path)
+    meta, tensors = gguf_files.read_tensors(gguf_path)
     arch = meta.get("general.architecture")
     with torch.device("meta"):
         net = arch_entry.model_cls(config, dtype=torch.float32)
