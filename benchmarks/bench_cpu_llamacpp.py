@@ -16,8 +16,9 @@ whole call, prefill included, summed over the set) of:
 Systems alternate per prompt, ``--repeats`` times, the fastest run of each counting (the least
 disturbed on a shared machine). Then the time to first token of a ``--long-prompt-tokens``
 prompt (verispec quantised; HF transformers' bfloat16 forward over the same weights; llama.cpp
-if installed), and memory: the packed weights against the GGUF file and the KV pool. Prints a
-table, then one JSON line.
+if installed), and memory: the packed weights against the GGUF file, and the resident memory
+one quantised engine adds (weights, KV pool, scratch) against the GGUF file plus its KV pool.
+Prints a table, then one JSON line.
 
     python benchmarks/bench_cpu_llamacpp.py
     python benchmarks/bench_cpu_llamacpp.py --num-prompts 2 --tokens 64 --repeats 1
@@ -29,7 +30,6 @@ import argparse
 import importlib.util
 import json
 import os
-import resource
 import time
 from functools import partial
 
@@ -110,7 +110,16 @@ def time_to_first_token(args, plain: LLM, llamacpp) -> dict:
     return row
 
 
-def memory_row(plain: LLM, gguf_path: str, rss_before: int, rss_after: int) -> dict:
+def resident_mb() -> float:
+    """This process's resident memory now (VmRSS), MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def memory_row(plain: LLM, gguf_path: str, rss_before: float, rss_after: float) -> dict:
     model = plain.runner.model
     packed = sum(b.numel() * b.element_size() for m in model.modules()
                  if isinstance(m, QuantizedWeight) for b in m.buffers())
@@ -120,10 +129,9 @@ def memory_row(plain: LLM, gguf_path: str, rss_before: int, rss_after: int) -> d
     file_mb = os.path.getsize(gguf_path) / 2**20
     return {"gguf_file_mb": file_mb, "packed_weights_mb": packed / 2**20,
             "float_params_mb": dense / 2**20, "kv_pool_mb": kv / 2**20,
-            "load_rss_growth_mb": (rss_after - rss_before) / 1024,
+            "engine_rss_mb": rss_after - rss_before,
             "weights_vs_file": (packed + dense) / 2**20 / file_mb,
-            "load_rss_vs_file_plus_kv": (rss_after - rss_before) / 1024
-            / (file_mb + kv / 2**20)}
+            "engine_rss_vs_file_plus_kv": (rss_after - rss_before) / (file_mb + kv / 2**20)}
 
 
 def main() -> None:
@@ -144,9 +152,11 @@ def main() -> None:
     gguf_path = bundled_gguf_path()
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
              "prompt_lookup_max": 4}
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    import transformers  # noqa: F401  (imported by every engine: not the engine's memory)
+
+    rss_before = resident_mb()
     plain = LLM(max_model_len=2048, max_num_seqs=1)
-    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_after = resident_mb()
     runners = {"ours_plain": partial(run_ours, plain, tokens=args.tokens),
                "ours_ngram": partial(run_ours, LLM(max_model_len=2048, max_num_seqs=1,
                                                    speculative_config=ngram),
