@@ -10,6 +10,9 @@ other quantisations) are dequantised to float32 parameters. Activations run in f
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+
 import numpy as np
 import torch
 from torch import nn
@@ -18,6 +21,8 @@ from verispec.models import gguf as gguf_files
 from verispec.models.config import ModelConfig, read_hf_config
 from verispec.models.registry import resolve_architecture
 from verispec.ops.quant import QUANT_TYPES, QuantizedWeight, pack_gguf
+
+logger = logging.getLogger("verispec")
 
 # GGUF name inside a block -> (our module path inside a layer, attribute, fused part order)
 _LAYER_TENSORS = {
@@ -119,5 +124,9 @@ def load_quantized(gguf_path: str) -> tuple[nn.Module, ModelConfig, str]:
     missing = [n for n, p in [*net.named_parameters(), *net.named_buffers()] if p.is_meta]
     if missing:
         raise ValueError(f"{gguf_path} is missing weights for {missing[:8]}")
+    kinds = Counter(m.qtype for m in dict.fromkeys(net.modules())
+                    if isinstance(m, QuantizedWeight))
+    logger.info("%s: weights kept quantised (%s matrices), float32 activations",
+                gguf_path, ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
     net.eval()
     return net, config, model_dir
