@@ -24,9 +24,11 @@ Q6_K          8     16     d * sc (int8 sc)             0 (q - 32 stored)
   fused multiply-adds over the inputs in order per output, whatever the number of rows:
   batch invariant, REFERENCE §12), or where it does not run (no AVX-512), the torch twin:
   the weights dequantised and multiplied one row at a time (the same per-row algorithm for any
-  number of rows, another summation order);
-- ``dequantize()``: the float32 weights, bit for bit the gguf package's
-  ``gguf.quants.dequantize`` of the same blocks (the reference the tests multiply by);
+  number of rows, another summation order; slow, so there the loader dequantises the model
+  instead: ``models.loader.quantized_gguf``);
+- ``dequantize()``: the float32 weights, the gguf package's ``gguf.quants.dequantize`` of the
+  same blocks exactly (as numbers: +0 where it may give -0), the reference the tests multiply
+  by;
 - ``embedding(ids)``: the dequantised rows of ``ids`` (a tied embedding's lookup).
 
 Activations are float32 (a quantised model's dtype): the weights' exact values times float32
@@ -148,7 +150,7 @@ class QuantizedWeight(nn.Module):
 
     def dequantize(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
         """[R, in_features] float32 of output rows ``rows`` (default all ``out_features``): the
-        gguf package's values bit for bit (``scale * q`` is exact, then one rounding)."""
+        gguf package's values (``scale * q`` is exact, then one rounding)."""
         if isinstance(rows, slice) and rows == slice(None):
             rows = slice(0, self.shape[0])
         q, so = self._rows_q(rows)
