@@ -8,7 +8,7 @@ and checked against the gguf package's ``dequantize`` of the same blocks:
 - the dequantised weights are the gguf package's values exactly;
 - the linear layer is the float32 product of those weights within the error bound of a
   sequential float32 sum (K * 2^-24 * sum_k |x_k w_k|), the kernel's order (one fused
-  multiply-add chain over k per output);
+  multiply-add chain over the inputs per output);
 - batch invariance: a row's outputs have the same bits alone and in batches of every size,
   through both the few-row path (in registers) and the many-row one (a dequantised panel);
 - fused parts of different types (q|k|v of Q4_K and Q6_K, say) meet in one layout exactly.

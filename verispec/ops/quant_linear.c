@@ -16,10 +16,12 @@
  * fma(scale, q, offset) equals the gguf package's dequantisation bit for bit: there scale * q is
  * exact in float32 (an fp16 scale times a few-bit integer) and one rounding follows.
  *
- * Order: y[m, n] is one chain of fused multiply-adds over k = 0, 1, ..., K - 1 (acc = fma(x, w,
- * acc), acc starting at 0), then + b[n]. It depends on K alone: whatever the number of rows, the
- * row's place in a tile or the thread that runs it (batch invariance, REFERENCE §12), so a
- * prefill, a verify step and a decode step give a token the same bits.
+ * Order: y[m, n] is one chain of fused multiply-adds over the inputs (acc = fma(x, w, acc), acc
+ * starting at 0), then + b[n]: in order k = 0, 1, ..., K - 1 for the 8-bit layout; for the 4-bit
+ * one block by block, inside a block of 32 the two nibbles of a byte together (inputs 0, 16, 1,
+ * 17, ..., 15, 31: one load serves both). It depends on K and the layout alone: whatever the
+ * number of rows, the row's place in a tile or the thread that runs it (batch invariance,
+ * REFERENCE §12), so a prefill, a verify step and a decode step give a token the same bits.
  *
  * Work: 64 output features x 64 inputs of weights are dequantised into a float32 panel (16 KiB,
  * L1), then multiplied by up to 128 input rows, four at a time (16 accumulator vectors); a panel
@@ -52,7 +54,8 @@ int quant_isa(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 }
 
-/* panel[k - k0][NT] = w of the tile's NT features, inputs [k0, k0 + kc), 4-bit layout. */
+/* panel[p][NT] = w of the tile's NT features for inputs [k0, k0 + kc), 4-bit layout, in the
+ * kernel's order (panel row 32 b + 2 j + h holds input 32 b + 16 h + j). */
 static X512 void dequant_q4(const uint8_t *qs, const float *so, int64_t K, int64_t tile,
                             int64_t k0, int64_t kc, float *panel) {
     const __m512i low = _mm512_set1_epi32(15);
@@ -67,8 +70,8 @@ static X512 void dequant_q4(const uint8_t *qs, const float *so, int64_t K, int64
                 __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * j)));
                 __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
                 __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-                _mm512_store_ps(p + j * NT, _mm512_fmadd_ps(scale, lo, offset));
-                _mm512_store_ps(p + (16 + j) * NT, _mm512_fmadd_ps(scale, hi, offset));
+                _mm512_store_ps(p + 2 * j * NT, _mm512_fmadd_ps(scale, lo, offset));
+                _mm512_store_ps(p + (2 * j + 1) * NT, _mm512_fmadd_ps(scale, hi, offset));
             }
         }
     }
@@ -111,19 +114,22 @@ static inline X512 __attribute__((always_inline)) void fused_rows(
                 scale[g] = _mm512_loadu_ps(s), offset[g] = _mm512_loadu_ps(s + 16);
                 q[g] = (const uint8_t *)qs + (gg * (K / 32) + b) * 256;
             }
-            for (int half = 0; half < 2; half++)
-                for (int j = 0; j < 16; j++) {
-                    int64_t k = 32 * b + 16 * half + j;
-                    for (int g = 0; g < NG; g++) {
-                        __m512i v = _mm512_cvtepu8_epi32(
-                            _mm_loadu_si128((const __m128i *)(q[g] + 16 * j)));
-                        v = half ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, low);
-                        __m512 w = _mm512_fmadd_ps(scale[g], _mm512_cvtepi32_ps(v), offset[g]);
-                        for (int r = 0; r < rows; r++)
-                            acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w,
-                                                        acc[r][g]);
+            for (int j = 0; j < 16; j++) { /* inputs 32 b + j, then 32 b + 16 + j */
+                const float *xj = x + 32 * b + j;
+                for (int g = 0; g < NG; g++) {
+                    __m512i v = _mm512_cvtepu8_epi32(
+                        _mm_loadu_si128((const __m128i *)(q[g] + 16 * j)));
+                    __m512 lo = _mm512_fmadd_ps(
+                        scale[g], _mm512_cvtepi32_ps(_mm512_and_si512(v, low)), offset[g]);
+                    __m512 hi = _mm512_fmadd_ps(
+                        scale[g], _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), offset[g]);
+                    for (int r = 0; r < rows; r++) {
+                        acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(xj[r * K]), lo, acc[r][g]);
+                        acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(xj[r * K + 16]), hi,
+                                                    acc[r][g]);
                     }
                 }
+            }
         }
     } else {
         for (int64_t c = 0; c < K; c += group) {
@@ -164,7 +170,7 @@ static X512 void fused_block(const void *qs, const float *so, int bits, int64_t 
  * fma chain per output over the panel's inputs, continuing from y unless `first`. */
 static inline X512 __attribute__((always_inline)) void panel_rows(
     const float *panel, int64_t kc, const float *x, int64_t ldx, int rows, float *y,
-    int64_t ldy, int first) {
+    int64_t ldy, int first, int paired) {
     __m512 acc[MR][NG];
     for (int r = 0; r < rows; r++)
         for (int g = 0; g < NG; g++)
@@ -172,8 +178,11 @@ static inline X512 __attribute__((always_inline)) void panel_rows(
     for (int64_t k = 0; k < kc; k++) {
         __m512 w[NG];
         for (int g = 0; g < NG; g++) w[g] = _mm512_load_ps(panel + k * NT + NR * g);
+        /* panel row k holds input k, or with `paired` (4 bits) input (k / 2) % 16 + 16 (k % 2)
+         * of its block of 32 */
+        int64_t xk = paired ? (k & ~31) + ((k & 31) >> 1) + 16 * (k & 1) : k;
         for (int r = 0; r < rows; r++) {
-            __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+            __m512 xv = _mm512_set1_ps(x[r * ldx + xk]);
             for (int g = 0; g < NG; g++) acc[r][g] = _mm512_fmadd_ps(xv, w[g], acc[r][g]);
         }
     }
@@ -182,14 +191,14 @@ static inline X512 __attribute__((always_inline)) void panel_rows(
 }
 
 static X512 void panel_block(const float *panel, int64_t kc, const float *x, int64_t ldx,
-                             int64_t rows, float *y, int64_t ldy, int first) {
+                             int64_t rows, float *y, int64_t ldy, int first, int paired) {
     int64_t m = 0;
     for (; m + MR <= rows; m += MR)
-        panel_rows(panel, kc, x + m * ldx, ldx, MR, y + m * ldy, ldy, first);
+        panel_rows(panel, kc, x + m * ldx, ldx, MR, y + m * ldy, ldy, first, paired);
     switch (rows - m) {
-    case 1: panel_rows(panel, kc, x + m * ldx, ldx, 1, y + m * ldy, ldy, first); break;
-    case 2: panel_rows(panel, kc, x + m * ldx, ldx, 2, y + m * ldy, ldy, first); break;
-    case 3: panel_rows(panel, kc, x + m * ldx, ldx, 3, y + m * ldy, ldy, first); break;
+    case 1: panel_rows(panel, kc, x + m * ldx, ldx, 1, y + m * ldy, ldy, first, paired); break;
+    case 2: panel_rows(panel, kc, x + m * ldx, ldx, 2, y + m * ldy, ldy, first, paired); break;
+    case 3: panel_rows(panel, kc, x + m * ldx, ldx, 3, y + m * ldy, ldy, first, paired); break;
     default: break;
     }
 }
@@ -217,7 +226,8 @@ X512 void quant_linear(const float *x, const void *qs, const float *so, const fl
                             dequant_q4((const uint8_t *)qs, so, K, tile, k0, kc, panel);
                         else
                             dequant_q8((const int8_t *)qs, so, K, group, tile, k0, kc, panel);
-                        panel_block(panel, kc, x + m0 * K + k0, K, rows, yt, N, k0 == 0);
+                        panel_block(panel, kc, x + m0 * K + k0, K, rows, yt, N, k0 == 0,
+                                    bits == 4);
                     }
                 }
                 if (bias)
