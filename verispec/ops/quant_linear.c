@@ -31,10 +31,10 @@
  *
  * Why not torch's own CPU weight-only kernels: ``_weight_int4pack_mm_for_cpu`` takes 4-bit
  * weights only, with bfloat16 scales (an fp16 scale is not exact in bfloat16); with float32
- * activations it runs a reference loop (~40x slower than one bfloat16 row), and with bfloat16
- * ones 4 rows cost 3.5x one row and 16 rows 55x, so verify steps and prefill lose what decode
- * gains; ``_weight_int8pack_mm`` has one scale per output feature, not per group
- * (docs/benchmarks.md, "GGUF quantised weights").
+ * activations it runs a reference loop (~40x slower than its bfloat16 path), and with bfloat16
+ * ones it is level with this kernel for one row but slower from four rows on (verify steps,
+ * prefill); ``_weight_int8pack_mm`` has one scale per output feature, not per group. Measured
+ * in docs/benchmarks.md ("GGUF quantised weights on the CPU").
  */
 #include <immintrin.h>
 #include <stdint.h>
