@@ -20,8 +20,10 @@ from verispec.sampling_params import SamplingParams
 ENGINE_FLAGS: dict[str, dict] = {
     "model": dict(default=None, help="local HF model directory or .gguf file "
                   "(default: the bundled SmolLM2-135M-Instruct)"),
-    "dtype": dict(default="bfloat16", choices=["bfloat16", "float32"],
-                  help="weights and activations (default: %(default)s)"),
+    "dtype": dict(default=None, choices=["bfloat16", "float32"],
+                  help="weights and activations (default: a .gguf, the bundled model "
+                  "included, keeps its quantised weights on the CPU; anything else bfloat16); "
+                  "bfloat16 or float32 dequantise a .gguf"),
     "max_model_len": dict(type=int, default=None, help="most tokens per request (default: the "
                           "model's max_position_embeddings; refused at start when the KV pool "
                           "cannot hold one request of this length)"),

@@ -37,9 +37,10 @@ DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 8}
 # Prefill tokens one step may take (more prompts wait for the next step; a longer single prompt
 # still runs alone): bounds a step's activation memory.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-# bfloat16 halves the bytes a decode step reads; verification of several tokens then costs
-# little more than one (docs/design.md §11). Exactness tests pin float32.
-DEFAULT_DTYPE = "bfloat16"
+# None: a GGUF on the CPU keeps its quantised weights (models.loader.quantized_gguf: ~3x fewer
+# bytes a decode step reads than bfloat16); anything else runs in bfloat16, which halves the
+# bytes of float32 (docs/design.md §11). Exactness tests pin float32.
+DEFAULT_DTYPE = None
 
 
 def check_device(device: Any) -> torch.device:
@@ -77,7 +78,9 @@ class LLM:
     Parameters
     ----------
     model : local HF directory, ``.gguf`` file, or None for the bundled SmolLM2-135M-Instruct
-    dtype : ``"bfloat16"`` (default) or ``"float32"``
+    dtype : ``"bfloat16"``, ``"float32"`` or None (default): a GGUF (the bundled model
+        included) on the CPU keeps its quantised weights (float32 activations), anything else
+        loads in bfloat16; an explicit dtype dequantises a GGUF
     max_model_len : most tokens (prompt + output) per request; default the model's
         ``max_position_embeddings``
     max_num_seqs : requests running at once; default 256 on CUDA, 8 on CPU
@@ -102,7 +105,7 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
-        dtype: str | torch.dtype = DEFAULT_DTYPE,
+        dtype: str | torch.dtype | None = DEFAULT_DTYPE,
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
         speculative_config: SpeculativeConfig | dict | None = None,
@@ -114,7 +117,8 @@ class LLM:
         kv_cache_memory: int | str | None = None,
         max_num_batched_tokens: int | None = None,
     ) -> None:
-        parse_dtype(dtype)
+        if dtype is not None:
+            parse_dtype(dtype)
         for name, flag in (("enforce_eager", enforce_eager), ("batch_invariant", batch_invariant)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")

@@ -65,6 +65,8 @@ logger = logging.getLogger("verispec")
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("bf16_linear.c", "attention.c", "rms_norm.c", "sampling.c")]
 _X512_SOURCE = Path(__file__).with_name("bf16_linear_avx512.c")
+# The quantised-weight linear layer (AVX-512; verispec.ops.quant): built with the AVX-512 kernels.
+_QUANT_SOURCE = Path(__file__).parent.parent / "ops" / "quant_linear.c"
 _HEADER = Path(__file__).with_name("cpu_kernels.h")
 # -ffp-contract=off: the scalar tails round each product as written (no FMA contraction that
 # one inlined copy could get and another not), so every row is summed alike.
@@ -120,10 +122,12 @@ def _library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    source = b"".join(path.read_bytes() for path in (*_SOURCES, _X512_SOURCE, _HEADER))
+    source = b"".join(path.read_bytes()
+                      for path in (*_SOURCES, _X512_SOURCE, _QUANT_SOURCE, _HEADER))
     tag = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
     library, error = None, None
-    for sources, suffix in (([*_SOURCES, _X512_SOURCE], ""), (_SOURCES, "-avx2")):
+    for sources, suffix in (([*_SOURCES, _X512_SOURCE, _QUANT_SOURCE], ""),
+                            (_SOURCES, "-avx2")):
         path = _cache_dir() / f"cpu_kernels-{tag}{suffix}.so"
         failed = path.with_suffix(".failed")  # a build that failed once is not retried
         if failed.exists():
@@ -149,6 +153,10 @@ def _library() -> ctypes.CDLL | None:
             getattr(library, name).argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]
     if hasattr(library, "bf16_isa"):
         library.bf16_isa.restype = ctypes.c_int
+    if hasattr(library, "quant_linear"):
+        library.quant_isa.restype = ctypes.c_int
+        library.quant_linear.restype = None
+        library.quant_linear.argtypes = [ptr] * 5 + [i64] * 3 + [ctypes.c_int, i64, ctypes.c_int]
     library.f32_linear.restype = None
     library.f32_linear.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]
     library.rms_norm.restype = None
@@ -218,6 +226,29 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"bf16_linear: no scratch memory for a {tuple(x.shape)} input")
+    return y
+
+
+@functools.cache
+def quant_available() -> bool:
+    """True where ``quant_linear`` runs: the kernels are built and the CPU has AVX-512."""
+    library = _library()
+    return library is not None and hasattr(library, "quant_linear") and library.quant_isa() == 1
+
+
+def quant_linear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None, out_features: int, bits: int,
+                 group: int) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` in float32 for weights in ``verispec.ops.quant``'s layouts (see
+    ``ops/quant_linear.c``): x [M, K] float32 contiguous, qs and scales contiguous,
+    ``out_features`` a multiple of 64; only where ``quant_available()``. Returns [M, N]."""
+    rows, in_features = x.shape
+    y = torch.empty((rows, out_features))
+    if rows:
+        _library().quant_linear(
+            x.data_ptr(), qs.data_ptr(), scales.data_ptr(),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), rows, out_features,
+            in_features, bits, group, torch.get_num_threads())
     return y
 
 

@@ -20,11 +20,13 @@ import hashlib
 import importlib.util
 import json
 import logging
+import mmap
 import os
 import shutil
 import struct
 import tempfile
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -139,6 +141,142 @@ def gguf_to_hf_dir(gguf_path: str) -> str:
     return out
 
 
+def gguf_meta_dir(gguf_path: str) -> str:
+    """A cached directory with the GGUF's ``config.json`` and tokenizer but no weights (the
+    quantised load reads the weights from the GGUF itself: ``models.gguf_quant``), written on
+    first use; the converted directory where one exists already."""
+    full = _cache_dir(gguf_path)
+    if os.path.isfile(os.path.join(full, "model.safetensors")):
+        return full
+    out = full + "-meta"
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    logger.info("first use of %s: writing its config and tokenizer into %s", gguf_path, out)
+    tmp = tempfile.mkdtemp(prefix=".meta-", dir=os.path.dirname(out))
+    try:
+        meta, tensors = read_tensors(gguf_path)
+        if meta.get("general.architecture") not in _ARCHITECTURES:
+            raise ValueError(f"unsupported GGUF architecture {meta.get('general.architecture')!r}"
+                             f"; supported: {sorted(_ARCHITECTURES)}")
+        if "tokenizer.ggml.model" in meta:
+            _write_tokenizer(gguf_path, tmp)
+        _write_config(lambda key, default=None: meta.get(key, default), tmp,
+                      tied=all(t.name != "output.weight" for t in tensors))
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+@dataclass
+class GGUFTensor:
+    """One tensor of a GGUF file, as ``gguf.ReaderTensor`` names its fields."""
+
+    name: str
+    shape: tuple[int, ...]  # GGUF order: the innermost (input) dimension first
+    tensor_type: object  # gguf.GGMLQuantizationType
+    data: np.ndarray  # [rows, bytes per row] uint8 (float32 / float16 values for those types)
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+            10: "<Q", 11: "<q", 12: "<d"}
+
+
+def read_tensors(gguf_path: str) -> tuple[dict[str, object], list[GGUFTensor]]:
+    """(metadata: scalars and strings, the length of arrays; the tensors memory-mapped) of a
+    GGUF file. The gguf
+    package's reader builds every metadata array element as a numpy view (the tokenizer's
+    ~100 000 strings: ~7 s); this one skips arrays, so it takes milliseconds."""
+    import gguf
+
+    with open(gguf_path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        if buf[:4] != b"GGUF":
+            raise ValueError("bad magic")
+        _, num_tensors, num_kv = struct.unpack_from("<IQQ", buf, 4)
+        pos = 24
+
+        def string() -> str:
+            nonlocal pos
+            (n,) = struct.unpack_from("<Q", buf, pos)
+            pos += 8 + n
+            return bytes(buf[pos - n:pos]).decode("utf-8", "replace")
+
+        def value(kind: int):
+            nonlocal pos
+            if kind == 8:
+                return string()
+            if kind == 9:
+                elem, count = struct.unpack_from("<IQ", buf, pos)
+                pos += 12
+                if elem in _SCALARS:
+                    pos += count * struct.calcsize(_SCALARS[elem])
+                else:
+                    for _ in range(count):
+                        value(elem)
+                return count  # an array: its number of elements
+            fmt = _SCALARS[kind]
+            pos += struct.calcsize(fmt)
+            return struct.unpack_from(fmt, buf, pos - struct.calcsize(fmt))[0]
+
+        meta = {}
+        for _ in range(num_kv):
+            key = string()
+            (kind,) = struct.unpack_from("<I", buf, pos)
+            pos += 4
+            meta[key] = value(kind)
+        infos = []
+        for _ in range(num_tensors):
+            name = string()
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            infos.append((name, dims, kind, offset))
+    except (ValueError, IndexError, KeyError, struct.error, UnicodeError) as e:
+        raise ValueError(f"{gguf_path} is not a readable GGUF file ({type(e).__name__}: {e}); "
+                         "it may be truncated or corrupt") from None
+    alignment = meta.get("general.alignment") or 32
+    start = -(-pos // alignment) * alignment
+    data = np.frombuffer(buf, dtype=np.uint8)
+    tensors = []
+    for name, dims, kind, offset in infos:
+        qtype = gguf.GGMLQuantizationType(kind)
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        rows = int(np.prod(dims[1:], dtype=np.int64))
+        row_bytes = dims[0] // block_size * type_size
+        raw = data[start + offset:start + offset + rows * row_bytes].reshape(rows, row_bytes)
+        if qtype.name in ("F32", "F16"):
+            raw = raw.view(np.float32 if qtype.name == "F32" else np.float16)
+            if len(dims) == 1:
+                raw = raw.reshape(-1)
+        tensors.append(GGUFTensor(name, tuple(dims), qtype, raw))
+    return meta, tensors
+
+
+def open_reader(gguf_path: str):
+    """``gguf.GGUFReader`` of a supported architecture; ValueError naming the cause."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+    except (ValueError, IndexError, OSError, struct.error) as e:  # the gguf package's errors
+        raise ValueError(f"{gguf_path} is not a readable GGUF file ({type(e).__name__}: {e}); "
+                         "it may be truncated or corrupt") from None
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHITECTURES)}"
+        )
+    return reader
+
+
 def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
     if f is None:
@@ -159,23 +297,14 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    try:
-        reader = gguf.GGUFReader(gguf_path)
-    except (ValueError, IndexError, OSError, struct.error) as e:  # the gguf package's errors
-        raise ValueError(f"{gguf_path} is not a readable GGUF file ({type(e).__name__}: {e}); "
-                         "it may be truncated or corrupt") from None
+    reader = open_reader(gguf_path)
     arch = _field(reader, "general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHITECTURES)}"
-        )
 
     def meta(key, default=None):
         return _field(reader, f"{arch}.{key}", default)
 
     num_heads = meta("attention.head_count")
     num_kv_heads = meta("attention.head_count_kv", num_heads)
-    hidden = meta("embedding_length")
     tensors = {}
     for t in tqdm(reader.tensors, desc="[verispec] dequantising", unit="tensor",
                   disable=None):  # None: shown on a terminal only
@@ -199,8 +328,25 @@ def _convert(gguf_path: str, out_dir: str) -> None:
         tensors[hf] = torch.from_numpy(np.ascontiguousarray(w))
     logger.info("writing model.safetensors (float32)")
     save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    _write_config(lambda key, default=None: _field(reader, key, default), out_dir,
+                  tied="lm_head.weight" not in tensors)
+    if "tokenizer.ggml.model" in reader.fields:
+        _write_tokenizer(gguf_path, out_dir)
 
-    vocab_size = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+
+def _write_config(field, out_dir: str, tied: bool) -> None:
+    """``config.json`` (HF names) from the GGUF metadata; ``field(key, default)`` reads a key
+    (an array key: its elements or their number)."""
+    arch = field("general.architecture")
+
+    def meta(key, default=None):
+        return field(f"{arch}.{key}", default)
+
+    num_heads = meta("attention.head_count")
+    num_kv_heads = meta("attention.head_count_kv", num_heads)
+    hidden = meta("embedding_length")
+    tokens = field("tokenizer.ggml.tokens")
+    vocab_size = meta("vocab_size") or (tokens if isinstance(tokens, int) else len(tokens))
     config = {
         "architectures": [_ARCHITECTURES[arch]],
         "model_type": arch,
@@ -214,9 +360,9 @@ def _convert(gguf_path: str, out_dir: str) -> None:
         "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": meta("rope.freq_base", 10000.0),
         "max_position_embeddings": meta("context_length", 2048),
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "tie_word_embeddings": tied,
+        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
     scaling = meta("rope.scaling.type")
@@ -227,7 +373,9 @@ def _convert(gguf_path: str, out_dir: str) -> None:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
 
-    # The tokenizer and chat template, rebuilt by transformers from the GGUF metadata.
+
+def _write_tokenizer(gguf_path: str, out_dir: str) -> None:
+    """The tokenizer and chat template, rebuilt by transformers from the GGUF metadata."""
     from transformers import AutoTokenizer
 
     logger.info("building the tokenizer from the GGUF metadata")

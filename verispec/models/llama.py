@@ -24,6 +24,7 @@ from torch import nn
 from verispec.models import cpu_kernels
 from verispec.models.config import ModelConfig
 from verispec.models.rope import apply_rope
+from verispec.ops import quant
 from verispec.ops.model_ops import ModelOps
 
 
@@ -127,6 +128,8 @@ def linear(
     ``cpu_kernels.f32_linear`` (each weight row read once for up to four input rows, faster than
     the row blocks up to where MKL takes over; docs/benchmarks.md).
     """
+    if isinstance(weight, quant.QuantizedWeight):  # GGUF weights kept quantised: ops.quant
+        return weight.linear(x, bias)
     out_features, in_features = weight.shape
     if batch_invariant and weight.device.type == "cpu":
         return invariant_linear(x, weight, bias)
@@ -421,7 +424,7 @@ class LlamaForCausalLM(nn.Module):
         final norm. Returns [B, S, hidden] in the model dtype; with ``capture_layers`` also the
         residual stream entering each of those layers (HF's ``hidden_states[i]``; an EAGLE
         head's input), each [B, S, hidden], in the order given."""
-        x = F.embedding(input_ids, self.embed_weight)
+        x = quant.embedding(input_ids, self.embed_weight)
         captured: dict[int, torch.Tensor] = {}
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         for i, (layer, k_cache, v_cache) in enumerate(zip(layers, k_caches, v_caches)):
@@ -444,7 +447,7 @@ class LlamaForCausalLM(nn.Module):
         """``forward`` on the flat layout of a GPU step (one kernel per small op, no host
         work per layer, capturable in a CUDA graph). Returns [T, hidden] after the final norm;
         with ``capture_layers`` also the residual stream entering those layers, as ``forward``."""
-        x = F.embedding(input_ids, self.embed_weight)
+        x = quant.embedding(input_ids, self.embed_weight)
         residual = None
         captured: dict[int, torch.Tensor] = {}
         layers = self.layers if num_layers is None else self.layers[:num_layers]

@@ -18,7 +18,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from verispec.models import cpu_kernels
 from verispec.models.config import ModelConfig, read_hf_config
+from verispec.models.gguf_quant import load_quantized
 from verispec.models.registry import resolve_architecture
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -183,19 +185,44 @@ def _eos_token_ids(model_dir: str, config: ModelConfig, tokenizer) -> tuple[int,
     return tuple(dict.fromkeys(ids))
 
 
+def quantized_gguf(model: str | None, dtype: str | torch.dtype | None,
+                   device: str | torch.device) -> str | None:
+    """The GGUF file to load with its weights kept quantised (``models.gguf_quant``), or None:
+    with ``dtype`` None (the default), a GGUF (the bundled one when ``model`` is None) on a CPU
+    that runs the quantised kernel. An explicit dtype dequantises."""
+    if dtype is not None or torch.device(device).type != "cpu":
+        return None
+    if model is None:
+        from verispec.models import gguf
+
+        path = gguf.bundled_gguf_path()
+    elif isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".gguf") \
+            and os.path.isfile(model):
+        path = os.fspath(model)
+    else:
+        return None
+    return path if cpu_kernels.quant_available() else None
+
+
 def load_model(
     model: str | None = None,
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype | None = "float32",
     device: str | torch.device = "cpu",
 ) -> LoadedModel:
-    """Load weights, tokenizer and EOS ids. Raises ValueError naming the cause on bad input."""
-    torch_dtype = parse_dtype(dtype)
-    model_dir = resolve_model_path(model)
-    arch, config = resolve_architecture(read_hf_config(model_dir))
-    with torch.device(device):
-        net = arch.model_cls(config, dtype=torch_dtype)
-    load_weights(net, config, iter_safetensors(model_dir))
-    net.eval()
+    """Load weights, tokenizer and EOS ids. ``dtype`` None: a GGUF on the CPU keeps its
+    quantised weights (float32 activations; ``quantized_gguf``), anything else loads in
+    bfloat16. Raises ValueError naming the cause on bad input."""
+    gguf_path = quantized_gguf(model, dtype, device)
+    if gguf_path is not None:
+        net, config, model_dir = load_quantized(gguf_path)
+    else:
+        torch_dtype = parse_dtype("bfloat16" if dtype is None else dtype)
+        model_dir = resolve_model_path(model)
+        arch, config = resolve_architecture(read_hf_config(model_dir))
+        with torch.device(device):
+            net = arch.model_cls(config, dtype=torch_dtype)
+        load_weights(net, config, iter_safetensors(model_dir))
+        net.eval()
     tokenizer = _load_tokenizer(model_dir)
     return LoadedModel(net, config, tokenizer, _eos_token_ids(model_dir, config, tokenizer),
                        model_dir)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from verispec.config import SpeculativeConfig
+from verispec.ops.quant import QuantizedWeight
 from verispec.runtime.kv_cache import BlockTables
 from verispec.runtime.model_runner import ModelRunner
 
@@ -224,9 +225,14 @@ def matmul_weights(model: torch.nn.Module) -> int:
         if p.dim() == 2 and "embed" not in name:
             total += p.numel()
             seen.add(p.data_ptr())
+    for name, m in model.named_modules():  # GGUF weights kept quantised (ops.quant)
+        if isinstance(m, QuantizedWeight) and "embed" not in name:
+            total += m.shape.numel()
     head = getattr(model, "lm_head_weight", None)
     if isinstance(head, torch.Tensor) and head.data_ptr() not in seen:
         total += head.numel()
+    elif isinstance(head, QuantizedWeight) and head is getattr(model, "embed_weight", None):
+        total += head.shape.numel()
     return total
 
 

@@ -1,0 +1,154 @@
+"""A GGUF model loaded with its weights kept quantised (``verispec.models.gguf_quant``).
+
+Strategy: a tiny random Llama is written with the ``gguf`` package, its matrices in every kept
+type (q Q4_K, k Q4_0, v Q6_K, o Q5_K, gate Q4_1, up Q4_K, down Q6_K, a tied Q8_0 embedding), and
+loaded twice: quantised (the default on the CPU) and dequantised to float32 (``dtype``
+given). Every quantised matrix must dequantise to the float32 model's parameter exactly (the
+fusions, the q/k row order and the tied head are the loader's), the logits agree within float32
+summation error, and on the quantised model greedy n-gram speculation and batching leave the
+plain greedy tokens unchanged (batch invariance). The bundled model's quantised greedy tokens
+are checked against its float32 ones on chat prompts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.models.utils import requires_bundled
+from verispec import LLM, SamplingParams
+from verispec.models import cpu_kernels
+from verispec.models.loader import load_model
+from verispec.ops.quant import QuantizedWeight
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(not cpu_kernels.quant_available(),
+                                reason="the quantised kernel needs AVX-512")
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 512
+TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_0", "attn_v": "Q6_K", "attn_output": "Q5_K",
+         "ffn_gate": "Q4_1", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
+def quantized(rng, qtype: str, rows: int, cols: int) -> np.ndarray:
+    kind = gguf.GGMLQuantizationType[qtype]
+    if qtype not in BLOCK_BYTES:
+        return gguf.quants.quantize(
+            (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32), kind)
+    num_blocks = rows * cols // 256
+    blocks = rng.integers(0, 256, (num_blocks, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    scales = (rng.random((num_blocks, 2)) * 0.004).astype(np.float16).view(np.uint8)
+    if qtype == "Q6_K":
+        blocks[:, 208:210] = scales[:, :2]
+    else:
+        blocks[:, 0:4] = scales
+    return blocks.reshape(rows, -1)
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory, monkeypatch_module):
+    monkeypatch_module.setenv("VERISPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
+    path = str(tmp_path_factory.mktemp("model") / "tiny.gguf")
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(LAYERS)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(VOCAB)
+    w.add_eos_token_id(2)
+
+    def add(name, qtype, rows, cols):
+        w.add_tensor(name, quantized(rng, qtype, rows, cols),
+                     raw_dtype=gguf.GGMLQuantizationType[qtype])
+
+    add("token_embd.weight", "Q8_0", VOCAB, HIDDEN)
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    head_dim = HIDDEN // HEADS
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
+              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
+              "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+    for layer in range(LAYERS):
+        for kind, (rows, cols) in shapes.items():
+            add(f"blk.{layer}.{kind}.weight", TYPES[kind], rows, cols)
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{layer}.{norm}.weight",
+                         (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_quantised_weights_are_the_dequantised_models(gguf_path):
+    quant = load_model(gguf_path, dtype=None).model
+    dense = load_model(gguf_path, dtype="float32").model
+    assert isinstance(quant.layers[0].attn.qkv_weight, QuantizedWeight)
+    assert quant.lm_head_weight is quant.embed_weight  # tied
+    dense_params = dict(dense.named_parameters(remove_duplicate=False))
+    checked = 0
+    for name, module in quant.named_modules(remove_duplicate=False):
+        if isinstance(module, QuantizedWeight):
+            assert torch.equal(module.dequantize(), dense_params[name]), name
+            checked += 1
+    assert checked == 2 + 4 * LAYERS  # embedding, tied head, then qkv, o, gate_up, down
+    for name, p in quant.named_parameters():
+        assert torch.equal(p, dense_params[name]), name
+
+
+def test_logits_agree_with_the_float32_model(gguf_path):
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for dtype in (None, "float32"):
+        llm = LLM(gguf_path, dtype=dtype, max_model_len=128, max_num_seqs=1)
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+        logits[dtype] = llm.generate(ids[0].tolist(), params)[0]
+    a, b = logits[None], logits["float32"]
+    assert a.token_ids == b.token_ids
+    shared = set(a.logprobs[0]) & set(b.logprobs[0])
+    assert a.token_ids[0] in shared
+    for token in shared:
+        assert a.logprobs[0][token] == pytest.approx(b.logprobs[0][token], abs=1e-4)
+
+
+def test_greedy_speculation_and_batching_keep_plain_greedy(gguf_path):
+    """Repetitive prompts so that n-gram drafts are proposed and accepted."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [(torch.randint(3, VOCAB, (n,), generator=gen).tolist() * 4) for n in (5, 9, 13)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(gguf_path, max_model_len=128, max_num_seqs=3)
+    alone = [plain.generate(p, params)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in plain.generate(prompts, params)] == alone
+    spec = LLM(gguf_path, max_model_len=128, max_num_seqs=3, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    assert [o.token_ids for o in spec.generate(prompts, params)] == alone
+    assert spec.get_metrics()["spec_decoding"]["num_drafts"] > 0
+
+
+@requires_bundled
+@pytest.mark.slow
+def test_bundled_quantised_greedy_agrees_with_float32():
+    """The bundled Q4_1 model: the same greedy tokens as its float32 dequantised copy on chat
+    prompts (the weights are the same numbers; only the summation order differs)."""
+    prompts = [[{"role": "user", "content": text}] for text in (
+        "What is the capital of France?", "Write a haiku about the sea.",
+        "Add a docstring to: def add(a, b): return a + b", "List three prime numbers.")]
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    quant = LLM(max_model_len=512, max_num_seqs=4)
+    assert isinstance(quant.runner.model.embed_weight, QuantizedWeight)
+    dense = LLM(dtype="float32", max_model_len=512, max_num_seqs=4)
+    assert ([o.token_ids for o in quant.generate(prompts, params)]
+            == [o.token_ids for o in dense.generate(prompts, params)])
