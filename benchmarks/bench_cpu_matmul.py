@@ -35,7 +35,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from verispec.models import cpu_kernels
+    from verispec.ops import cpu_kernels
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64])

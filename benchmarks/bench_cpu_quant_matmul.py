@@ -28,8 +28,8 @@ import time
 import torch
 
 from verispec.engine.bench_utils import machine_description, print_table
-from verispec.models import cpu_kernels
 from verispec.models.loader import load_model
+from verispec.ops import cpu_kernels
 from verispec.ops.quant import QuantizedWeight
 
 

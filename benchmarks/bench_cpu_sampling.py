@@ -3,7 +3,7 @@
 Part 1 (``ops``): the exponential race over a draft vocabulary (8192 tokens, one row) and over
 the bundled model's 49 152 tokens (k + 1 = 4 rows), the draft sampler (``sample_draft``) and the
 rejection sampler at B = 1, k = 3 (full rule, temperature 0.7), each through the compiled CPU
-kernels (``verispec.models.cpu_kernels``: ``race_rows``, ``rejection_rows``) and through the
+kernels (``verispec.ops.cpu_kernels``: ``race_rows``, ``rejection_rows``) and through the
 torch twins (``sampling.torch_race``; ``rejection_sample`` with the kernels off). Each op is
 timed back to back and "after a forward": right after a parallel bfloat16 product of the
 bundled model's LM head size, as in a running engine, where the first call of each op pays
@@ -32,8 +32,7 @@ import time
 
 import torch
 
-from verispec.models import cpu_kernels
-from verispec.ops import rejection, sampling
+from verispec.ops import cpu_kernels, rejection, sampling
 
 VOCAB = 49152  # the bundled model's
 DRAFT_VOCAB = 8192  # its default head's

@@ -78,9 +78,9 @@ def timed(fn) -> float:
 
 @contextlib.contextmanager
 def matmul_timer():
-    """Seconds spent inside the compiled weight-matmul kernels (``models.cpu_kernels``) while
+    """Seconds spent inside the compiled weight-matmul kernels (``ops.cpu_kernels``) while
     the block runs, accumulated in the yielded one-element list."""
-    from verispec.models import cpu_kernels
+    from verispec.ops import cpu_kernels
 
     total = [0.0]
     originals = {name: getattr(cpu_kernels, name) for name in ("f32_linear", "bf16_linear")}

@@ -1,6 +1,6 @@
 """How verispec's CPU threads wait: set before torch starts its OpenMP runtime.
 
-torch's CPU ops and verispec's compiled kernels (``models.cpu_kernels``) run on one OpenMP thread
+torch's CPU ops and verispec's compiled kernels (``ops.cpu_kernels``) run on one OpenMP thread
 pool, one thread per core. By default its workers spin after each parallel region (libgomp:
 300 000 spins, longer than the gap between two matmuls of a decode step), so an idle verispec
 holds every core busy, and on a shared machine the spinning workers take the cores that other

@@ -15,7 +15,8 @@ import os
 
 import pytest
 
-from verispec.models import cpu_kernels, gguf
+from verispec.models import gguf
+from verispec.ops import cpu_kernels
 
 
 @pytest.fixture

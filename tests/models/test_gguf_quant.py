@@ -18,8 +18,8 @@ import torch
 
 from tests.models.utils import requires_bundled
 from verispec import LLM, SamplingParams
-from verispec.models import cpu_kernels
 from verispec.models.loader import load_model
+from verispec.ops import cpu_kernels
 from verispec.ops.quant import QuantizedWeight
 
 gguf = pytest.importorskip("gguf")

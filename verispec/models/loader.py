@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from verispec.models import cpu_kernels
 from verispec.models.config import ModelConfig, read_hf_config
 from verispec.models.gguf_quant import load_quantized
 from verispec.models.registry import resolve_architecture
+from verispec.ops import cpu_kernels
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -12,6 +12,7 @@ import math
 import torch
 
 from verispec.models.config import ModelConfig
+from verispec.ops.model_ops import apply_rope  # noqa: F401 - the models' import of it
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -55,13 +56,4 @@ def rope_tables(config: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.
     return emb.cos(), sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [B, S, H, D] by the angles of its positions; cos, signed_sin [B, S, 1, D] in
-    x's dtype.
 
-    HF's ``x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``, written as
-    ``x * cos + [x2, x1] * [-sin, sin]``: the same products (negation is exact), one op fewer.
-    """
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, swapped, signed_sin)

@@ -57,6 +57,18 @@ def rms_norm(
     return y * weight
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, S, H, D] by the angles of its positions; cos, signed_sin [B, S, 1, D] in
+    x's dtype.
+
+    HF's ``x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``, written as
+    ``x * cos + [x2, x1] * [-sin, sin]``: the same products (negation is exact), one op fewer.
+    """
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
+
+
 def rope_cache_write(
     qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) D]
     positions: torch.Tensor,  # [T] int64
@@ -73,8 +85,6 @@ def rope_cache_write(
 ) -> torch.Tensor:
     """Rotate q and k of each token by its position, write k and v into the cache at cache slot
     ``slot_mapping[t]``. Returns q [T, Hq, D] (rotated) in qkv's dtype."""
-    from verispec.models.rope import apply_rope
-
     T = qkv.shape[0]
     D = cos.shape[-1]
     q_size, kv_size = num_heads * D, num_kv_heads * D

@@ -15,13 +15,15 @@ absolute token position that the draw decides.
 
 All arithmetic is on int64 tensors holding uint32 values, so it runs on any device torch runs on;
 on the CPU the same rounds run in numpy's uint64 (faster there), and the draws' uniforms come
-from the compiled rounds (``verispec.models.cpu_kernels``) where those are built.
+from the compiled rounds (``verispec.ops.cpu_kernels``) where those are built.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from verispec.ops import cpu_kernels
 
 # Named streams (docs/design.md §4). Keep in sync with verispec/ops/triton_kernels.py.
 DRAFT_STREAM = 0  # the proposer's draft sampling
@@ -112,7 +114,6 @@ def _compiled_uniform(seed: torch.Tensor, offset: torch.Tensor,
     ops a draw); None elsewhere."""
     if seed.device.type != "cpu":
         return None
-    from verispec.models import cpu_kernels  # (the models import ops)
 
     if not cpu_kernels.available():
         return None

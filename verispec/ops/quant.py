@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.models import cpu_kernels
+from verispec.ops import cpu_kernels
 
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 NR = 16  # output features interleaved in the layout (one AVX-512 vector)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.ops import philox, sampling
+from verispec.ops import cpu_kernels, philox, sampling
 from verispec.ops.sampling import (
     FLOAT_DTYPES,
     INT_DTYPES,
@@ -198,7 +198,6 @@ def _compiled(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, 
     torch ops, each of which pays its cache misses again after a forward. The same
     tokens as the ops above; the race's logarithm and block sums are C's
     (``sampling.race``). None where the kernels are not built."""
-    from verispec.models import cpu_kernels  # (the models import ops)
 
     if not cpu_kernels.available():
         return None

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.ops import philox
+from verispec.ops import cpu_kernels, philox
 
 # Tokens per block of the two-level race. A fixed part of the sampling semantics (the kernels
 # take it from here), not a tuning knob: another value draws other tokens for the same seeds.
@@ -173,13 +173,12 @@ def race(
     the same distribution as the flat race, with noise for one block instead of the whole row.
     Ties go to the smallest index at both levels.
 
-    On a CPU where the compiled kernels are built (``models.cpu_kernels``) the race is one call
+    On a CPU where the compiled kernels are built (``ops.cpu_kernels``) the race is one call
     (``race_rows``) instead of ~25 torch ops: the same draws, its logarithm and block sums
     rounded by C instead of torch (a token differs from ``torch_race``'s only where two scores
     agree to the last bit: tests/models/test_cpu_kernels.py).
     """
     if weights.device.type == "cpu":
-        from verispec.models import cpu_kernels  # (the models import ops)
 
         if cpu_kernels.available():
             streams = stream if isinstance(stream, torch.Tensor) else torch.full_like(seeds,

@@ -30,10 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from verispec.models import cpu_kernels
 from verispec.models.llama import AttentionMetadata, FlatBatch
 from verispec.models.rope import rope_tables
-from verispec.ops import to_device
+from verispec.ops import cpu_kernels, to_device
 from verispec.ops.model_ops import get_model_ops
 from verispec.runtime.cuda_graphs import CUDAGraphRunner, StepInput
 from verispec.runtime.kv_cache import DEFAULT_BLOCK_SIZE, BlockTables
@@ -56,7 +55,7 @@ class CapturedHidden:
     rows: torch.Tensor  # [>= sum(counts), len(capture_layers) * hidden] model dtype
 # bfloat16 CPU matmuls of this many rows or more run in float32 (prefill; see models.llama.linear).
 # Decode and verify steps keep a bfloat16 matmul: widening the LM head every step costs more than
-# it saves there. With the compiled bfloat16 kernel (models.cpu_kernels) the crossover is later
+# it saves there. With the compiled bfloat16 kernel (ops.cpu_kernels) the crossover is later
 # (docs/benchmarks.md).
 CPU_UPCAST_ROWS = 16
 CPU_UPCAST_ROWS_WITH_KERNEL = 32

@@ -37,7 +37,6 @@ import numpy as np
 import torch
 
 from verispec.engine.bench_utils import progress
-from verispec.models import cpu_kernels
 from verispec.models.config import ModelConfig, read_hf_config
 from verispec.models.eagle import (
     EAGLE3_ARCHITECTURE,
@@ -46,6 +45,7 @@ from verispec.models.eagle import (
     save_eagle_head,
 )
 from verispec.models.loader import resolve_model_path
+from verispec.ops import cpu_kernels
 from verispec.train.data import (
     Sample,
     builtin_prompts,

@@ -60,13 +60,15 @@ from pathlib import Path
 
 import torch
 
+from verispec.paths import cache_root
+
 logger = logging.getLogger("verispec")
 
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("bf16_linear.c", "attention.c", "rms_norm.c", "sampling.c")]
 _X512_SOURCE = Path(__file__).with_name("bf16_linear_avx512.c")
 # The quantised-weight linear layer (AVX-512; verispec.ops.quant): built with the AVX-512 kernels.
-_QUANT_SOURCE = Path(__file__).parent.parent / "ops" / "quant_linear.c"
+_QUANT_SOURCE = Path(__file__).with_name("quant_linear.c")
 _HEADER = Path(__file__).with_name("cpu_kernels.h")
 # -ffp-contract=off: the scalar tails round each product as written (no FMA contraction that
 # one inlined copy could get and another not), so every row is summed alike.
@@ -74,7 +76,6 @@ _FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-
 
 
 def _cache_dir() -> Path:
-    from verispec.models.gguf import cache_root
 
     return Path(cache_root()) / "kernels"
 

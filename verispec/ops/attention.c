@@ -12,7 +12,7 @@
  * torch's SDPA costs at one query per request is mostly fixed overhead, plus the casts around
  * it (docs/benchmarks.md). One (token, head) per OpenMP work item, taken as
  * threads come free; each sums its rows in order, so its result depends on nothing else in the
- * batch (batch invariance). Built and loaded by verispec/models/cpu_kernels.py.
+ * batch (batch invariance). Built and loaded by verispec/ops/cpu_kernels.py.
  */
 #include <immintrin.h>
 #include <math.h>

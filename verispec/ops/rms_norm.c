@@ -7,7 +7,7 @@
  * wake, which costs far more than the norm of a few rows (docs/benchmarks.md). Rows of a
  * decode or verify step are normalised here serially (a parallel
  * region only from PARALLEL_ELEMENTS on), each summed in one fixed order whatever the number of
- * rows (batch invariance, docs/design.md §12). Built and loaded by verispec/models/cpu_kernels.py.
+ * rows (batch invariance, docs/design.md §12). Built and loaded by verispec/ops/cpu_kernels.py.
  */
 #include <immintrin.h>
 #include <math.h>

@@ -8,7 +8,7 @@
  * counters, and torch ~10 more to make uniforms); this loop runs them on the calling thread
  * without that overhead. The rounds are integer arithmetic, so the words are those of the numpy and
  * torch rounds bit for bit; uniform_of makes them uniform with torch's roundings. Built and
- * loaded by verispec/models/cpu_kernels.py.
+ * loaded by verispec/ops/cpu_kernels.py.
  */
 #include <math.h>
 #include <stddef.h>

@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (``verispec.models.cpu_kernels``): the bfloat16 linear layer
+"""The compiled CPU kernels (``verispec.ops.cpu_kernels``): the bfloat16 linear layer
 (float32 accumulation, one rounding to bfloat16) for every shape a model or a verify step gives
 it, and attention over the KV cache against SDPA."""
 
@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from verispec.models import cpu_kernels
+from verispec.ops import cpu_kernels
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(),
                                   reason="the bfloat16 CPU kernel is not for this machine")

@@ -22,7 +22,7 @@
  * (even and odd elements of two halves), folded, then chains over 16 weights, then the scalar
  * tails. A row's result depends on its own input and the weight only, so a token gives the same
  * bits decoded alone, in a batch, in a verify step or in a prefill (tested). Built and loaded
- * by verispec/models/cpu_kernels.py.
+ * by verispec/ops/cpu_kernels.py.
  */
 #include <immintrin.h>
 #include <stdint.h>
