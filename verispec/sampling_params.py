@@ -47,8 +47,10 @@ class SamplingParams:
             raise ValueError(
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
             )
-        if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
-            raise ValueError(f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}")
+        if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1) or (
+                self.top_k >= 2**31):  # sampled as int32; any k >= the vocabulary is off
+            raise ValueError(f"top_k must be an integer in [0, 2**31) (0 or -1 = off), got "
+                             f"{self.top_k!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
