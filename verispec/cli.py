@@ -310,7 +310,8 @@ def run_bench(args: argparse.Namespace) -> int:
     rows = bench(engine_kwargs(args), configs, prompts, sampling_params(args), args.batch_size,
                  chat=not args.no_chat)
     columns = ["method", "k", "tokens_per_s", "speedup", "mean_acceptance_length",
-               "acceptance_rate_per_pos", "predicted_speedup", "c", "verify_cost"]
+               "acceptance_rate_per_pos", "draft_rate", "predicted_speedup",
+               "measured_over_predicted", "c", "verify_cost"]
     print_table([{c: r.get(c) for c in columns} for r in rows])
     for r in rows[1:]:
         print(r["log_line"])

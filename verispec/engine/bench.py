@@ -3,8 +3,10 @@
 For each configuration the same prompts run through a fresh ``LLM`` (greedy unless the sampling
 flags say otherwise); reported per run: generated tokens/s, speedup over the no-speculation run,
 mean acceptance length, per-position acceptance, and the Leviathan et al. prediction from the
-measured acceptance and the measured costs: ``c`` = proposer time per draft token over a plain
-decode step, ``verify_cost`` = verify step over a plain decode step (REFERENCE §10). Each
+measured acceptance, the measured draft rate (decode steps in which the proposer drafted; the
+others emit one token) and the measured costs: ``c`` = proposer time per draft token over a
+plain decode step, ``verify_cost`` = verify step over a plain decode step (REFERENCE §10), then
+measured / predicted. Each
 engine first runs the first batch untimed, so kernels compiled on first use are not timed; a row
 counts its timed pass alone.
 
@@ -71,6 +73,7 @@ class _Measured:
     """What one timed pass over the prompts measured, and nothing from before it."""
 
     num_tokens: int = 0  # generated
+    num_requests: int = 0
     seconds: float = 0.0  # inside generate
     num_steps: int = 0  # engine steps (prefill and decode)
     stats: SpecDecodingStats | None = None  # the requests' merged counters (speculation only)
@@ -99,6 +102,7 @@ def _run(llm: LLM, prompts: Sequence[Any], params: SamplingParams, batch_size: i
             if out.error is not None:  # a failed request would count as zero tokens
                 raise ValueError(f"prompt {start + i}: {out.error}")
             measured.num_tokens += len(out.token_ids)
+            measured.num_requests += 1
             if measured.stats is not None and out.spec_stats is not None:
                 measured.stats.merge(out.spec_stats)
     measured.num_steps = llm.num_steps - steps_before
@@ -115,6 +119,18 @@ def _warm_up(llm: LLM, prompts: Sequence[Any], params: SamplingParams, batch_siz
     A shorter pass is not enough: on an H100 (tiny model) the second full pass over the same
     prompts ran three to four times faster than the first."""
     _run(llm, prompts[:batch_size], params, batch_size, "warm-up")
+
+
+def draft_rate(m: _Measured) -> float:
+    """The fraction of the requests' decode steps in which the proposer drafted. A decode step
+    emits 1 + accepted tokens when it drafted and 1 when not, and prefill one token per request,
+    so the steps without drafts are ``tokens - requests - drafts - accepted`` (a step cut short
+    by max_tokens or a stop makes this a slight undercount)."""
+    stats = m.stats
+    undrafted = max(0, m.num_tokens - m.num_requests - stats.num_drafts
+                    - stats.num_accepted_tokens)
+    total = stats.num_drafts + undrafted
+    return stats.num_drafts / total if total else 1.0
 
 
 def _free_device_memory() -> None:
@@ -163,7 +179,9 @@ def _speculative_row(engine_kwargs: dict, config: SpeculativeConfig, prompts: Se
         "label": config.method,
     }
     if stats.num_drafts:
-        row.update(leviathan_prediction(stats.acceptance_rate_per_pos, c, verify_cost))
+        row.update(leviathan_prediction(stats.acceptance_rate_per_pos, c, verify_cost,
+                                        draft_rate(m)))
+        row["measured_over_predicted"] = row["speedup"] / row["predicted_speedup"]
     row["log_line"] = stats.log_line(m.seconds)
     return row
 

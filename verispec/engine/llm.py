@@ -23,6 +23,7 @@ from verispec.engine.model_runner import ModelRunner
 from verispec.engine.request import Request, RequestOutput
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.spec_decode import SpeculativeDecoder
+from verispec.log import warn_once
 from verispec.models.loader import load_model, parse_dtype
 from verispec.sample.logprobs import token_logprobs
 from verispec.sample.sampler import Sampler, SamplingTensors, draw_seed
@@ -31,6 +32,10 @@ from verispec.sampling_params import SamplingParams
 logger = logging.getLogger("verispec")
 
 DEFAULT_MAX_MODEL_LEN = 2048
+SYNTHETIC_WARNING = (
+    "synthetic acceptance (rejection_sample_method='synthetic'): drafts are accepted at the "
+    "configured rates whatever the model says, so the output text does not follow the model; "
+    "use it to benchmark speed at a chosen acceptance length, not to generate text")
 # bfloat16 halves the bytes a decode step reads; verification of several tokens then costs
 # little more than one (REFERENCE §11). Exactness tests pin float32.
 DEFAULT_DTYPE = "bfloat16"
@@ -119,6 +124,8 @@ class LLM:
                 f"got {speculative_config!r}"
             )
         self.speculative_config = speculative_config
+        if speculative_config is not None and speculative_config.is_synthetic:
+            warn_once(logger, "synthetic", SYNTHETIC_WARNING)
 
         self.loaded = load_model(model, dtype, self.device)
         config = self.loaded.config

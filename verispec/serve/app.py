@@ -55,7 +55,8 @@ def default_model_name(model: str | None) -> str:
 def build_app(llm: LLM, model_name: str,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The app serving ``llm`` as ``model_name``; its lifespan starts and stops the engine
-    thread. ``app.state`` holds ``engine`` and ``metrics`` (its own Prometheus registry).
+    thread. ``app.state`` holds ``engine``, ``serving`` and ``metrics`` (its own Prometheus
+    registry).
     Request bodies over ``max_request_bytes`` are refused (413) before they are parsed."""
     k = 0 if llm.spec is None else llm.spec.k
     metrics = ServerMetrics(model_name, llm.max_num_seqs, k)
@@ -75,6 +76,7 @@ def build_app(llm: LLM, model_name: str,
     app = FastAPI(title="verispec", lifespan=lifespan)
     app.add_middleware(RequestGuard, max_request_bytes=max_request_bytes)
     app.state.engine = engine
+    app.state.serving = serving
     app.state.metrics = metrics
 
     @app.exception_handler(ApiError)
