@@ -311,7 +311,7 @@ def run_bench(args: argparse.Namespace) -> int:
                  chat=not args.no_chat)
     columns = ["method", "k", "tokens_per_s", "speedup", "mean_acceptance_length",
                "acceptance_rate_per_pos", "draft_rate", "predicted_speedup",
-               "measured_over_predicted", "c", "verify_cost"]
+               "measured_over_predicted", "c", "verify_cost", "step_cost"]
     print_table([{c: r.get(c) for c in columns} for r in rows])
     for r in rows[1:]:
         print(r["log_line"])

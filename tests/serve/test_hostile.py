@@ -208,3 +208,31 @@ def test_health_and_a_stream_while_huge_prompts_are_refused(server):
     assert result["health_p99_ms"] < 250, result
     assert result["gap_max_ms"] < 500, result
     normal_request_works(server)
+
+
+_message = st.fixed_dictionaries({}, optional={
+    "role": st.one_of(st.sampled_from(["system", "user", "assistant", "wizard", ""]), _number),
+    "content": st.one_of(_text, st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "image_url"]), "text": _text}), max_size=2), _number),
+    "name": _text,
+})
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=st.fixed_dictionaries({"messages": st.one_of(st.lists(_message, max_size=3),
+                                                         _number)}, optional={
+    "max_tokens": st.one_of(st.integers(-3, 3), _number),
+    "max_completion_tokens": st.one_of(st.integers(-3, 3), _number),
+    "logprobs": st.one_of(st.booleans(), _number),
+    "top_logprobs": st.one_of(st.integers(-2, 30), _number),
+    "stream": st.booleans(),
+}))
+def test_fuzzed_chat_bodies_get_json_answers(server, body):
+    reply = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                       content=json.dumps(body, allow_nan=True).encode(),
+                       headers={"Content-Type": "application/json"})
+    assert reply.status_code in (200, 400), (body, reply.status_code, reply.text[:300])
+    if reply.status_code == 400:
+        assert reply.json()["error"]["message"]
+    elif not body.get("stream"):
+        assert reply.json()["object"] == "chat.completion"
