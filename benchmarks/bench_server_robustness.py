@@ -190,11 +190,13 @@ async def storm_request(host: str, port: int, rng: random.Random, stream: bool, 
         await writer.drain()
         if mode == "before_first_byte":
             await asyncio.sleep(rng.random() * 0.02)
-        elif mode == "mid_response":
-            await asyncio.wait_for(reader.read(rng.randrange(1, 600)), 60)
+        elif mode == "mid_response" and stream:  # after some bytes of the stream
+            await asyncio.wait_for(reader.read(rng.randrange(1, 600)), 600)
             await asyncio.sleep(rng.random() * 0.05)
+        elif mode == "mid_response":  # while it queues or generates, as a client timeout
+            await asyncio.sleep(rng.random())
         else:  # after the last chunk: read it all
-            status, _, _ = await asyncio.wait_for(read_response(reader), 120)
+            status, _, _ = await asyncio.wait_for(read_response(reader), 600)
             if status != 200:
                 return "refused"
         return mode

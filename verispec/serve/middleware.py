@@ -84,14 +84,12 @@ class RequestGuard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        body = b"".join(chunks)
-        replayed = False
+        pending = list(reversed(chunks))  # replayed as received: the app joins them once
 
         async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
+            if pending:
+                chunk = pending.pop()
+                return {"type": "http.request", "body": chunk, "more_body": bool(pending)}
             return await receive()
 
         return replay
