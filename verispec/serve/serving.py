@@ -100,8 +100,8 @@ class OpenAIServing:
                 encoded.append(self.encoder.encode(prompt)[1])
             except ValueError as e:
                 message = str(e)
-                if message.startswith("prompt") and param != "prompt":
-                    message = message.removeprefix("prompt").lstrip()
+                if message.startswith("prompt "):  # the API's name for it -> the field's
+                    message = param + message.removeprefix("prompt")
                 if not message.startswith(param):
                     message = f"{param}: {message}"
                 if len(prompts) > 1:
