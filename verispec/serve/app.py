@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from contextlib import asynccontextmanager
 
@@ -40,6 +41,8 @@ from verispec.serve.protocol import (
 from verispec.serve.serving import OpenAIServing
 
 logger = logging.getLogger("verispec.serve")
+
+SWITCH_INTERVAL_S = 0.0005
 
 
 def default_model_name(model: str | None) -> str:
@@ -125,6 +128,9 @@ def run_server(engine_kwargs: dict, speculative_config: SpeculativeConfig | None
     from prometheus_client import disable_created_metrics
 
     disable_created_metrics()  # no ``*_created`` series in this process, as in vLLM
+    # The engine thread takes the GIL back between kernels hundreds of times a step; while the
+    # event loop parses a large body it would wait up to the switch interval (5 ms) each time.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     llm = LLM(**engine_kwargs, speculative_config=speculative_config)
     name = served_model_name or default_model_name(engine_kwargs.get("model"))
     spec = "no speculation" if speculative_config is None else (
