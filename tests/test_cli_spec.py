@@ -87,7 +87,28 @@ def test_bench_end_to_end(tmp_path, capsys):
     assert [r["k"] for r in rows] == [0, 1, 2]
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert rows[1]["speedup"] > 0 and "mean_acceptance_length" in rows[1]
+    for row in rows[1:]:  # the prediction counts the steps that drafted nothing
+        assert 0 < row["draft_rate"] <= 1
+        assert row["measured_over_predicted"] == pytest.approx(
+            row["speedup"] / row["predicted_speedup"])
     assert any(line.startswith("method") for line in printed)
     assert json.loads(out_json.read_text()) == rows
     pytest.importorskip("matplotlib", reason="plotting needs the plot extra")
     assert plot.stat().st_size > 0
+
+
+def test_synthetic_mode_warns_once_that_its_text_does_not_follow_the_model(tmp_path, capsys):
+    """Issue 48: synthetic acceptance prints gibberish by design; the CLI (and the log) say so,
+    once per process."""
+    from verispec.engine import llm as llm_module
+
+    logger = llm_module.logger
+    logger.__dict__.pop("_verispec_warned", None)
+    model = tmp_path / "model"
+    save_tiny_model(model, "LlamaForCausalLM", vocab_size=49152)
+    copy_bundled_tokenizer(str(model))
+    for _ in range(2):
+        assert cli.main(["generate", "hi", "--model", str(model), "--dtype", "float32",
+                         "--max-tokens", "4", "--synthetic-acceptance-length", "2.0"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("does not follow the model") == 1, err

@@ -326,7 +326,8 @@ def run_bench(args: argparse.Namespace) -> int:
     rows = bench(engine_kwargs(args), configs, prompts, sampling_params(args), args.batch_size,
                  chat=not args.no_chat)
     columns = ["method", "k", "tokens_per_s", "speedup", "mean_acceptance_length",
-               "acceptance_rate_per_pos", "predicted_speedup", "c", "verify_cost"]
+               "acceptance_rate_per_pos", "draft_rate", "predicted_speedup",
+               "measured_over_predicted", "c", "verify_cost", "step_cost"]
     print_table([{c: r.get(c) for c in columns} for r in rows])
     for r in rows[1:]:
         print(r["log_line"])
@@ -350,6 +351,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send (default: the --model value, or the "
                         "bundled model's name)")
+    parser.add_argument("--max-request-bytes", type=int, default=None,
+                        help="larger request bodies are refused with 413 before they are parsed "
+                        "(default: 16 MiB)")
     add_engine_args(parser)
     add_speculative_args(parser)
 
@@ -357,12 +361,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be an integer >= 1, got "
+                         f"{args.max_request_bytes}")
     config = speculative_config(args)  # bad flags are refused before the model loads
     try:
         from verispec.serve import run_server
     except ImportError as e:
         raise ValueError(f"verispec serve needs {e.name}: pip install -e .") from None
-    return run_server(engine_kwargs(args), config, args.host, args.port, args.served_model_name)
+    return run_server(engine_kwargs(args), config, args.host, args.port, args.served_model_name,
+                      args.max_request_bytes)
 
 
 # ----------------------------------------------------------------------------- train-draft

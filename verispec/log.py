@@ -45,3 +45,12 @@ def configure_logging() -> None:
     logger.addHandler(handler)
     logger.setLevel(os.environ.get("VERISPEC_LOGGING_LEVEL", "INFO").upper())
     logger.propagate = False  # one copy of each line, also where the root logger prints
+
+
+def warn_once(logger: logging.Logger, key: str, message: str) -> None:
+    """Log ``message`` as a warning the first time ``key`` is given in this process (the keys
+    seen live on the logger, the one object all callers share)."""
+    seen = logger.__dict__.setdefault("_verispec_warned", set())
+    if key not in seen:
+        seen.add(key)
+        logger.warning(message)

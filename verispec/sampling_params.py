@@ -47,16 +47,19 @@ class SamplingParams:
             raise ValueError(
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
             )
-        if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
-            raise ValueError(f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}")
+        if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1) or (
+                self.top_k >= 2**31):  # sampled as int32; any k >= the vocabulary is off
+            raise ValueError(f"top_k must be an integer in [0, 2**31) (0 or -1 = off), got "
+                             f"{self.top_k!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
             raise ValueError(f"seed must be a 64-bit integer or None, got {self.seed!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens < 2**63:
+            raise ValueError(f"max_tokens must be an integer in [1, 2**63), got "
+                             f"{self.max_tokens!r}")
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
@@ -64,9 +67,10 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+        if not isinstance(ids, (list, tuple)) or not all(
+                _is_int(t) and 0 <= t < 2**63 for t in ids):
             raise ValueError(
-                "stop_token_ids must be a list of non-negative integers, "
+                "stop_token_ids must be a list of non-negative 64-bit integers, "
                 f"got {self.stop_token_ids!r}"
             )
         object.__setattr__(self, "stop_token_ids", tuple(ids))

@@ -349,3 +349,28 @@ def test_machine_description():
     line = machine_description()
     assert "cores" in line and "torch" in line
     assert bench_utils.machine_description is machine_description
+
+
+def test_prediction_counts_steps_without_drafts_as_plain_steps():
+    """Issue 48: an n-gram proposer drafts in only some steps; the prediction must not assume
+    every step drafted (1.84x predicted vs 1.11x measured on grounded, k=1)."""
+    rates = [0.8, 0.6, 0.4]
+    every = leviathan_prediction(rates, c=0.01, verify_cost=1.1)
+    assert leviathan_prediction(rates, 0.01, 1.1, draft_rate=1.0) == dict(every, draft_rate=1.0)
+    half = leviathan_prediction(rates, c=0.01, verify_cost=1.1, draft_rate=0.5)
+    tokens = 0.5 * every["predicted_tokens_per_step"] + 0.5
+    assert half["predicted_tokens_per_step"] == pytest.approx(tokens)
+    assert half["predicted_speedup"] == pytest.approx(tokens / (3 * 0.01 + 1.1))
+    with pytest.raises(ValueError, match="draft_rate must be in"):
+        leviathan_prediction(rates, 0.0, draft_rate=1.5)
+
+
+def test_draft_rate_from_the_counters():
+    from verispec.engine.bench import _Measured, draft_rate
+
+    stats = SpecDecodingStats(3)
+    stats.observe(3, 2)  # a drafted step: 3 tokens
+    stats.observe(2, 0)  # a drafted step: 1 token
+    # 2 requests: 2 prefill tokens + 4 from the drafted steps + 4 plain steps = 10 tokens
+    measured = _Measured(num_tokens=10, num_requests=2, stats=stats)
+    assert draft_rate(measured) == pytest.approx(2 / 6)

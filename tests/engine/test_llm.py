@@ -82,8 +82,12 @@ def test_unseeded_requests_differ(small_vocab_llm):
 def test_max_tokens_exact_and_max_model_len(llm):
     out = llm.generate([9, 10], SamplingParams(temperature=0, max_tokens=7))[0]
     assert len(out.token_ids) == 7 and out.finish_reason == "length"
+    # vLLM's rule (issue 48): prompt + max_tokens beyond max_model_len is an error naming both.
     prompt = list(range(100, 100 + MAX_MODEL_LEN - 3))
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=50))[0]
+    with pytest.raises(ValueError, match=f"max_tokens=50 and the prompt's {MAX_MODEL_LEN - 3} "
+                                         f"tokens exceed max_model_len={MAX_MODEL_LEN}"):
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=50))
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3))[0]
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
 
 
@@ -208,13 +212,15 @@ def test_invalid_sampling_params():
 def test_bad_request_in_batch_does_not_stop_others(llm):
     good = SamplingParams(temperature=0, max_tokens=5)
     outs = llm.generate(
-        ["fine", "", list(range(5, 5 + MAX_MODEL_LEN)), [7, 8], "fine too"],
-        [good, good, good, {"top_p": 1.5}, good],
+        ["fine", "", list(range(5, 5 + MAX_MODEL_LEN)), [7, 8], "fine too", "\ud800 x"],
+        [good, good, good, {"top_p": 1.5}, good, good],
     )
-    assert [o.finish_reason for o in outs] == ["length", "error", "error", "error", "length"]
-    assert outs[1].error == "prompt is empty"
-    assert "max_model_len" in outs[2].error
+    assert [o.finish_reason for o in outs] == ["length", "error", "error", "error", "length",
+                                               "error"]
+    assert outs[1].error == "prompt 1: prompt is empty"  # each error names the prompt's index
+    assert "max_model_len" in outs[2].error and outs[2].error.startswith("prompt 2: ")
     assert "top_p" in outs[3].error and "1.5" in outs[3].error
+    assert outs[5].error.startswith("prompt 5: ") and "not valid Unicode" in outs[5].error
     assert len(outs[0].token_ids) == 5 and outs[1].token_ids == []
 
 

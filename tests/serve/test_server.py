@@ -344,3 +344,5 @@ def test_serve_flags_are_checked_before_the_model_loads(capsys):
     assert (args.port, args.host, args.served_model_name) == (9001, "0.0.0.0", None)
     assert cli.main(["serve", "--port", "70000"]) == 2
     assert "--port must be in [0, 65535], got 70000" in capsys.readouterr().err
+    assert cli.main(["serve", "--max-request-bytes", "0"]) == 2
+    assert "--max-request-bytes must be an integer >= 1, got 0" in capsys.readouterr().err

@@ -17,10 +17,10 @@ from verispec.serve import build_app
 class RunningServer:
     """uvicorn serving ``build_app(llm, model_name)`` on a free port until ``stop``."""
 
-    def __init__(self, llm: LLM, model_name: str) -> None:
+    def __init__(self, llm: LLM, model_name: str, **app_kwargs) -> None:
         self.llm = llm
         self.model_name = model_name
-        self.app = build_app(llm, model_name)
+        self.app = build_app(llm, model_name, **app_kwargs)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))  # the kernel picks a free port, and we hold it
         self.port = sock.getsockname()[1]

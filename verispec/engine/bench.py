@@ -3,8 +3,11 @@
 For each configuration the same prompts run through a fresh ``LLM`` (greedy unless the sampling
 flags say otherwise); reported per run: generated tokens/s, speedup over the no-speculation run,
 mean acceptance length, per-position acceptance, and the Leviathan et al. prediction from the
-measured acceptance and the measured costs: ``c`` = proposer time per draft token over a plain
-decode step, ``verify_cost`` = verify step over a plain decode step (docs/design.md §10). Each
+measured acceptance, the measured draft rate (decode steps in which the proposer drafted; the
+others emit one token) and the measured costs, in plain decode steps (prefill left out, timed by
+a max_tokens=1 pass): ``c`` = proposer time per draft token, ``verify_cost`` = verify time per
+step, ``step_cost`` = a whole speculative decode step (docs/design.md §10); then measured /
+predicted. Each
 engine first runs the first batch untimed, so kernels compiled on first use are not timed; a row
 counts its timed pass alone.
 
@@ -15,6 +18,7 @@ directory (config.json + safetensors) can be benchmarked.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from collections.abc import Sequence
@@ -71,6 +75,7 @@ class _Measured:
     """What one timed pass over the prompts measured, and nothing from before it."""
 
     num_tokens: int = 0  # generated
+    num_requests: int = 0
     seconds: float = 0.0  # inside generate
     num_steps: int = 0  # engine steps (prefill and decode)
     stats: SpecDecodingStats | None = None  # the requests' merged counters (speculation only)
@@ -99,6 +104,7 @@ def _run(llm: LLM, prompts: Sequence[Any], params: SamplingParams, batch_size: i
             if out.error is not None:  # a failed request would count as zero tokens
                 raise ValueError(f"prompt {start + i}: {out.error}")
             measured.num_tokens += len(out.token_ids)
+            measured.num_requests += 1
             if measured.stats is not None and out.spec_stats is not None:
                 measured.stats.merge(out.spec_stats)
     measured.num_steps = llm.num_steps - steps_before
@@ -117,6 +123,18 @@ def _warm_up(llm: LLM, prompts: Sequence[Any], params: SamplingParams, batch_siz
     _run(llm, prompts[:batch_size], params, batch_size, "warm-up")
 
 
+def draft_rate(m: _Measured) -> float:
+    """The fraction of the requests' decode steps in which the proposer drafted. A decode step
+    emits 1 + accepted tokens when it drafted and 1 when not, and prefill one token per request,
+    so the steps without drafts are ``tokens - requests - drafts - accepted`` (a step cut short
+    by max_tokens or a stop makes this a slight undercount)."""
+    stats = m.stats
+    undrafted = max(0, m.num_tokens - m.num_requests - stats.num_drafts
+                    - stats.num_accepted_tokens)
+    total = stats.num_drafts + undrafted
+    return stats.num_drafts / total if total else 1.0
+
+
 def _free_device_memory() -> None:
     """Return a dropped engine's device memory (weights, KV cache, graph pools) to the device
     before the next engine is built, so that two never hold the GPU's memory at once."""
@@ -126,20 +144,30 @@ def _free_device_memory() -> None:
 
 
 def _baseline_row(llm: LLM, prompts: Sequence[Any], params: SamplingParams,
-                  batch_size: int) -> tuple[dict, float]:
-    """The no-speculation row and the mean plain step in seconds."""
+                  batch_size: int) -> tuple[dict, float, float]:
+    """The no-speculation row, the mean plain decode step and the prefill time of the prompts
+    (a pass with max_tokens=1), in seconds. Prefill steps are left out of the decode step: a
+    prompt of hundreds of tokens costs several decode steps."""
     _warm_up(llm, prompts, params, batch_size)
+    prefill = _run(llm, prompts, dataclasses.replace(params, max_tokens=1), batch_size,
+                   "prefill")
     m = _run(llm, prompts, params, batch_size, "no speculation")
     row = {"method": "none", "k": 0, "tokens": m.num_tokens, "seconds": m.seconds,
            "tokens_per_s": m.num_tokens / m.seconds, "speedup": 1.0,
            "mean_acceptance_length": 1.0, "acceptance_rate_per_pos": []}
-    return row, m.seconds / max(m.num_steps, 1)
+    decode_s = max(m.seconds - prefill.seconds, 1e-9)
+    return row, decode_s / max(m.num_steps - prefill.num_steps, 1), prefill.seconds
 
 
 def _speculative_row(engine_kwargs: dict, config: SpeculativeConfig, prompts: Sequence[Any],
                      params: SamplingParams, batch_size: int, base_tps: float,
-                     plain_step_s: float) -> dict:
-    """The row of one speculative configuration, on an engine of its own (freed on return)."""
+                     plain_step_s: float, prefill_s: float) -> dict:
+    """The row of one speculative configuration, on an engine of its own (freed on return).
+
+    The prediction: expected tokens per decode step from the acceptance (Leviathan et al.) and
+    the draft rate, times the measured cost of a speculative decode step (``step_cost``: the
+    decode time over the speculative steps, in plain decode steps; proposing, verifying and the
+    step's bookkeeping), plus the prompts' prefill time, gives the predicted run time."""
     llm = LLM(**engine_kwargs, speculative_config=config)
     _warm_up(llm, prompts, params, batch_size)
     k = config.num_speculative_tokens
@@ -148,6 +176,7 @@ def _speculative_row(engine_kwargs: dict, config: SpeculativeConfig, prompts: Se
     steps = max(m.num_spec_steps, 1)
     c = m.propose_s / steps / k / plain_step_s
     verify_cost = m.verify_s / steps / plain_step_s
+    step_cost = max(m.seconds - prefill_s, 1e-9) / steps / plain_step_s
     row = {
         "method": config.method,
         "k": k,
@@ -160,10 +189,17 @@ def _speculative_row(engine_kwargs: dict, config: SpeculativeConfig, prompts: Se
         "draft_acceptance_rate": stats.draft_acceptance_rate,
         "c": c,
         "verify_cost": verify_cost,
+        "step_cost": step_cost,
         "label": config.method,
     }
     if stats.num_drafts:
-        row.update(leviathan_prediction(stats.acceptance_rate_per_pos, c, verify_cost))
+        row.update(leviathan_prediction(stats.acceptance_rate_per_pos, c, verify_cost,
+                                        draft_rate(m)))
+        num_decode_tokens = m.num_tokens - m.num_requests  # prefill gives each request one
+        predicted_s = prefill_s + (num_decode_tokens / row["predicted_tokens_per_step"]
+                                   * step_cost * plain_step_s)
+        row["predicted_speedup"] = m.num_tokens / predicted_s / base_tps
+        row["measured_over_predicted"] = row["speedup"] / row["predicted_speedup"]
     row["log_line"] = stats.log_line(m.seconds)
     return row
 
@@ -185,11 +221,11 @@ def run_bench(
     """
     llm = LLM(**engine_kwargs, speculative_config=None)
     prompts = prepare_prompts(llm, prompts, chat)
-    baseline, plain_step_s = _baseline_row(llm, prompts, params, batch_size)
+    baseline, plain_step_s, prefill_s = _baseline_row(llm, prompts, params, batch_size)
     del llm
     rows = [baseline]
     for config in spec_configs:
         _free_device_memory()
         rows.append(_speculative_row(engine_kwargs, config, prompts, params, batch_size,
-                                     baseline["tokens_per_s"], plain_step_s))
+                                     baseline["tokens_per_s"], plain_step_s, prefill_s))
     return rows

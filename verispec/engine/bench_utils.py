@@ -120,16 +120,30 @@ def estimate_acceptance_rate(acceptance_rate_per_pos: Sequence[float]) -> float:
 
 
 def leviathan_prediction(
-    acceptance_rate_per_pos: Sequence[float], c: float, verify_cost: float = 1.0
+    acceptance_rate_per_pos: Sequence[float], c: float, verify_cost: float = 1.0,
+    draft_rate: float = 1.0,
 ) -> dict[str, float]:
     """The prediction printed beside a measurement: alpha estimated from the measured
-    per-position rates (k = their number), expected tokens per step and expected speedup."""
+    per-position rates (k = their number), expected tokens per step and expected speedup.
+
+    ``draft_rate`` is the measured fraction of a request's decode steps in which the proposer
+    drafted (an n-gram proposer finds no match in many): a step without drafts emits one token,
+    so the expected tokens per step are ``draft_rate * (1 - alpha^(k+1)) / (1 - alpha) +
+    (1 - draft_rate)``. ``c`` and ``verify_cost`` are averages over all speculative steps,
+    drafted or not, in plain decode steps.
+    """
     alpha = estimate_acceptance_rate(acceptance_rate_per_pos)
     k = len(acceptance_rate_per_pos)
+    if isinstance(draft_rate, bool) or not isinstance(draft_rate, (int, float)) or not (
+            0.0 <= draft_rate <= 1.0):
+        raise ValueError(f"draft_rate must be in [0, 1], got {draft_rate!r}")
+    drafted = expected_tokens_per_step(alpha, k)
+    tokens = draft_rate * drafted + (1.0 - draft_rate)
     return {
         "alpha": alpha,
-        "predicted_tokens_per_step": expected_tokens_per_step(alpha, k),
-        "predicted_speedup": expected_speedup(alpha, k, c, verify_cost),
+        "draft_rate": draft_rate,
+        "predicted_tokens_per_step": tokens,
+        "predicted_speedup": tokens * expected_speedup(alpha, k, c, verify_cost) / drafted,
     }
 
 

@@ -2,17 +2,25 @@
 
 A prompt is a string (tokenized as is, no chat template), a list of token ids, or a list of chat
 messages (``{"role": ..., "content": ...}`` dicts; the model's chat template is applied with the
-generation prompt). ``generate`` takes one prompt or a list of them: a list of ints is one
-token-id prompt and a list of dicts one conversation; any other list is a batch.
+generation prompt). ``generate`` takes one prompt or a list of them: a list of ints (or a 1-D
+numpy array or torch tensor of them) is one token-id prompt and a list of dicts one conversation;
+any other list is a batch.
+
+``PromptEncoder`` holds the rules a request meets before it is queued, the same for ``LLM`` and
+the server: text is valid Unicode, chat roles are ones the chat template knows, token ids are in
+the vocabulary, and (vLLM's rule) the prompt plus ``max_tokens`` fits ``max_model_len``. A prompt
+whose text alone proves it too long is refused before it is tokenized.
 """
 
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from verispec.sampling_params import SamplingParams
 
@@ -28,30 +36,65 @@ def is_single_prompt(prompts: Any) -> bool:
     integers, floats): it then fails as one prompt, not as a batch of per-token errors."""
     if isinstance(prompts, str):
         return True
-    if isinstance(prompts, np.ndarray):
+    if isinstance(prompts, (np.ndarray, torch.Tensor)):
         return prompts.ndim == 1
     if isinstance(prompts, (list, tuple)) and prompts:
         return all(_is_number(p) for p in prompts) or all(isinstance(p, dict) for p in prompts)
     return False
 
 
+def check_unicode(text: str, name: str) -> None:
+    """ValueError naming ``name`` when ``text`` cannot be UTF-8 (a lone surrogate such as the
+    JSON escape ``"\\ud800"`` decodes to): no tokenizer can take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode: {text[e.start:e.end]!r} at character "
+                         f"{e.start} is a lone surrogate") from None
+
+
+# The roles every chat template is written for; a template may name more (``tool``, ...).
+BASE_CHAT_ROLES = ("system", "user", "assistant")
+_TEMPLATE_ROLE = re.compile(r"""role['"]?\]?\s*(?:==|!=)\s*['"]([A-Za-z_][\w-]*)['"]""")
+
+
+def chat_roles(tokenizer) -> tuple[str, ...]:
+    """The roles a message may have: the base three and those the chat template compares
+    ``role`` with."""
+    template = getattr(tokenizer, "chat_template", None)
+    named = _TEMPLATE_ROLE.findall(template) if isinstance(template, str) else []
+    return tuple(dict.fromkeys([*BASE_CHAT_ROLES, *named]))
+
+
 def apply_chat_template(tokenizer, messages: Sequence[dict]) -> str:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("prompt is a list of chat messages but the model has no chat template")
-    for m in messages:
+    roles = chat_roles(tokenizer)
+    for i, m in enumerate(messages):
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(
                 f"chat messages need string 'role' and 'content' fields, got {m!r}"
             )
+        if m["role"] not in roles:
+            raise ValueError(f"messages[{i}].role={m['role']!r} is not a role the chat template "
+                             f"knows ({', '.join(roles)})")
+        check_unicode(m["role"], f"messages[{i}].role")
+        check_unicode(m["content"], f"messages[{i}].content")
     return tokenizer.apply_chat_template(list(messages), tokenize=False,
                                          add_generation_prompt=True)
 
 
 def encode_prompt(prompt: Any, tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
     """(prompt text or None, prompt token ids); ValueError naming the cause when invalid."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.ndim != 1:
+            raise ValueError(f"a tensor prompt must be 1-D token ids, got shape "
+                             f"{tuple(prompt.shape)}")
+        prompt = prompt.tolist()
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt is empty")
+        check_unicode(prompt, "prompt")
         if tokenizer is None:
             raise ValueError("prompt is a string but the model has no tokenizer; pass token ids")
         ids = tokenizer.encode(prompt)
@@ -80,6 +123,81 @@ def encode_prompt(prompt: Any, tokenizer, vocab_size: int) -> tuple[str | None, 
     if not ids:
         raise ValueError(f"prompt {prompt!r:.80} has no tokens")
     return text, ids
+
+
+def longest_token_chars(tokenizer) -> int | None:
+    """The most characters one token covers, or None where the tokenizer's normalizer could
+    shrink the text (then the text proves nothing about its token count). A token covers at
+    most this many characters of the input, so a text of n characters has at least
+    ``ceil(n / longest)`` tokens: byte-level BPE spells every byte as one vocabulary character,
+    SentencePiece every input character as one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    return max(len(token) for token in tokenizer.get_vocab())
+
+
+class PromptEncoder:
+    """Prompts to token ids and the checks of a request against one model's limits; the same
+    rules for ``LLM`` and the server. Every ValueError names the field and the value."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.longest_token_chars = None if tokenizer is None else longest_token_chars(tokenizer)
+
+    def _check_text_length(self, text: str, name: str) -> None:
+        """Refuse a text whose length alone proves it more than ``max_model_len - 1`` tokens,
+        before tokenizing it (a 10 MB text takes seconds to tokenize)."""
+        longest = self.longest_token_chars
+        limit = self.max_model_len - 1
+        if longest is not None and len(text) > longest * limit:
+            raise ValueError(
+                f"{name} has {len(text)} characters, so at least {-(-len(text) // longest)} "
+                f"tokens (a token covers at most {longest} characters), but max_model_len="
+                f"{self.max_model_len} leaves room for at most {limit} prompt tokens")
+
+    def encode(self, prompt: Any) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids), at most ``max_model_len - 1`` of them."""
+        tokenizer = self.tokenizer
+        if isinstance(prompt, str) and tokenizer is not None:
+            check_unicode(prompt, "prompt")
+            self._check_text_length(prompt, "prompt")
+        if (isinstance(prompt, (list, tuple)) and prompt and tokenizer is not None
+                and all(isinstance(m, dict) for m in prompt)):
+            text = apply_chat_template(tokenizer, prompt)
+            self._check_text_length(text, "prompt (chat template applied)")
+            # The template writes the special tokens itself (BOS included where the model uses
+            # one), as in encode_prompt.
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if not ids:
+                raise ValueError(f"prompt {prompt!r:.80} has no tokens")
+        else:
+            text, ids = encode_prompt(prompt, tokenizer, self.vocab_size)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, but max_model_len={self.max_model_len} leaves no "
+                f"room to generate (at most {self.max_model_len - 1} prompt tokens)")
+        return text, ids
+
+    def check_params(self, params: SamplingParams, num_prompt_tokens: int,
+                     max_tokens_name: str = "max_tokens") -> None:
+        """Token ids of ``params`` in the vocabulary, and vLLM's rule: prompt + max_tokens <=
+        max_model_len."""
+        vocab_size = self.vocab_size
+        outside = [t for t in params.stop_token_ids if t >= vocab_size]
+        if outside:
+            raise ValueError(f"stop_token_ids {outside[:5]!r} are outside the model's vocabulary "
+                             f"[0, {vocab_size})")
+        if params.logprobs is not None and params.logprobs > vocab_size:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the model's vocabulary size "
+                             f"{vocab_size}")
+        if num_prompt_tokens + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"{max_tokens_name}={params.max_tokens} and the prompt's {num_prompt_tokens} "
+                f"tokens exceed max_model_len={self.max_model_len}: ask for at most "
+                f"{self.max_model_len - num_prompt_tokens} tokens")
 
 
 def as_sampling_params(params: Any) -> SamplingParams:

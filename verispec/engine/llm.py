@@ -22,6 +22,7 @@ from verispec.engine import inputs
 from verispec.engine.request import Request, RequestOutput
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.spec_decode import SpeculativeDecoder
+from verispec.log import warn_once
 from verispec.models.loader import load_model, parse_dtype
 from verispec.runtime import memory
 from verispec.runtime.cuda_graphs import batch_buckets
@@ -41,6 +42,10 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 # bytes a decode step reads than bfloat16); anything else runs in bfloat16, which halves the
 # bytes of float32 (docs/design.md §11). Exactness tests pin float32.
 DEFAULT_DTYPE = None
+SYNTHETIC_WARNING = (
+    "synthetic acceptance (rejection_sample_method='synthetic'): drafts are accepted at the "
+    "configured rates whatever the model says, so the output text does not follow the model; "
+    "use it to benchmark speed at a chosen acceptance length, not to generate text")
 
 
 def check_device(device: Any) -> torch.device:
@@ -152,6 +157,8 @@ class LLM:
                 f"got {speculative_config!r}"
             )
         self.speculative_config = speculative_config
+        if speculative_config is not None and speculative_config.is_synthetic:
+            warn_once(logger, "synthetic", SYNTHETIC_WARNING)
 
         self.loaded = load_model(model, dtype, self.device)
         config = self.loaded.config
@@ -167,6 +174,7 @@ class LLM:
             )
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.encoder = inputs.PromptEncoder(self.tokenizer, config.vocab_size, max_model_len)
         k = 0 if speculative_config is None else speculative_config.num_speculative_tokens
         self.num_speculative_tokens = k
         # The runner starts on a pool of a few blocks; the memory plan sizes it once the
@@ -251,20 +259,8 @@ class LLM:
     def _make_request(self, prompt: Any, params: Any) -> Request:
         """A validated request; ValueError naming the cause otherwise."""
         params = inputs.as_sampling_params(params)
-        vocab_size = self.model_config.vocab_size
-        outside = [t for t in params.stop_token_ids if t >= vocab_size]
-        if outside:
-            raise ValueError(f"stop_token_ids {outside[:5]!r} are outside the model's vocabulary "
-                             f"[0, {vocab_size})")
-        if params.logprobs is not None and params.logprobs > vocab_size:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the model's vocabulary size "
-                             f"{vocab_size}")
-        text, ids = inputs.encode_prompt(prompt, self.tokenizer, vocab_size)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, but max_model_len={self.max_model_len} leaves no "
-                f"room to generate (at most {self.max_model_len - 1} prompt tokens)"
-            )
+        text, ids = self.encoder.encode(prompt)
+        self.encoder.check_params(params, len(ids))
         seed = draw_seed() if params.seed is None else params.seed
         request = Request(self._next_request_id, text, ids, params, seed, self.max_model_len)
         self._next_request_id += 1
@@ -296,7 +292,10 @@ class LLM:
     # ----------------------------------------------------------------- the step loop
 
     def step(self) -> list[Request]:
-        """Run one engine step; returns the requests that finished in it."""
+        """Run one engine step; returns the requests that finished in it (none when nothing
+        is queued)."""
+        if not self.scheduler.has_unfinished:
+            return []
         batch, is_prefill = self.scheduler.schedule()
         self.num_steps += 1
         if self.spec is None or is_prefill:
@@ -475,7 +474,7 @@ class LLM:
                     raise
                 outputs[i] = RequestOutput(
                     request_id=-1, prompt=prompt if isinstance(prompt, str) else None,
-                    prompt_token_ids=[], finish_reason="error", error=str(e),
+                    prompt_token_ids=[], finish_reason="error", error=f"prompt {i}: {e}",
                 )
         for _, request in requests:
             self.scheduler.add(request)
@@ -511,7 +510,7 @@ class LLM:
 
     def abort_request(self, request: Request) -> None:
         """Drop an unfinished request, waiting or running; its KV slot is free for the next
-        step (a finished request is left as it is)."""
+        step and its ``finish_reason`` is ``"abort"`` (a finished request is left as it is)."""
         self._abort([request])
 
     def get_output(self, request: Request) -> RequestOutput:
@@ -526,9 +525,13 @@ class LLM:
         self, prompt: Any, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         """Generate for one prompt, yielding the cumulative RequestOutput after every step that
-        added text (the last one has ``finish_reason`` set). Raises ValueError on bad input."""
+        added text (the last one has ``finish_reason`` set). Raises ValueError on bad input at
+        the call, before the first ``next``."""
         request = self._make_request(prompt, sampling_params or SamplingParams())
-        self.scheduler.add(request)
+        return self._stream(request)
+
+    def _stream(self, request: Request) -> Iterator[RequestOutput]:
+        self.scheduler.add(request)  # at the first next(): an unread stream queues nothing
         shown = ""
         try:
             while True:
@@ -553,3 +556,5 @@ class LLM:
                 if request.slot >= 0 and self.spec is not None:
                     self.spec.release(request)
                 self.scheduler.abort(request)
+                request.finish_reason = "abort"
+                request.metrics.finished_time = time.perf_counter()

@@ -1,7 +1,8 @@
 """A request's life in the engine, and what ``LLM.generate`` returns for it.
 
-Per-request errors: a request whose input is invalid (empty prompt, prompt longer than
-``max_model_len``, a token id outside the vocabulary, ...) never enters the engine. Its
+Per-request errors: a request whose input is invalid (empty prompt, text that is not valid
+Unicode, prompt + ``max_tokens`` beyond ``max_model_len``, a token id outside the vocabulary,
+...) never enters the engine. Its
 ``RequestOutput`` has ``finish_reason="error"`` and ``error`` holding the message of the
 ValueError naming the cause; the other requests of the batch run normally. (``LLM.generate`` on a
 single prompt, not a list, raises that ValueError instead.)
@@ -55,8 +56,8 @@ class RequestOutput:
     ``token_ids`` are the generated tokens; one that ended the request (EOS or a stop token id)
     is included, and left out of ``text``. A stop string ends ``text`` just before it (its
     tokens stay in ``token_ids``). ``finish_reason`` is ``"stop"`` (EOS, stop token, stop
-    string), ``"length"`` (``max_tokens`` or ``max_model_len`` reached) or ``"error"`` (the
-    request was invalid: ``error`` says why; text and token_ids are empty).
+    string), ``"length"`` (``max_tokens`` reached), ``"abort"`` (``LLM.abort_request``) or
+    ``"error"`` (the request was invalid: ``error`` says why; text and token_ids are empty).
     """
 
     request_id: int

@@ -22,7 +22,7 @@ Q6_K          8     16     d * sc (int8 sc)             0 (q - 32 stored)
 
 - ``linear(x, bias)``: ``x @ w.T (+ bias)`` in float32 through the compiled kernel (one chain of
   fused multiply-adds over the inputs per output, in an order fixed by the layout, whatever the
-  number of rows: batch invariant, REFERENCE §12), or where it does not run (no AVX-512), the
+  number of rows: batch invariant, docs/design.md §12), or where it does not run (no AVX-512), the
   torch twin: the weights dequantised and multiplied one row at a time (the same per-row
   algorithm for any number of rows, another summation order; slow, so there the loader
   dequantises the model instead: ``models.loader.quantized_gguf``);

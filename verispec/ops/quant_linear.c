@@ -21,7 +21,7 @@
  * one block by block, inside a block of 32 the two nibbles of a byte together (inputs 0, 16, 1,
  * 17, ..., 15, 31: one load serves both). It depends on K and the layout alone: whatever the
  * number of rows, the row's place in a tile or the thread that runs it (batch invariance,
- * REFERENCE §12), so a prefill, a verify step and a decode step give a token the same bits.
+ * docs/design.md §12), so a prefill, a verify step and a decode step give a token the same bits.
  *
  * Work: 64 output features x 64 inputs of weights are dequantised into a float32 panel (16 KiB,
  * L1), then multiplied by up to 128 input rows, four at a time (16 accumulator vectors); a panel

@@ -6,20 +6,24 @@
     GET  /health                200 while the engine thread runs
     GET  /metrics               Prometheus text, vLLM's metric names (verispec.serve.metrics)
 
-Errors are OpenAI's error body: a bad field 400 naming the field and the value, an unknown model
-404, an unknown route 404; a request's error never touches the requests running beside it.
+Errors are OpenAI's error body: a bad field 400 naming the field and the value (text that is
+not valid Unicode included), an unknown model 404, an unknown route 404, a body over
+``--max-request-bytes`` 413, an unexpected exception 500 (its traceback logged; the connection
+stays usable); a request's error never touches the requests running beside it. A client that
+disconnects at any point is an INFO line, never an error.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
@@ -27,6 +31,7 @@ from verispec.config import SpeculativeConfig
 from verispec.engine.llm import LLM
 from verispec.serve.async_engine import AsyncEngine
 from verispec.serve.metrics import ServerMetrics
+from verispec.serve.middleware import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from verispec.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -36,6 +41,8 @@ from verispec.serve.protocol import (
 from verispec.serve.serving import OpenAIServing
 
 logger = logging.getLogger("verispec.serve")
+
+SWITCH_INTERVAL_S = 0.0005
 
 
 def default_model_name(model: str | None) -> str:
@@ -48,9 +55,12 @@ def default_model_name(model: str | None) -> str:
     return os.path.basename(gguf.bundled_gguf_path()).split(".")[0]
 
 
-def build_app(llm: LLM, model_name: str) -> FastAPI:
+def build_app(llm: LLM, model_name: str,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The app serving ``llm`` as ``model_name``; its lifespan starts and stops the engine
-    thread. ``app.state`` holds ``engine`` and ``metrics`` (its own Prometheus registry)."""
+    thread. ``app.state`` holds ``engine``, ``serving`` and ``metrics`` (its own Prometheus
+    registry).
+    Request bodies over ``max_request_bytes`` are refused (413) before they are parsed."""
     k = 0 if llm.spec is None else llm.spec.k
     metrics = ServerMetrics(model_name, llm.max_num_seqs, k)
     engine = AsyncEngine(llm, metrics)
@@ -64,24 +74,26 @@ def build_app(llm: LLM, model_name: str) -> FastAPI:
             yield
         finally:
             engine.shutdown()
+            serving.shutdown()
 
     app = FastAPI(title="verispec", lifespan=lifespan)
+    app.add_middleware(RequestGuard, max_request_bytes=max_request_bytes)
     app.state.engine = engine
+    app.state.serving = serving
     app.state.metrics = metrics
 
     @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        error = validation_error(list(exc.errors()), exc.body)
-        return JSONResponse(error.body(), status_code=error.status)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> Response:
+        return validation_error(list(exc.errors()), exc.body).response()
 
     @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
-        return JSONResponse(error.body(), status_code=exc.status_code)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return ApiError(exc.status_code,
+                        f"{request.method} {request.url.path}: {exc.detail}").response()
 
     @app.get("/health")
     async def health() -> Response:
@@ -109,12 +121,16 @@ def build_app(llm: LLM, model_name: str) -> FastAPI:
 
 
 def run_server(engine_kwargs: dict, speculative_config: SpeculativeConfig | None, host: str,
-               port: int, served_model_name: str | None = None) -> int:
+               port: int, served_model_name: str | None = None,
+               max_request_bytes: int | None = None) -> int:
     """Load the model and serve it until interrupted (uvicorn handles Ctrl-C and SIGTERM)."""
     import uvicorn
     from prometheus_client import disable_created_metrics
 
     disable_created_metrics()  # no ``*_created`` series in this process, as in vLLM
+    # The engine thread takes the GIL back between kernels hundreds of times a step; while the
+    # event loop parses a large body it would wait up to the switch interval (5 ms) each time.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     llm = LLM(**engine_kwargs, speculative_config=speculative_config)
     name = served_model_name or default_model_name(engine_kwargs.get("model"))
     spec = "no speculation" if speculative_config is None else (
@@ -122,5 +138,7 @@ def run_server(engine_kwargs: dict, speculative_config: SpeculativeConfig | None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logger.info("serving %r (%s, %s, max_num_seqs=%d) on http://%s:%d/v1", name,
                 str(llm.runner.dtype).removeprefix("torch."), spec, llm.max_num_seqs, host, port)
-    uvicorn.run(build_app(llm, name), host=host, port=port, log_level="info")
+    max_request_bytes = max_request_bytes or DEFAULT_MAX_REQUEST_BYTES
+    uvicorn.run(build_app(llm, name, max_request_bytes), host=host, port=port,
+                log_level="info")
     return 0

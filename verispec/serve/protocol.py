@@ -12,10 +12,13 @@ names the field and the value.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from verispec.engine.inputs import check_unicode
 from verispec.sampling_params import SamplingParams
 
 # Most top logprobs per token a request may ask for (vLLM's default max_logprobs; OpenAI's chat
@@ -24,8 +27,8 @@ MAX_LOGPROBS = 20
 # JSON has no -inf: a token the masks removed reports this, as vLLM does.
 MIN_LOGPROB = -9999.0
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 500: "server_error",
-               503: "server_error"}
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
+               413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
 
 class ApiError(Exception):
@@ -42,6 +45,12 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "error"),
                           "param": self.param, "code": self.code}}
+
+    def response(self) -> Response:
+        """The JSON response (ASCII-escaped: a message may quote text that is not valid
+        Unicode)."""
+        return Response(json.dumps(self.body()), status_code=self.status,
+                        media_type="application/json")
 
 
 def show(value: Any, limit: int = 100) -> str:
@@ -96,6 +105,12 @@ class _GenerationRequest(_Body):
     frequency_penalty: StrictFloat | None = None
     logit_bias: dict[str, StrictFloat] | None = None
 
+    def check_text(self) -> None:
+        """ApiError naming the field when a string the client sent is not valid Unicode (JSON
+        lets a lone surrogate through as ``"\\ud800"``)."""
+        for name in self.model_fields_set:
+            _check_strings(getattr(self, name), name, name)
+
     def check_neutral_fields(self) -> None:
         """ApiError for a field verispec does not implement set to anything but its neutral
         value."""
@@ -108,6 +123,24 @@ class _GenerationRequest(_Body):
             raise ApiError(400, "stream_options is only allowed with stream=true, got "
                            f"stream_options={show(self.stream_options.model_dump())}",
                            "stream_options")
+
+
+def _check_strings(value: Any, path: str, field: str) -> None:
+    if isinstance(value, str):
+        try:
+            check_unicode(value, path)
+        except ValueError as e:
+            raise ApiError(400, str(e), field) from None
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_strings(item, f"{path}[{i}]", field)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(key, f"{path} key {key!r}", field)
+            _check_strings(item, f"{path}[{key!r}]", field)
+    elif isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            _check_strings(getattr(value, name), f"{path}.{name}", field)
 
 
 class CompletionRequest(_GenerationRequest):

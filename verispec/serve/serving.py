@@ -1,9 +1,12 @@
 """Completions and chat completions: API request -> engine submission -> OpenAI response.
 
-Prompts are tokenized here, on the event loop, with the front's own copy of the tokenizer (the
-engine thread decodes with the engine's; a Rust tokenizer must not be used by two threads at
-once), exactly as ``LLM.generate`` would (``verispec.engine.inputs.encode_prompt``, the chat
-template for messages), so a seeded request gives the tokens ``LLM.generate`` gives.
+Prompts are tokenized off the event loop, on the front's one tokenizer thread with the front's
+own copy of the tokenizer (the engine thread decodes with the engine's; a Rust tokenizer must not
+be used by two threads at once), under the rules ``LLM.generate`` applies
+(``verispec.engine.inputs.PromptEncoder``: the chat template for messages, vLLM's prompt +
+max_tokens rule, a text too long by its length alone refused before tokenizing), so a seeded
+request gives the tokens ``LLM.generate`` gives and one huge prompt never stalls ``/health`` or
+the streams running beside it. Token texts of logprobs are decoded on the same thread.
 
 Streaming sends server-sent events as OpenAI's API: one ``data: {chunk}`` per engine step that
 moved a request (several tokens when speculation accepted drafts), the last chunk of a choice
@@ -18,9 +21,11 @@ import asyncio
 import copy
 import functools
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -39,8 +44,9 @@ from verispec.serve.protocol import (
     check_logprobs,
     check_max_tokens,
     sampling_params,
-    show,
 )
+
+logger = logging.getLogger("verispec.serve")
 
 
 @dataclass
@@ -65,7 +71,18 @@ class OpenAIServing:
         self.vocab_size = llm.model_config.vocab_size
         self.max_model_len = llm.max_model_len
         self.eos_token_ids = llm.eos_token_ids
+        self.encoder = inputs.PromptEncoder(self.tokenizer, self.vocab_size, self.max_model_len)
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
+        # The one thread that uses self.tokenizer.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="verispec-tokenizer")
+
+    async def in_tokenizer_thread(self, fn: Callable, *args):
+        """``fn(*args)`` on the tokenizer thread: tokenizing never blocks the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn,
+                                                                *args)
+
+    def shutdown(self) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     # ----------------------------------------------------------------- requests
 
@@ -74,46 +91,53 @@ class OpenAIServing:
             raise ApiError(404, f"The model {name!r} does not exist: this server serves "
                            f"{self.model_name!r}", "model", "model_not_found")
 
-    def encode(self, prompt, param: str) -> list[int]:
-        """Token ids of a prompt (text, ids or chat messages); ApiError naming ``param``."""
+    def _encode_all(self, prompts: list, param: str) -> list[list[int]]:
+        """Token ids of each prompt (text, ids or chat messages), on the tokenizer thread;
+        ApiError naming ``param`` (and the prompt's index when there are several)."""
+        encoded = []
+        for i, prompt in enumerate(prompts):
+            try:
+                encoded.append(self.encoder.encode(prompt)[1])
+            except ValueError as e:
+                message = str(e)
+                if message.startswith("prompt "):  # the API's name for it -> the field's
+                    message = param + message.removeprefix("prompt")
+                if not message.startswith(param):
+                    message = f"{param}: {message}"
+                if len(prompts) > 1:
+                    message = f"{param}[{i}]: {message}"
+                raise ApiError(400, message, param) from None
+        return encoded
+
+    async def encode(self, prompts: list, param: str) -> list[list[int]]:
+        return await self.in_tokenizer_thread(self._encode_all, prompts, param)
+
+    def check_params(self, ids: list[int], params: SamplingParams, max_tokens_name: str) -> None:
+        """The rules of ``LLM.generate`` (vocabulary, prompt + max_tokens <= max_model_len)."""
         try:
-            _, ids = inputs.encode_prompt(prompt, self.tokenizer, self.vocab_size)
+            self.encoder.check_params(params, len(ids), max_tokens_name)
         except ValueError as e:
-            message = str(e) if str(e).startswith(param) else f"{param}: {e}"
+            message = str(e)
+            param = next((name for name in ("stop_token_ids", "logprobs", max_tokens_name)
+                          if message.startswith(name)), None)
             raise ApiError(400, message, param) from None
-        if len(ids) >= self.max_model_len:
-            raise ApiError(400, f"{param} has {len(ids)} tokens, but max_model_len="
-                           f"{self.max_model_len} leaves no room to generate (at most "
-                           f"{self.max_model_len - 1} prompt tokens)", param)
-        return ids
-
-    def check_room(self, ids: list[int], max_tokens: int, param: str) -> None:
-        if len(ids) + max_tokens > self.max_model_len:
-            raise ApiError(400, f"{param}={max_tokens} and the prompt's {len(ids)} tokens exceed "
-                           f"max_model_len={self.max_model_len}: ask for at most "
-                           f"{self.max_model_len - len(ids)} tokens", param)
-
-    def check_stop_token_ids(self, ids: list[int] | None) -> None:
-        outside = [t for t in ids or [] if not 0 <= t < self.vocab_size]
-        if outside:
-            raise ApiError(400, f"stop_token_ids {show(outside[:5])} are outside the model's "
-                           f"vocabulary [0, {self.vocab_size})", "stop_token_ids")
 
     async def completion(self, body: CompletionRequest, raw: Request) -> Response:
+        body.check_text()
         self.check_model(body.model)
         body.check_neutral_fields()
         check_logprobs("logprobs", body.logprobs)
         check_max_tokens("max_tokens", body.max_tokens)
-        self.check_stop_token_ids(body.stop_token_ids)
-        prompts = [self.encode(p, "prompt") for p in body.prompts()]
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
-        for ids in prompts:
-            self.check_room(ids, max_tokens, "max_tokens")
         params = sampling_params(body, max_tokens, body.logprobs)
+        prompts = await self.encode(body.prompts(), "prompt")
+        for ids in prompts:
+            self.check_params(ids, params, "max_tokens")
         return await self._respond(raw, "text_completion", prompts, [params] * len(prompts),
                                    body.stream, body.stream_options, "prompt")
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        body.check_text()
         self.check_model(body.model)
         body.check_neutral_fields()
         for name in ("max_tokens", "max_completion_tokens"):
@@ -126,15 +150,14 @@ class OpenAIServing:
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, f"top_logprobs={body.top_logprobs} needs logprobs=true",
                            "top_logprobs")
-        self.check_stop_token_ids(body.stop_token_ids)
-        ids = self.encode([m.as_dict() for m in body.messages], "messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        num_top = (body.top_logprobs or 0) if body.logprobs else None
+        [ids] = await self.encode([[m.as_dict() for m in body.messages]], "messages")
         if max_tokens is None:  # as vLLM: whatever max_model_len leaves
             max_tokens = self.max_model_len - len(ids)
-        self.check_room(ids, max_tokens, param)
-        num_top = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, max_tokens, num_top)
+        self.check_params(ids, params, param)
         return await self._respond(raw, "chat.completion", [ids], [params], body.stream,
                                    body.stream_options, "messages")
 
@@ -153,7 +176,7 @@ class OpenAIServing:
             include_usage = stream_options is not None and stream_options.include_usage
             return StreamingResponse(response.stream(submission, include_usage),
                                      media_type="text/event-stream")
-        return await cancel_on_disconnect(response.collect(submission), raw)
+        return await cancel_on_disconnect(response.collect(submission), raw, response_id)
 
     # ----------------------------------------------------------------- tokens as text
 
@@ -172,9 +195,9 @@ class OpenAIServing:
         return len(ids)
 
 
-async def cancel_on_disconnect(work, raw: Request) -> Response:
+async def cancel_on_disconnect(work, raw: Request, response_id: str) -> Response:
     """Run ``work`` (a coroutine returning a Response) unless the client disconnects first; then
-    cancel it (its requests are aborted) and answer nobody."""
+    cancel it (its requests are aborted), log it (INFO) and answer nobody."""
     task = asyncio.ensure_future(work)
 
     async def disconnected() -> None:
@@ -188,7 +211,10 @@ async def cancel_on_disconnect(work, raw: Request) -> Response:
         watch.cancel()
         if not task.done():
             task.cancel()
+        # Wait for both to end: a cancelled task has no result until it has run its cleanup.
+        await asyncio.gather(task, watch, return_exceptions=True)
     if task.cancelled():
+        logger.info("%s: the client disconnected; its requests were aborted", response_id)
         return Response(status_code=499)
     return task.result()
 
@@ -224,6 +250,12 @@ class _Response:
                for i in range(choice.num_logprobs, end)]
         choice.num_logprobs = end
         return delta, self._logprobs(choice, new, params.logprobs)
+
+    async def _advance_off_loop(self, index: int, output: RequestOutput):
+        """``_advance``, on the tokenizer thread when token texts must be decoded."""
+        if self.params[index].logprobs is None:
+            return self._advance(index, output)
+        return await self.serving.in_tokenizer_thread(self._advance, index, output)
 
     def _logprobs(self, choice: _Choice, new: list[tuple[int, dict]], num_top: int) -> list:
         text = self.serving.token_text
@@ -271,7 +303,7 @@ class _Response:
         try:
             async for batch in submission.outputs():
                 for index, output in batch:
-                    _, new = self._advance(index, output)
+                    _, new = await self._advance_off_loop(index, output)
                     if new is not None:
                         logprobs[index] = (logprobs[index] or []) + new
         except EngineError as e:
@@ -293,7 +325,7 @@ class _Response:
                     yield _sse(dict(self._envelope([choice], True), **usage))
             async for batch in submission.outputs():
                 for index, output in batch:
-                    delta, logprobs = self._advance(index, output)
+                    delta, logprobs = await self._advance_off_loop(index, output)
                     if delta or logprobs or output.finished:
                         choice = self._choice_json(index, delta, logprobs, output.finish_reason,
                                                    True)
@@ -302,6 +334,9 @@ class _Response:
                 yield _sse(dict(self._envelope([], True), usage=self._usage()))
         except EngineError as e:
             yield _sse(ApiError(500, str(e)).body())
+        except asyncio.CancelledError:  # the client disconnected: nobody to answer
+            logger.info("%s: the client disconnected; its requests were aborted", self.id)
+            raise
         finally:
             submission.abort()
         yield "data: [DONE]\n\n"
