@@ -36,8 +36,8 @@ from functools import partial
 import torch
 
 from verispec import LLM, SamplingParams
-from verispec.engine.bench_prompts import FREE_PROMPTS, GROUNDED_PROMPTS
-from verispec.engine.bench_utils import machine_description, print_table
+from verispec.bench.prompts import FREE_PROMPTS, GROUNDED_PROMPTS
+from verispec.bench.report import machine_description, print_table
 from verispec.models.gguf import bundled_gguf_path
 from verispec.ops.quant import QuantizedWeight
 

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from verispec.engine.bench_utils import machine_description, print_table
+from verispec.bench.report import machine_description, print_table
 from verispec.models.loader import load_model
 from verispec.ops import cpu_kernels
 from verispec.ops.quant import QuantizedWeight

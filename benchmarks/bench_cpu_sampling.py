@@ -129,9 +129,9 @@ def bench_ops(repeats: int) -> list[dict]:
 
 def bench_engine(head: str, temperature: float, method: str, max_tokens: int) -> dict:
     from verispec import LLM, SamplingParams
+    from verispec.bench.prompts import get_prompts
+    from verispec.bench.run import prepare_prompts
     from verispec.config import SpeculativeConfig
-    from verispec.engine.bench import prepare_prompts
-    from verispec.engine.bench_prompts import get_prompts
     from verispec.engine.spec_decode import SpeculativeDecoder
 
     seconds, calls = collections.defaultdict(float), collections.Counter()

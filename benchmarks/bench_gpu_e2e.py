@@ -56,7 +56,7 @@ import torch
 import transformers
 
 from verispec import LLM, SamplingParams
-from verispec.engine.bench_utils import machine_description, print_table
+from verispec.bench.report import machine_description, print_table
 
 PROMPT_LEN = 32
 BATCH = 64

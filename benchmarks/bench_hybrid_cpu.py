@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from verispec import LLM, SamplingParams
-from verispec.engine.bench_utils import machine_description, print_table
+from verispec.bench.report import machine_description, print_table
 
 K = 3
 ACCEPTANCE_LENGTH = 2.5

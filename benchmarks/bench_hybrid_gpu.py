@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_hybrid_cpu import granite_h_350m_like  # noqa: E402
 
 from verispec import LLM, SamplingParams  # noqa: E402
-from verispec.engine.bench_utils import machine_description, print_table  # noqa: E402
+from verispec.bench.report import machine_description, print_table  # noqa: E402
 
 K = 3
 ACCEPTANCE_LENGTH = 2.5

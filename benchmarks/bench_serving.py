@@ -39,8 +39,8 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from verispec.engine.bench_prompts import FREE_PROMPTS, GROUNDED_PROMPTS
-from verispec.engine.bench_utils import machine_description, print_table
+from verispec.bench.prompts import FREE_PROMPTS, GROUNDED_PROMPTS
+from verispec.bench.report import machine_description, print_table
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 

@@ -24,8 +24,8 @@ from functools import partial
 import torch
 
 from verispec import LLM, SamplingParams
-from verispec.engine.bench_prompts import FREE_PROMPTS, GROUNDED_PROMPTS
-from verispec.engine.bench_utils import machine_description, print_table
+from verispec.bench.prompts import FREE_PROMPTS, GROUNDED_PROMPTS
+from verispec.bench.report import machine_description, print_table
 from verispec.engine.metrics import SpecDecodingStats
 
 SYSTEMS = ("ours_plain", "ours_ngram", "hf_greedy", "hf_prompt_lookup")

@@ -199,7 +199,7 @@ def main() -> None:
         base = run_baseline(args, model_dir)
         if base is not None:
             rows.append(dict(engine="baseline (one slot per request)", **base))
-    from verispec.engine.bench_utils import machine_description, print_table
+    from verispec.bench.report import machine_description, print_table
 
     print(machine_description())
     columns = ["engine", "max_num_seqs", "max_model_len", "output_tokens_per_s", "ttft_p50_s",

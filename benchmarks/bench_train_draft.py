@@ -32,7 +32,7 @@ import time
 import numpy as np
 import torch
 
-from verispec.engine.bench_prompts import FREE_PROMPTS
+from verispec.bench.prompts import FREE_PROMPTS
 from verispec.engine.llm import LLM
 from verispec.models.eagle import load_eagle_head
 from verispec.train import eagle3

@@ -256,7 +256,7 @@ def kernel_shares(model, device, batch_size: int = 1, tokens: int = 1) -> list[d
 
 
 def print_rows(rows: list[dict]) -> None:
-    from verispec.engine.bench_utils import print_table
+    from verispec.bench.report import print_table
 
     print_table(rows)
     print()

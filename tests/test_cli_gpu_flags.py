@@ -16,7 +16,7 @@ import pytest
 
 from tests.models.utils import save_tiny_model
 from verispec import cli
-from verispec.engine import bench
+from verispec.bench import run as bench
 
 
 @pytest.fixture(scope="module")

@@ -377,7 +377,7 @@ def test_aux_layers_flag(tmp_path, target_dir, prompts_file, capsys):
 def test_builtin_prompts_hold_out_the_free_bench_prompts():
     """The built-in set is large and diverse, and ``bench --prompts free`` measures prompts the
     head never trained on: none of them, nor any of their subjects, is in the set."""
-    from verispec.engine.bench_prompts import FREE_PROMPTS
+    from verispec.bench.prompts import FREE_PROMPTS
     from verispec.train.prompts import SUBJECTS, builtin_prompts
 
     prompts = builtin_prompts(0)

@@ -304,9 +304,9 @@ def run_bench(args: argparse.Namespace) -> int:
     import dataclasses as dc
     import json
 
-    from verispec.engine.bench import run_bench as bench
-    from verispec.engine.bench_prompts import RandomPrompts, get_prompts
-    from verispec.engine.bench_utils import plot_acceptance_and_speedup, print_table
+    from verispec.bench.prompts import RandomPrompts, get_prompts
+    from verispec.bench.report import plot_acceptance_and_speedup, print_table
+    from verispec.bench.run import run_bench as bench
 
     ks = check_bench_args(args)
     config = speculative_config(args)

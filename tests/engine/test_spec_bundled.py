@@ -22,7 +22,7 @@ import torch
 
 from tests.models.utils import bundled_dir, bundled_llm, requires_bundled
 from verispec import LLM, SamplingParams
-from verispec.engine.bench_prompts import FREE_PROMPTS, GROUNDED_PROMPTS
+from verispec.bench.prompts import FREE_PROMPTS, GROUNDED_PROMPTS
 
 pytestmark = [requires_bundled, pytest.mark.slow]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from verispec.engine.bench_utils import progress
+from verispec.bench.report import progress
 from verispec.train.prompts import builtin_prompts
 
 logger = logging.getLogger("verispec")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import random
 
-from verispec.engine.bench_prompts import FREE_PROMPTS
+from verispec.bench.prompts import FREE_PROMPTS
 
 TEMPLATES = (
     "Write a short story about {}.",

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from verispec.engine.bench_utils import progress
+from verispec.bench.report import progress
 from verispec.models.config import ModelConfig, read_hf_config
 from verispec.models.eagle import (
     EAGLE3_ARCHITECTURE,

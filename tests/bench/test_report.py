@@ -19,9 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from verispec.engine import bench_utils
-from verispec.engine.bench import prepare_prompts
-from verispec.engine.bench_utils import (
+from verispec.bench.report import (
     FREE_PROMPTS,
     GROUNDED_PROMPTS,
     RandomPrompts,
@@ -38,6 +36,8 @@ from verispec.engine.bench_utils import (
     progress,
     prompt_set_names,
 )
+from verispec.bench.run import prepare_prompts
+from verispec.bench import report as bench_utils
 from verispec.engine.metrics import SpecDecodingStats
 
 # --- prompt sets ---
@@ -366,7 +366,7 @@ def test_prediction_counts_steps_without_drafts_as_plain_steps():
 
 
 def test_draft_rate_from_the_counters():
-    from verispec.engine.bench import _Measured, draft_rate
+    from verispec.bench.run import _Measured, draft_rate
 
     stats = SpecDecodingStats(3)
     stats.observe(3, 2)  # a drafted step: 3 tokens

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
+from verispec.bench.prompts import Prompt, RandomPrompts
+from verispec.bench.report import leviathan_prediction, progress
 from verispec.config import SpeculativeConfig
 from verispec.engine import inputs
-from verispec.engine.bench_prompts import Prompt, RandomPrompts
-from verispec.engine.bench_utils import leviathan_prediction, progress
 from verispec.engine.llm import LLM
 from verispec.engine.metrics import SpecDecodingStats
 from verispec.sampling_params import SamplingParams

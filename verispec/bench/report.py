@@ -12,7 +12,7 @@ target step), so the expected speedup over plain decoding is
 
     speedup = (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1)).
 
-The prompt sets live in ``verispec.engine.bench_prompts`` and are re-exported here. matplotlib
+The prompt sets live in ``verispec.bench.prompts`` and are re-exported here. matplotlib
 is an optional extra (``pip install 'verispec[plot]'``), imported only when plotting.
 """
 
@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from verispec.engine.bench_prompts import (
+from verispec.bench.prompts import (
     FREE_PROMPTS,
     GROUNDED_PROMPTS,
     PROMPT_SETS,
