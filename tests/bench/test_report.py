@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from verispec.bench import report as bench_utils
 from verispec.bench.report import (
     FREE_PROMPTS,
     GROUNDED_PROMPTS,
@@ -37,7 +38,6 @@ from verispec.bench.report import (
     prompt_set_names,
 )
 from verispec.bench.run import prepare_prompts
-from verispec.bench import report as bench_utils
 from verispec.engine.metrics import SpecDecodingStats
 
 # --- prompt sets ---

@@ -503,14 +503,15 @@ class LLM:
 
     def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None) -> Request:
         """Validate and queue one request (ValueError naming the cause on bad input); it joins
-        the batch at the next ``step`` that has a free KV slot. Read it with ``get_output``."""
+        the batch at the next ``step`` with a free slot and KV blocks for it. Read it with
+        ``get_output``."""
         request = self._make_request(prompt, sampling_params or SamplingParams())
         self.scheduler.add(request)
         return request
 
     def abort_request(self, request: Request) -> None:
-        """Drop an unfinished request, waiting or running; its KV slot is free for the next
-        step and its ``finish_reason`` is ``"abort"`` (a finished request is left as it is)."""
+        """Drop an unfinished request, waiting or running; its slot and KV blocks are free for the
+        next step and its ``finish_reason`` is ``"abort"`` (a finished request is left as it is)."""
         self._abort([request])
 
     def get_output(self, request: Request) -> RequestOutput:

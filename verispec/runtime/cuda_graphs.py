@@ -8,7 +8,7 @@ later captures share) the runner gives the step static inputs ``[bucket, width]`
 rows of one buffer per input, sized for the largest bucket), runs the step once to warm up
 (Triton compiles, cuBLAS allocates its workspace), and captures it. A batch of B rows replays
 the smallest bucket >= B: its rows are copied into the static inputs (one copy per input), the
-rows past B hold the step's padding values (a scratch KV slot, token 0), and their outputs are
+rows past B hold the step's padding values (the scratch slot, token 0), and their outputs are
 to be ignored. Whatever the step writes must exist at capture time and be read after the replay
 (outputs returned by the step, or buffers it writes in place); a tensor allocated or swapped
 after capture is never written by a replay.

@@ -10,10 +10,10 @@ queue; it answers each submission on the submission's asyncio queue
     step                        <- continuous batching, speculative or not, as LLM.generate
     deliver each request's output so far; observe the metrics
 
-A request waits in the scheduler's queue while every KV slot is taken: a full server queues, it
-does not refuse. A client that goes away aborts its requests: the abort frees the KV slot before
-the next step. Torch releases the GIL inside its kernels, so the event loop keeps serving HTTP
-while a step runs.
+A request waits in the scheduler's queue while every slot or the KV pool is taken: a full server
+queues, it does not refuse. A client that goes away aborts its requests: the abort frees its KV
+blocks before the next step. Torch releases the GIL inside its kernels, so the event loop keeps
+serving HTTP while a step runs.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ class AsyncEngine:
 
     def _abort(self, submission: Submission) -> None:
         for tracked in [t for t in self._tracked if t.submission is submission]:
-            self.llm.abort_request(tracked.request)  # frees its KV slot now
+            self.llm.abort_request(tracked.request)  # frees its slot and KV blocks now
             self.metrics.request_success["abort"].inc()
             self._tracked.remove(tracked)
 
