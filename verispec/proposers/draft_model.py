@@ -232,7 +232,7 @@ class ModelProposer(Proposer):
                         for r, n in zip(active, num_tokens)])
         self._replay(requests, active, slots, ids, num_tokens - 2)
         # the cache now holds everything fed: num_tokens - 2 + 2 + (k - 1) tokens
-        self.runner.kv_cache.lengths_np[slots] = num_tokens + self.num_speculative_tokens - 1
+        self.runner.kv_cache.set_lengths(slots, num_tokens + self.num_speculative_tokens - 1)
 
     def draft_ahead(self, requests: Sequence[ProposalRequest],
                     output_token_ids: torch.Tensor) -> bool:
@@ -284,7 +284,7 @@ class ModelProposer(Proposer):
             return False
         slots = np.array([r.slot for r in requests], dtype=np.int64)
         num_tokens = np.array([len(r.token_ids) for r in requests], dtype=np.int64)
-        self.runner.kv_cache.lengths_np[slots] = num_tokens + self.num_speculative_tokens - 1
+        self.runner.kv_cache.set_lengths(slots, num_tokens + self.num_speculative_tokens - 1)
         return True
 
     @property

@@ -264,7 +264,7 @@ class EagleProposer(ModelProposer):
             hidden = hidden.view(B, -1)
         self._replay(requests, active, slots, ids, hidden, cache.lengths_np[slots], counts)
         # only the pairs fed with target hidden states stay (the module docstring)
-        cache.lengths_np[slots] = num_tokens - 1
+        cache.set_lengths(slots, num_tokens - 1)
 
     def _replay(self, requests, active: np.ndarray, slots: np.ndarray, ids, hidden: torch.Tensor,
                 starts: np.ndarray, counts) -> None:
@@ -326,7 +326,7 @@ class EagleProposer(ModelProposer):
         for slot in slots:
             self._pending[slot] = []
             self.num_pending[slot] = 0
-        self.runner.kv_cache.lengths_np[slots] = [len(r.token_ids) - 1 for r in requests]
+        self.runner.kv_cache.set_lengths(slots, [len(r.token_ids) - 1 for r in requests])
         return True
 
     # ----------------------------------------------------------------- drafting

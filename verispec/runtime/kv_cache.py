@@ -285,14 +285,6 @@ class KVCache:
         return 2 * self.num_attention_layers * int(np.prod(self._block_shape)) * (
             torch.empty((), dtype=self.dtype).element_size())
 
-    @staticmethod
-    def bytes_per_block(config: ModelConfig, num_attention_layers: int, block_size: int,
-                        dtype: torch.dtype) -> int:
-        """K and V bytes of one block over ``num_attention_layers`` layers."""
-        element = torch.empty((), dtype=dtype).element_size()
-        return (2 * num_attention_layers * block_size * config.num_key_value_heads
-                * config.head_dim * element)
-
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
