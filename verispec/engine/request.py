@@ -73,6 +73,9 @@ class RequestOutput:
     # With SamplingParams.logprobs set: one dict per token of token_ids, token id -> log
     # probability under the processed target distribution (verispec.sample.logprobs).
     logprobs: list[dict[int, float]] | None = None
+    # Prompt tokens whose KV came from the prefix cache instead of being computed (vLLM's
+    # ``num_cached_tokens``; the server's ``usage.prompt_tokens_details.cached_tokens``).
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -108,6 +111,11 @@ class Request:
         self.max_num_draft_tokens = 0  # set by a speculative engine step
         self.spec_stats: SpecDecodingStats | None = None  # set at admission when speculating
         self.admission = 0  # order of its latest admission (the newest is preempted first)
+        # Tokens whose KV the cache holds for this request (the prefix-cache hit, then the
+        # prefill chunks run so far); the prefill is done when it reaches num_tokens - 1
+        # (a fresh request: num_tokens) and the request decodes.
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens of the first admission's prefix-cache hit
         # The speculative planner's state of a preempted request, restored when it is
         # recomputed (engine.spec_decode).
         self.spec_plan_state: tuple | None = None
