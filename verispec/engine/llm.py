@@ -28,6 +28,8 @@ from verispec.runtime import memory
 from verispec.runtime.cuda_graphs import batch_buckets
 from verispec.runtime.kv_cache import DEFAULT_BLOCK_SIZE
 from verispec.runtime.model_runner import ModelRunner
+from verispec.runtime.prefix_cache import PrefixCache
+from verispec.runtime.state_cache import is_hybrid
 from verispec.sample.logprobs import token_logprobs
 from verispec.sample.sampler import Sampler, SamplingTensors, draw_seed
 from verispec.sampling_params import SamplingParams
@@ -35,9 +37,11 @@ from verispec.sampling_params import SamplingParams
 logger = logging.getLogger("verispec")
 
 DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 8}
-# Prefill tokens one step may take (more prompts wait for the next step; a longer single prompt
-# still runs alone): bounds a step's activation memory.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+# Tokens one step may compute (bounds a step's activation memory). With chunked prefill the
+# decodes of running requests and the prefill chunks share it, so it also bounds how long a
+# long prompt stalls the running streams; without, it bounds a prefill step (more prompts wait
+# for the next step; a longer single prompt still runs alone).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {True: 2048, False: 8192}  # by enable_chunked_prefill
 # None: a GGUF on the CPU keeps its quantised weights (models.loader.quantized_gguf: ~3x fewer
 # bytes a decode step reads than bfloat16); anything else runs in bfloat16, which halves the
 # bytes of float32 (docs/design.md §11). Exactness tests pin float32.
@@ -72,6 +76,17 @@ def check_device(device: Any) -> torch.device:
     return parsed
 
 
+def _feature(name: str, value: bool | None, config) -> bool:
+    """Prefix caching and chunked prefill: on unless turned off; a hybrid (recurrent) model
+    keeps one state per request, not per block or per chunk, so they are off there (asking
+    for them is an error)."""
+    hybrid = is_hybrid(config)
+    if value and hybrid:
+        raise ValueError(f"{name}=True: this model ({config.model_type}) has recurrent layers, "
+                         "whose state is kept per request, not per KV block; leave it unset")
+    return not hybrid if value is None else value
+
+
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -95,7 +110,15 @@ class LLM:
     kv_cache_memory : bytes of the KV pool (an int or a string such as ``"4GiB"``): on CPU,
         default enough for ``max_num_seqs`` full-length requests but at most 1 GiB (and at least
         one); on CUDA it overrides ``gpu_memory_utilization``
-    max_num_batched_tokens : most prompt tokens one prefill step takes (default 8192)
+    max_num_batched_tokens : most tokens one step computes: with chunked prefill the running
+        requests' decode / verify tokens and the prefill chunks together (default 2048),
+        without it the prompt tokens of a prefill step (default 8192)
+    enable_prefix_caching : reuse the KV of earlier requests' identical first tokens (a shared
+        system prompt, the earlier turns of a chat): on by default, as in vLLM; off for hybrid
+        (recurrent) models, whose states are not kept per block
+    enable_chunked_prefill : split long prompts over several steps, each shared with the running
+        requests' decodes, so a long prompt does not stall the others: on by default; off for
+        hybrid models
     speculative_config : SpeculativeConfig or a dict of vLLM ``speculative_config`` keys;
         None (or ``method="none"``) decodes one token per step
     device : torch device, default ``"cpu"``
@@ -121,11 +144,15 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         kv_cache_memory: int | str | None = None,
         max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool | None = None,
+        enable_chunked_prefill: bool | None = None,
     ) -> None:
         if dtype is not None:
             parse_dtype(dtype)
-        for name, flag in (("enforce_eager", enforce_eager), ("batch_invariant", batch_invariant)):
-            if not isinstance(flag, bool):
+        for name, flag in (("enforce_eager", enforce_eager), ("batch_invariant", batch_invariant),
+                           ("enable_prefix_caching", enable_prefix_caching),
+                           ("enable_chunked_prefill", enable_chunked_prefill)):
+            if not isinstance(flag, bool) and not (flag is None and name.startswith("enable")):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.enforce_eager = enforce_eager
         self.device = check_device(device)
@@ -140,10 +167,8 @@ class LLM:
         memory.check_utilization(gpu_memory_utilization)
         if kv_cache_memory is not None:
             kv_cache_memory = memory.parse_bytes(kv_cache_memory)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
-        _check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        self.max_num_batched_tokens = max_num_batched_tokens
+        if max_num_batched_tokens is not None:
+            _check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         if isinstance(speculative_config, dict):
             if speculative_config.get("method") == "none":
                 speculative_config = None
@@ -162,6 +187,13 @@ class LLM:
 
         self.loaded = load_model(model, dtype, self.device)
         config = self.loaded.config
+        self.enable_prefix_caching = _feature("enable_prefix_caching", enable_prefix_caching,
+                                              config)
+        self.enable_chunked_prefill = _feature("enable_chunked_prefill", enable_chunked_prefill,
+                                               config)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS[self.enable_chunked_prefill]
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.model_config = config
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
@@ -200,8 +232,14 @@ class LLM:
         # fall inside another engine's graph capture)
         on_preempt = None if self.spec is None else functools.partial(self.spec.release,
                                                                       preempted=True)
+        prefix_cache = None
+        if self.enable_prefix_caching:
+            skip = 1 if self.spec is not None and self.spec.proposer.shifted_inputs else 0
+            prefix_cache = PrefixCache(self.runner.kv_cache.block_tables, skip_blocks=skip)
         self.scheduler = Scheduler(max_num_seqs, self.runner.kv_cache, max_num_batched_tokens,
-                                   lookahead=k + 1, on_preempt=on_preempt)
+                                   lookahead=k + 1, on_preempt=on_preempt,
+                                   chunked_prefill=self.enable_chunked_prefill,
+                                   prefix_cache=prefix_cache)
         # CUDA graphs (no-op on CPU and with enforce_eager): decode, verify, the proposer's draft
         self.runner.capture([1] if self.spec is None else [1, k + 1])
         if self.spec is not None:
@@ -287,46 +325,69 @@ class LLM:
             metrics=request.metrics,
             spec_stats=request.spec_stats,
             logprobs=None if request.logprobs is None else list(request.logprobs),
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     # ----------------------------------------------------------------- the step loop
 
     def step(self) -> list[Request]:
         """Run one engine step; returns the requests that finished in it (none when nothing
-        is queued)."""
+        is queued).
+
+        The step's decodes run first: with speculation one propose / verify over them (a
+        captured graph on CUDA), then the prefill chunks in a forward of their own; without,
+        decodes and prefill chunks share one forward (only a step of decodes alone replays
+        the captured decode graph)."""
         if not self.scheduler.has_unfinished:
             return []
-        batch, is_prefill = self.scheduler.schedule()
+        plan = self.scheduler.schedule()
         self.num_steps += 1
-        if self.spec is None or is_prefill:
-            logits = self._run(batch, is_prefill)
-            outputs = [[t] for t in self._sample(batch, logits)]
-            step_logits = (logits, np.arange(len(batch)))
-            if is_prefill:  # a recomputed request's next token comes from its next step
-                outputs = [[] if r.num_output_tokens else out for r, out in zip(batch, outputs)]
-        else:  # propose, verify, accept
-            outputs = self.spec.step(batch, self._sampling_tensors(batch))
-            step_logits = self.spec.step_logits
-        logprobs = self._logprobs(batch, outputs, *step_logits)
-        finished = [r for r, tokens, lp in zip(batch, outputs, logprobs)
-                    if self._commit(r, tokens, lp)]
-        if self.spec is not None:
-            if is_prefill:
-                for r in batch:
-                    self.spec.admit(r)
-            self.spec.on_committed(batch)
+        finished: list[Request] = []
+        decodes = plan.decodes
+        if self.spec is not None and decodes:  # propose, verify, accept
+            outputs = self.spec.step(decodes, self._sampling_tensors(decodes))
+            finished += self._commit_all(decodes, outputs, *self.spec.step_logits)
+            self.spec.on_committed(decodes)
+            decodes = []
+        if decodes or plan.prefills:
+            finished += self._forward_step(decodes, plan.prefills)
+        self.scheduler.publish([r for r in plan.requests if not r.finished])
         return finished
 
-    def _run(self, batch: list[Request], is_prefill: bool) -> torch.Tensor:
-        """[B, V] logits of the next token of each request."""
-        if is_prefill:
-            # A preempted request is recomputed up to its last token, which its next step feeds
-            # as it would have without the preemption: the cache and the step are those it had.
-            new_tokens = [r.token_ids[: r.num_tokens - 1 if r.num_output_tokens else None].tolist()
-                          for r in batch]
-        else:
-            new_tokens = [[r.last_token_id] for r in batch]
-        return self.runner.forward([r.slot for r in batch], new_tokens)
+    def _forward_step(self, decodes: list[Request],
+                      prefills: list[tuple[Request, int]]) -> list[Request]:
+        """One forward over the decodes' last tokens and the prefill chunks; samples the next
+        token of each decode and of each request whose prefill this chunk completes (a
+        recomputed request's next token comes from its next step: it stops before its last
+        token, which that step feeds, so its cache and that step are those it had)."""
+        chunks = [r.token_ids[r.num_computed_tokens:r.num_computed_tokens + n].tolist()
+                  for r, n in prefills]
+        logits = self.runner.forward([r.slot for r in decodes] + [r.slot for r, _ in prefills],
+                                     [[r.last_token_id] for r in decodes] + chunks)
+        for r, n in prefills:
+            r.num_computed_tokens += n
+        rows = list(range(len(decodes)))
+        batch = list(decodes)
+        for i, (r, _) in enumerate(prefills):
+            if not r.is_prefilling and not r.num_output_tokens:
+                rows.append(len(decodes) + i)
+                batch.append(r)
+        finished = []
+        if batch:
+            if len(rows) < logits.shape[0]:
+                logits = logits[ops.to_device(rows, logits.device)]
+            outputs = [[t] for t in self._sample(batch, logits)]
+            finished = self._commit_all(batch, outputs, logits, np.arange(len(batch)))
+        if self.spec is not None:
+            self.spec.on_prefilled([r for r, _ in prefills])
+        return finished
+
+    def _commit_all(self, batch: list[Request], outputs: list[list[int]], logits: torch.Tensor,
+                    first_rows: np.ndarray) -> list[Request]:
+        """Commit each request's output tokens (and their logprobs); the finished ones."""
+        logprobs = self._logprobs(batch, outputs, logits, first_rows)
+        return [r for r, tokens, lp in zip(batch, outputs, logprobs)
+                if self._commit(r, tokens, lp)]
 
     def _sampling_tensors(self, batch: list[Request]) -> SamplingTensors:
         key = tuple(r.request_id for r in batch)
@@ -490,8 +551,17 @@ class LLM:
 
     def get_metrics(self) -> dict:
         """Aggregate metrics since start-up: speculative decoding counters and rates with vLLM's
-        definitions (docs/design.md §8) under ``"spec_decoding"`` (None without speculation)."""
-        return {"spec_decoding": None if self.spec is None else self.spec.stats.to_dict()}
+        definitions (docs/design.md §8) under ``"spec_decoding"`` (None without speculation);
+        the prefix cache's prompt tokens looked up and found under ``"prefix_cache"`` (None
+        with it off)."""
+        cache = self.scheduler.prefix_cache
+        return {"spec_decoding": None if self.spec is None else self.spec.stats.to_dict(),
+                "prefix_cache": None if cache is None else
+                {"queries": cache.num_queries, "hits": cache.num_hits}}
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every published KV block (the next requests compute their prompts cold)."""
+        self.runner.kv_cache.pool.reset_prefix_cache()
 
     def spec_decoding_log_line(self, elapsed_s: float) -> str | None:
         """The vLLM-format metrics line over all steps so far (None without speculation)."""

@@ -116,6 +116,8 @@ class Request:
         # (a fresh request: num_tokens) and the request decodes.
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens of the first admission's prefix-cache hit
+        self.prefill_end = 0  # num_computed_tokens at which its prefill ends (set at admission)
+        self.block_keys: list[bytes] = []  # prefix-cache keys of its full blocks, in order
         # The speculative planner's state of a preempted request, restored when it is
         # recomputed (engine.spec_decode).
         self.spec_plan_state: tuple | None = None
@@ -150,6 +152,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Admitted, and its prefill has chunks left to run."""
+        return self.num_computed_tokens < self.prefill_end
 
     def append(self, token_id: int) -> None:
         self._token_buf[self.num_tokens] = token_id

@@ -350,6 +350,22 @@ class SpeculativeDecoder:
         self.num_steps += 1
         return [[t] for t in token_ids]
 
+    def on_prefilled(self, requests: Sequence[Request]) -> None:
+        """After a forward of prefill chunks (and the commit of the first token of each request
+        whose prefill it completed): the proposer takes what it keeps of the chunks (an EAGLE
+        head the target's hidden states: its ``on_commit`` up to the chunk's end); a request
+        whose prefill is done starts its draft plan."""
+        running = [r for r in requests if not r.finished]
+        if running:
+            self.proposer.on_commit([r.slot for r in running],
+                                    [min(r.num_tokens, r.num_computed_tokens + 1)
+                                     for r in running])
+        for r in requests:
+            if not r.is_prefilling:
+                self.admit(r)
+            if r.finished:
+                self.release(r)
+
     def on_committed(self, batch: Sequence[Request]) -> None:
         """After the engine committed the step: roll the proposer's cache of each request still
         running back to its committed tokens; free finished ones."""

@@ -81,6 +81,8 @@ class EagleProposer(ModelProposer):
     """An EAGLE head from ``config.model`` drafting from ``context.target_model``, the
     target's ``ModelRunner`` (whose hidden states it reads)."""
 
+    shifted_inputs = True  # head position p: the target's hidden state at p, the token at p + 1
+
     def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
         super().__init__(config, context)
 

@@ -27,7 +27,7 @@ while serving.
 from __future__ import annotations
 
 import weakref
-from collections import deque
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -44,8 +44,15 @@ def cdiv(a: int, b: int) -> int:
 
 
 class BlockPool:
-    """Block ids ``1 .. num_blocks - 1`` (0 is the scratch block), each with a reference count;
-    free blocks are handed out in the order they were freed."""
+    """Block ids ``1 .. num_blocks - 1`` (0 is the scratch block), each with a reference count,
+    and the prefix cache's index of published blocks (docs/design.md §13).
+
+    A block nobody holds is *free*; free blocks wait in least-recently-freed order and are handed
+    out from the oldest. A free block that is published (``publish``: its key names the tokens
+    it holds and every token before them) keeps its contents and its key until it is handed out
+    again: ``lookup`` finds it and ``touch`` takes it back from the free queue, so a later
+    request reuses its KV instead of computing it. Handing a published block out evicts its key.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
@@ -53,7 +60,12 @@ class BlockPool:
                              f"{num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._cached: dict[bytes, int] = {}  # key -> published block
+        self._keys: dict[int, bytes] = {}  # published block -> key
+        # Published blocks whose rows every cache on the tables holds (a proposer's too; the
+        # others hold the target's rows only: a proposer that lagged behind its target).
+        self.complete = np.zeros(num_blocks, dtype=bool)
 
     @property
     def num_usable(self) -> int:
@@ -61,7 +73,13 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
+        """Blocks nobody holds (published ones among them: reused only when needed)."""
         return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Published blocks, held or free."""
+        return len(self._cached)
 
     @property
     def usage(self) -> float:
@@ -69,10 +87,18 @@ class BlockPool:
         return 1.0 - self.num_free / self.num_usable
 
     def allocate(self, n: int) -> list[int]:
-        """``n`` blocks with reference count 1; ValueError if fewer are free (check first)."""
+        """``n`` blocks with reference count 1, the least recently freed first (a published one
+        loses its key); ValueError if fewer are free (check first)."""
         if n > len(self._free):
             raise ValueError(f"cannot allocate {n} KV blocks: {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
+        blocks = []
+        for _ in range(n):
+            block = self._free.popitem(last=False)[0]
+            key = self._keys.pop(block, None)
+            if key is not None:
+                del self._cached[key]
+                self.complete[block] = False
+            blocks.append(block)
         self.ref_counts[blocks] = 1
         return blocks
 
@@ -82,15 +108,56 @@ class BlockPool:
             raise ValueError(f"incref of a free block among {blocks[:8]}")
         np.add.at(self.ref_counts, blocks, 1)
 
+    def touch(self, blocks: list[int]) -> None:
+        """One more holder of each (published) block, taking a free one out of the free queue:
+        a prefix-cache hit."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
+
     def free(self, blocks: list[int]) -> None:
-        """Drop one reference of each block; a block nobody holds returns to the free list."""
+        """Drop one reference of each block; a block nobody holds joins the free queue's end
+        (give a request's blocks last first: its deepest published blocks are evicted first)."""
         for block in blocks:
             count = self.ref_counts[block]
             if count < 1:
                 raise ValueError(f"double free of KV block {block}")
             self.ref_counts[block] = count - 1
             if count == 1:
-                self._free.append(block)
+                self._free[block] = None
+
+    def publish(self, block: int, key: bytes) -> None:
+        """Make ``block`` findable under ``key`` (a held block whose tokens are final). A key
+        another block already has stays with that block (two requests computed the same
+        tokens at once): this one is then freed as an ordinary block."""
+        if self.ref_counts[block] < 1:
+            raise ValueError(f"cannot publish the free KV block {block}")
+        if key not in self._cached and block not in self._keys:
+            self._cached[key] = block
+            self._keys[block] = key
+
+    def mark_complete(self, block: int) -> None:
+        """Every cache on the tables now holds the published ``block``'s rows."""
+        if block in self._keys:
+            self.complete[block] = True
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The published blocks of the longest prefix of ``keys`` (a chain: key i names block i
+        and everything before it)."""
+        blocks = []
+        for key in keys:
+            block = self._cached.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every published block (their contents stay with their holders)."""
+        self._cached.clear()
+        self._keys.clear()
+        self.complete[:] = False
 
 
 class BlockTables:
@@ -110,6 +177,9 @@ class BlockTables:
         self.device = torch.device(device)
         self.table_np = np.zeros((num_slots + 1, max_blocks), dtype=np.int32)
         self.num_blocks_np = np.zeros(num_slots + 1, dtype=np.int64)  # blocks held per slot
+        # the slot's leading blocks that are published (or were found published)
+        self.num_published_np = np.zeros(num_slots + 1, dtype=np.int64)
+        self.num_complete_np = np.zeros(num_slots + 1, dtype=np.int64)  # of which complete
         if self.device.type == "cpu":  # the kernels read the host table itself
             self.table = torch.from_numpy(self.table_np)
         else:
@@ -156,6 +226,24 @@ class BlockTables:
         self._mark(slot, have, have + need)
         return True
 
+    def assign(self, slot: int, blocks: list[int]) -> None:
+        """Give an empty slot the published ``blocks`` as its first blocks (a prefix-cache hit:
+        one more holder of each)."""
+        if self.num_blocks_np[slot]:
+            raise ValueError(f"slot {slot} already holds blocks")
+        if len(blocks) > self.max_blocks:
+            raise ValueError(f"slot {slot}: {len(blocks)} blocks exceed the block table's "
+                             f"{self.max_blocks}")
+        if not blocks:
+            return
+        self.pool.touch(blocks)
+        self.table_np[slot, :len(blocks)] = blocks
+        self.num_blocks_np[slot] = len(blocks)
+        self.num_published_np[slot] = len(blocks)
+        complete = self.pool.complete[blocks]
+        self.num_complete_np[slot] = len(blocks) if complete.all() else int(complete.argmin())
+        self._mark(slot, 0, len(blocks))
+
     def _mark(self, slot: int, lo: int, hi: int) -> None:
         old = self._dirty.get(slot)
         self._dirty[slot] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
@@ -177,8 +265,9 @@ class BlockTables:
     def release(self, slot: int) -> None:
         """Return every block of ``slot`` to the pool."""
         have = int(self.num_blocks_np[slot])
+        self.num_published_np[slot] = self.num_complete_np[slot] = 0
         if have:
-            self.pool.free(self.table_np[slot, :have].tolist())
+            self.pool.free(self.table_np[slot, have - 1::-1].tolist())
             self.table_np[slot, :have] = SCRATCH_BLOCK
             self.num_blocks_np[slot] = 0
             self._mark(slot, 0, have)
