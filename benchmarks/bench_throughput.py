@@ -7,7 +7,8 @@ The workload: ``--num-requests`` (1 000) random token-id prompts with log-normal
 a smoke run on CPU). Printed per engine: output tokens/s, time to first token p50 / p99, the
 peak number of running requests, the peak fraction of the KV cache in use, preemptions.
 
-``--baseline DIR`` also runs the engine of another source tree (DIR holds its ``verispec``
+``--variants JSON`` runs this engine again with other arguments (e.g. chunked prefill off) on the
+same requests; ``--baseline DIR`` also runs the engine of another source tree (DIR holds its ``verispec``
 package, e.g. a checkout of the previous commit) in a subprocess, with ``--baseline-max-num-seqs``
 tried from the largest down until one starts at ``--baseline-max-model-len`` (its KV cache was one
 slot per request at full length), on the same requests, and prints the ratio.
@@ -73,9 +74,12 @@ def run_engine(model_dir: str, device: str, num_requests: int, seed: int, scale:
     schedule = scheduler.schedule
 
     def recorded_schedule():
-        batch, is_prefill = schedule()
-        kinds.append((is_prefill, len(batch)))
-        return batch, is_prefill
+        plan = schedule()
+        if isinstance(plan, tuple):  # an engine without chunked prefill: (batch, is_prefill)
+            kinds.append((plan[1], len(plan[0])))
+        else:  # a StepPlan: a step with prefill chunks counts as a prefill step
+            kinds.append((bool(plan.prefills), len(plan.decodes)))
+        return plan
 
     scheduler.schedule = recorded_schedule
     step_times = []
@@ -171,6 +175,9 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=None,
                         help="multiply the length distributions (default 1; 0.05 with --tiny)")
     parser.add_argument("--llm-kwargs", default="{}", help="JSON of LLM arguments (ours)")
+    parser.add_argument("--variants", default="[]",
+                        help="JSON list of LLM argument sets: this tree's engine again with each "
+                        "(e.g. '[{\"enable_chunked_prefill\": false}]'), compared")
     parser.add_argument("--baseline", default=None, help="source tree of the engine to compare")
     parser.add_argument("--baseline-max-model-len", type=int, default=4096)
     parser.add_argument("--baseline-max-num-seqs", type=lambda s: [int(x) for x in s.split(",")],
@@ -193,8 +200,13 @@ def main() -> None:
     ours = run_subprocess(args, model_dir, json.loads(args.llm_kwargs), None)
     if ours is None:
         sys.exit("the engine of this tree did not run")
-    rows = [dict(engine="verispec (paged)", **ours)]
-    print("paged:", json.dumps(rows[0]), flush=True)
+    rows = [dict(engine="verispec", **ours)]
+    print("ours:", json.dumps(rows[0]), flush=True)
+    for variant in json.loads(args.variants):
+        row = run_subprocess(args, model_dir, dict(json.loads(args.llm_kwargs), **variant), None)
+        if row is not None:
+            rows.append(dict(engine=f"verispec {json.dumps(variant)}", **row))
+            print("variant:", json.dumps(rows[-1]), flush=True)
     if args.baseline:
         base = run_baseline(args, model_dir)
         if base is not None:
@@ -208,9 +220,11 @@ def main() -> None:
                "mean_decode_batch", "startup_s"]
     print_table(rows, columns)
     result = {"benchmark": "throughput", "machine": machine_description(), "rows": rows}
-    if len(rows) == 2:
-        result["ratio"] = rows[0]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"]
-        print(f"output tokens/s ratio (paged / baseline): {result['ratio']:.2f}x")
+    result["ratios"] = {}
+    for row in rows[1:]:
+        ratio = rows[0]["output_tokens_per_s"] / row["output_tokens_per_s"]
+        result["ratios"][row["engine"]] = ratio
+        print(f"output tokens/s ratio (verispec / {row['engine']}): {ratio:.2f}x")
     print(json.dumps(result))
 
 

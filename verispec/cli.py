@@ -40,8 +40,19 @@ ENGINE_FLAGS: dict[str, dict] = {
         "max-num-seqs full-length requests, at most 1GiB; on CUDA it overrides "
         "--gpu-memory-utilization). Too small for one max-model-len request: refused at start"),
     "max_num_batched_tokens": dict(
-        type=int, default=None, help="most prompt tokens one prefill step takes (default: "
-        "8192; a longer prompt runs alone)"),
+        type=int, default=None, help="most tokens one step computes: with chunked prefill the "
+        "running requests' decode tokens and prefill chunks together (default 2048), without "
+        "it a prefill step's prompt tokens (default 8192; a longer prompt runs alone)"),
+    "enable_prefix_caching": dict(
+        action=argparse.BooleanOptionalAction, default=None,
+        help="reuse the KV of earlier requests' identical first tokens (shared system prompts, "
+        "earlier chat turns); --no-enable-prefix-caching computes every prompt (default: on, "
+        "off for hybrid models)"),
+    "enable_chunked_prefill": dict(
+        action=argparse.BooleanOptionalAction, default=None,
+        help="split long prompts over steps shared with the running requests' decodes; "
+        "--no-enable-chunked-prefill prefills whole prompts in steps of their own (default: "
+        "on, off for hybrid models)"),
     "device": dict(default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)"),
     "enforce_eager": dict(action="store_true",
                           help="on CUDA, run every step eagerly instead of replaying the CUDA "

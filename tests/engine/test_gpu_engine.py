@@ -295,3 +295,32 @@ def test_memory_plan_on_cuda(dirs):
         LLM(dirs[0], device="cuda", kv_cache_memory="64KiB")
     with pytest.raises(ValueError, match="does not fit in memory"):
         LLM(dirs[0], device="cuda", kv_cache_memory="100TiB", max_num_seqs=10**6)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("method", [None, "draft_model", "eagle3"])
+def test_prefix_hits_and_chunks_keep_the_cold_tokens(dirs, heads, dtype, method):
+    """On the GPU: requests sharing first parts of every length, after a warm-up that publishes
+    them, with chunks of 7 tokens (decodes and chunks in one eager forward without
+    speculation): greedy and seeded tokens equal those of a cold engine without chunks."""
+    spec = None if method is None else _spec(dirs, method, "probabilistic", heads)
+    rng = np.random.default_rng(1)
+    shared = rng.integers(3, VOCAB, size=70).tolist()
+    prompts = [shared + [7, 8, 9]] + [shared[:cut] + rng.integers(3, VOCAB, size=9).tolist()
+                                      for cut in (0, 16, 31, 48, 70, 70)] + [shared[:40]]
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0 if i % 2 else 0.9,
+                             seed=i) for i in range(len(prompts))]
+    cold = LLM(dirs[0], dtype=dtype, device="cuda", max_num_seqs=8, max_model_len=256,
+               speculative_config=spec, enable_prefix_caching=False,
+               enable_chunked_prefill=False)
+    expected = [cold.generate([p], [q])[0].token_ids for p, q in zip(prompts, params)]
+    costs = None if method is None else cold.spec.costs
+    del cold
+    warm = LLM(dirs[0], dtype=dtype, device="cuda", max_num_seqs=8, max_model_len=256,
+               speculative_config=spec, max_num_batched_tokens=7)
+    if costs is not None:
+        warm.spec.costs = costs  # the same draft plan (test_preempted_and_pieced_...)
+    warm.generate([prompts[0]], [params[0]])
+    outputs = warm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == expected
+    assert outputs[5].num_cached_tokens >= 48 and outputs[1].num_cached_tokens == 0
