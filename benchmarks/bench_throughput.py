@@ -7,11 +7,11 @@ The workload: ``--num-requests`` (1 000) random token-id prompts with log-normal
 a smoke run on CPU). Printed per engine: output tokens/s, time to first token p50 / p99, the
 peak number of running requests, the peak fraction of the KV cache in use, preemptions.
 
-``--variants JSON`` runs this engine again with other arguments (e.g. chunked prefill off) on the
-same requests; ``--baseline DIR`` also runs the engine of another source tree (DIR holds its ``verispec``
-package, e.g. a checkout of the previous commit) in a subprocess, with ``--baseline-max-num-seqs``
-tried from the largest down until one starts at ``--baseline-max-model-len`` (its KV cache was one
-slot per request at full length), on the same requests, and prints the ratio.
+``--variants JSON`` runs this engine again with other arguments (e.g. chunked prefill off) on
+the same requests. ``--baseline DIR`` also runs the engine of another source tree (DIR holds its
+``verispec`` package, e.g. a checkout of the previous commit) in a subprocess, with
+``--baseline-max-num-seqs`` tried from the largest down until one starts at
+``--baseline-max-model-len``. Ratios are against the first row.
 
     python benchmarks/bench_throughput.py --workdir /tmp/bench [--baseline .baseline]
 
