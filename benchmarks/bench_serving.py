@@ -1,24 +1,58 @@
-"""Serving benchmark (the shape of vLLM's): N concurrent streaming clients against ``verispec
-serve``, with and without speculation, in one run.
+"""Serving benchmark in the shape of vLLM's ``benchmark_serving``: a seeded ShareGPT-shaped
+workload sent to ``verispec serve`` with Poisson arrivals at several request rates, for several
+speculative configurations side by side, in one run.
 
-For each configuration (``--configs``: ``none`` = no speculation, ``ngram``, or a vLLM
-speculative_config JSON) the script starts ``verispec serve`` in a subprocess on a free port
-(the bundled SmolLM2-135M-Instruct unless ``--model``), warms it up with one full batch of the
-longest prompts, reads the server's RSS, then sends ``--num-prompts`` streaming chat (or
-completion) requests at once (``--max-concurrency`` caps how many are in flight), each with
-random sampling parameters: greedy or temperature 0.5-1.0, top-p, top-k, min-p, a seed, and
-max_tokens in [max_tokens / 2, max_tokens]. Prompts cycle through the built-in ``grounded`` and
-``free`` sets. It then reads the RSS again and ``/metrics`` (KV slots in use, requests running
-and waiting, speculative counters) and stops the server.
+Workload. ``--num-prompts`` requests with prompt and output lengths drawn from log-normal
+distributions of ShareGPT's shape (no dataset is downloaded): prompts median 250 tokens (sigma
+1.0), outputs median 200 (sigma 0.8), both clipped to [4, 1024] as vLLM's ShareGPT sampler
+filters them, outputs also to what ``max_model_len`` leaves; ``--scale`` multiplies medians and
+bounds (small runs on CPU). Prompts are random token ids of the model's vocabulary sent to
+``/v1/completions``, so a model without a tokenizer (a random-weight checkpoint) serves them;
+``ignore_eos`` makes each output exactly as long as drawn; greedy unless ``--sampling random``
+(per request a random temperature, top-p, top-k, min-p and seed). Seeded: every configuration
+and every rate gets the same requests.
 
-Per configuration: completed requests and errors, request throughput, output tokens/s (tokens
-from the usage each stream reports), time to first token and inter-token latency (the gap
-between two streamed chunks; a speculative step may deliver several tokens in one chunk) p50 and
-p99, the server's RSS before and after, the KV slots in use at the end and the mean acceptance
-length. Prints a table, then one JSON line.
+Arrivals. For each rate of ``--request-rates`` (requests/s; ``inf`` sends all at once) the
+requests are sent at Poisson arrival times (exponential gaps of mean 1 / rate, seeded), each
+rate a separate pass against the same server, after one warm-up of ``--num-warmup`` of the
+longest prompts.
 
-    python benchmarks/bench_serving.py --num-prompts 200 --max-tokens 32
-    python benchmarks/bench_serving.py --configs none --num-prompts 20 --max-num-seqs 4
+Configurations (``--configs``): ``none`` (plain decoding), ``ngram`` (k = 3), ``eagle3`` (a random
+EAGLE-3 head for the target's shape, k = 3, synthetic acceptance with mean acceptance length 2.5),
+or a vLLM ``speculative_config`` JSON object. Each runs on its own ``verispec serve`` subprocess.
+The model is ``--model``, a random one (``--random-model 8b`` or ``tiny``, written under
+``--workdir``), or the bundled SmolLM2-135M-Instruct.
+
+Metrics per configuration and rate, as vLLM's serving table (times are the client's:
+``perf_counter`` around a streaming request):
+
+- completed requests; duration = first request sent -> last response finished;
+- request throughput = completed / duration; output tokens/s = output tokens (each response's
+  ``usage.completion_tokens``) / duration; total tokens/s = (prompt + output tokens) / duration;
+- TTFT = request sent -> first streamed chunk that carries a token;
+- TPOT, per request = (end-to-end latency - TTFT) / (output tokens - 1), over requests with more
+  than one output token;
+- ITL, per token: a streamed chunk that carries n tokens, arriving g seconds after the previous
+  chunk, counts as n inter-token latencies of g / n each (with speculation one chunk carries a
+  verify step's accepted tokens; counting per chunk would report a step's time as one token's,
+  and ITL would no longer match output tokens/s). Tokens that arrive with the first chunk count
+  in no ITL. A request's ITLs so sum to its decode time. The gaps between chunks themselves are
+  in the JSON line (``chunk_gap_*``). Tokens per chunk come from the chunk's logprobs: every
+  request asks for ``logprobs=0``, the one streamed field that lists each token, text or not
+  (a model without a tokenizer streams no text), at the cost of one log-softmax row per output
+  token on the server, the same for every configuration;
+- means, medians and 99th percentiles (numpy, linear interpolation) in ms; the mean acceptance
+  length from the server's ``/metrics``, and the server's RSS before the first pass and after
+  the last.
+
+Prints one table per configuration, then one JSON line with everything. ``--plot FILE.png``
+draws p50 and p99 TTFT and TPOT against request rate, one line per configuration
+(matplotlib, ``pip install 'verispec[bench]'``).
+
+    python benchmarks/bench_serving.py --device cuda --random-model 8b --configs none,ngram,eagle3 \
+        --request-rates 1,4,16,64,inf --num-prompts 1000 --plot docs/serving_latency.png
+    python benchmarks/bench_serving.py --configs none,ngram --request-rates 1,inf --num-prompts 16 \
+        --scale 0.1 --max-num-seqs 8                        # the bundled model on the CPU
 """
 
 from __future__ import annotations
@@ -26,62 +60,117 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
-import signal
-import socket
-import subprocess
+import shlex
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
-from verispec.bench.prompts import FREE_PROMPTS, GROUNDED_PROMPTS
-from verispec.bench.report import machine_description, print_table
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from random_checkpoints import (  # noqa: E402
+    config_label,
+    model_config,
+    speculative_config,
+    split_configs,
+    target_checkpoint,
+)
+from serve_subprocess import Server, mean_acceptance_length, read_metrics  # noqa: E402
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+from verispec.bench.report import machine_description, print_table  # noqa: E402
+
+PROMPT_MEDIAN, PROMPT_SIGMA = 250, 1.0
+OUTPUT_MEDIAN, OUTPUT_SIGMA = 200, 0.8
+LENGTH_RANGE = (4, 1024)  # vLLM's ShareGPT filter: at least 4 tokens, prompts at most 1024
+
+
+# ----------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]  # token ids
+    output_lens: list[int]  # max_tokens of each request (ignore_eos: exactly this many)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def sharegpt_workload(num: int, vocab_size: int, seed: int, scale: float = 1.0,
+                      max_model_len: int | None = None) -> Workload:
+    """``num`` requests with log-normal prompt and output lengths of ShareGPT's shape.
+
+    ``scale`` multiplies the medians and the clipping bounds; an output is cut so that prompt +
+    output fits ``max_model_len``.
+    """
+    rng = np.random.default_rng(seed)
+    lo, hi = (max(1, round(b * scale)) for b in LENGTH_RANGE)
+
+    def lengths(median: float, sigma: float) -> np.ndarray:
+        raw = rng.lognormal(math.log(median * scale), sigma, size=num)
+        return np.clip(raw.round(), lo, hi).astype(int)
+
+    prompt_lens, output_lens = lengths(PROMPT_MEDIAN, PROMPT_SIGMA), lengths(OUTPUT_MEDIAN,
+                                                                             OUTPUT_SIGMA)
+    if max_model_len is not None:
+        prompt_lens = np.minimum(prompt_lens, max_model_len - 1)
+        output_lens = np.maximum(1, np.minimum(output_lens, max_model_len - prompt_lens))
+    prompts = [rng.integers(0, vocab_size, size=n).tolist() for n in prompt_lens]
+    return Workload(prompts, output_lens.tolist())
+
+
+def arrival_offsets(num: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which each request is sent: Poisson arrivals (exponential
+    gaps of mean 1 / rate), the first at 0; all 0 for an infinite rate."""
+    if math.isinf(rate):
+        return [0.0] * num
+    gaps = np.random.default_rng([seed, 1]).exponential(1.0 / rate, size=num)
+    gaps[0] = 0.0
+    return np.cumsum(gaps).tolist()
+
+
+def request_body(prompt: list[int], max_tokens: int, model: str, sampling: str,
+                 rng: random.Random) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if sampling == "greedy":
+        body["temperature"] = 0.0
+    else:
+        body.update(temperature=0.0 if rng.random() < 0.3 else round(rng.uniform(0.5, 1.0), 3),
+                    top_p=rng.choice([1.0, 0.95, 0.9]), top_k=rng.choice([0, 20, 50]),
+                    min_p=rng.choice([0.0, 0.05]), seed=rng.randrange(2**31))
+    return body
+
+
+# ----------------------------------------------------------------- client
 
 
 @dataclass
 class Result:
-    """One request as the client saw it."""
+    """One request as the client saw it (perf_counter seconds)."""
 
     ok: bool = False
     error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0  # usage.completion_tokens
+    start: float = 0.0
     ttft_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)
     e2e_s: float = 0.0
-    output_tokens: int = 0
-    finish_reason: str | None = None
+    chunk_times: list[float] = field(default_factory=list)  # arrivals of chunks with tokens
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens in each of them
 
 
-def random_request(rng: random.Random, prompt: str, max_tokens: int, endpoint: str,
-                   model: str) -> dict:
-    body = {
-        "model": model,
-        "temperature": 0.0 if rng.random() < 0.3 else round(rng.uniform(0.5, 1.0), 3),
-        "top_p": rng.choice([1.0, 0.95, 0.9]),
-        "top_k": rng.choice([0, 20, 50]),
-        "min_p": rng.choice([0.0, 0.05]),
-        "seed": rng.randrange(2**31),
-        "max_tokens": rng.randint(max(1, max_tokens // 2), max_tokens),
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": prompt}]
-    else:
-        body["prompt"] = prompt
-    return body
-
-
-async def send(http: httpx.AsyncClient, url: str, body: dict, chat: bool) -> Result:
-    """One streaming request; the result records when each chunk with text arrived."""
-    result = Result()
-    start = last = time.perf_counter()
+async def send(http: httpx.AsyncClient, url: str, body: dict) -> Result:
+    """One streaming completion; records when each chunk with tokens arrived and how many."""
+    result = Result(prompt_tokens=len(body["prompt"]))
+    result.start = time.perf_counter()
+    finish_reason = None
     try:
         async with http.stream("POST", url, json=body) as response:
             if response.status_code != 200:
@@ -90,6 +179,7 @@ async def send(http: httpx.AsyncClient, url: str, body: dict, chat: bool) -> Res
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
+                now = time.perf_counter()
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     result.error = chunk["error"]["message"]
@@ -97,214 +187,278 @@ async def send(http: httpx.AsyncClient, url: str, body: dict, chat: bool) -> Res
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk["choices"]:
-                    text = choice["delta"].get("content") if chat else choice["text"]
-                    now = time.perf_counter()
-                    if text:
+                    num_tokens = len((choice.get("logprobs") or {}).get("tokens") or ())
+                    if num_tokens:
                         if result.ttft_s is None:
-                            result.ttft_s = now - start
-                        else:
-                            result.itl_s.append(now - last)
-                        last = now
-                    result.finish_reason = choice["finish_reason"] or result.finish_reason
+                            result.ttft_s = now - result.start
+                        result.chunk_times.append(now)
+                        result.chunk_tokens.append(num_tokens)
+                    finish_reason = choice["finish_reason"] or finish_reason
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
         result.error = f"{type(e).__name__}: {e}"
         return result
-    result.e2e_s = time.perf_counter() - start
-    result.ok = result.finish_reason in ("stop", "length")
+    result.e2e_s = time.perf_counter() - result.start
+    result.ok = finish_reason in ("stop", "length") and result.ttft_s is not None
     if not result.ok:
-        result.error = f"stream ended without a finish_reason ({result.finish_reason!r})"
+        result.error = f"stream ended without tokens or a finish_reason ({finish_reason!r})"
+    elif sum(result.chunk_tokens) != result.output_tokens:
+        result.ok = False
+        result.error = (f"chunks carried {sum(result.chunk_tokens)} tokens, usage says "
+                        f"{result.output_tokens}")
     return result
 
 
-async def run_clients(base_url: str, bodies: list[dict], chat: bool,
-                      max_concurrency: int | None) -> tuple[list[Result], float]:
-    url = base_url + ("/v1/chat/completions" if chat else "/v1/completions")
-    limit = asyncio.Semaphore(max_concurrency or len(bodies))
+async def run_pass(base_url: str, bodies: list[dict], offsets: list[float]) -> list[Result]:
+    """Send ``bodies[i]`` at ``offsets[i]`` seconds after the start; every result."""
+    url = base_url + "/v1/completions"
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits,
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits,
                                  trust_env=False) as http:
-
-        async def one(body: dict) -> Result:
-            async with limit:
-                return await send(http, url, body, chat)
-
         start = time.perf_counter()
-        results = await asyncio.gather(*[one(b) for b in bodies])
-        return list(results), time.perf_counter() - start
+
+        async def one(body: dict, offset: float) -> Result:
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            return await send(http, url, body)
+
+        return list(await asyncio.gather(*[one(b, o) for b, o in zip(bodies, offsets)]))
 
 
-def read_metrics(base_url: str) -> dict[str, float]:
-    """``/metrics`` as sample name (labels but model_name appended) -> value."""
-    text = httpx.get(base_url + "/metrics", trust_env=False).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
-                              if k != "model_name")
-            samples[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return samples
+# ----------------------------------------------------------------- metrics
 
 
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+def _stats_ms(values: list[float], name: str) -> dict:
+    """``{name}_mean_ms``, ``_p50_ms``, ``_p99_ms`` of seconds (None when there are none)."""
+    arr = np.asarray(values, dtype=float) * 1000
+    if not arr.size:
+        return {f"{name}_mean_ms": None, f"{name}_p50_ms": None, f"{name}_p99_ms": None}
+    return {f"{name}_mean_ms": float(arr.mean()), f"{name}_p50_ms": float(np.percentile(arr, 50)),
+            f"{name}_p99_ms": float(np.percentile(arr, 99))}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def per_token_itls(result: Result) -> list[float]:
+    """A chunk of n tokens arriving g after the previous chunk: n latencies of g / n."""
+    itls = []
+    for prev, now, n in zip(result.chunk_times, result.chunk_times[1:], result.chunk_tokens[1:]):
+        itls += [(now - prev) / n] * n
+    return itls
 
 
-class Server:
-    """``verispec serve`` in a subprocess, its log in ``log_path``."""
-
-    def __init__(self, args: argparse.Namespace, spec: str, log_path: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "verispec.cli", "serve", "--port", str(self.port),
-                   "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]
-        if args.model:
-            command += ["--model", args.model]
-        if spec == "none":
-            command += ["--speculative-method", "none"]
-        else:
-            command += ["--speculative-config", json.dumps(NGRAM if spec == "ngram" else
-                                                           json.loads(spec))]
-        self.log = open(log_path, "w")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 600
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"verispec serve exited ({self.process.returncode}); see "
-                                   f"{log_path}")
-            try:
-                if httpx.get(self.url + "/health", trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"verispec serve did not start in 600 s; see {log_path}")
-            time.sleep(0.5)
-        self.model = httpx.get(self.url + "/v1/models", trust_env=False).json()["data"][0]["id"]
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGINT)
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.log.close()
-
-
-def percentile_ms(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q) * 1000) if values else None
-
-
-def bench_config(args: argparse.Namespace, spec: str, prompts: list[str]) -> dict:
-    server = Server(args, spec, os.path.join(args.log_dir, f"bench_serving_{spec[:20]}.log"))
-    chat = args.endpoint == "chat"
-    try:
-        # Warm-up: one full batch of the longest prompts (the largest prefill the run will see).
-        longest = sorted(prompts, key=len)[-args.max_num_seqs:]
-        warm = [random_request(random.Random(i), p, 8, args.endpoint, server.model)
-                for i, p in enumerate(longest)]
-        warm_results, _ = asyncio.run(run_clients(server.url, warm, chat, None))
-        if not all(r.ok for r in warm_results):
-            raise RuntimeError(f"warm-up failed: {[r.error for r in warm_results if r.error]}")
-        rss_before = rss_mb(server.process.pid)
-        before = read_metrics(server.url)
-        rng = random.Random(args.seed)
-        bodies = [random_request(rng, prompts[i % len(prompts)], args.max_tokens, args.endpoint,
-                                 server.model) for i in range(args.num_prompts)]
-        results, duration = asyncio.run(run_clients(server.url, bodies, chat,
-                                                    args.max_concurrency))
-        time.sleep(0.5)  # the engine thread updates its gauges after the last step
-        after = read_metrics(server.url)
-        rss_after = rss_mb(server.process.pid)
-    finally:
-        server.stop()
+def serving_metrics(results: list[Result]) -> dict:
+    """vLLM's serving metrics over one pass (see the module docstring)."""
     done = [r for r in results if r.ok]
-    ttft = [r.ttft_s for r in done if r.ttft_s is not None]
-    itl = [x for r in done for x in r.itl_s]
+    if done:
+        duration = max(r.start + r.e2e_s for r in done) - min(r.start for r in results)
+    else:  # nothing finished: no rates (and no NaN in the JSON line)
+        duration = math.inf
+    input_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
-
-    def grew(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    drafts = grew("vllm:spec_decode_num_drafts_total")
+    tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    gaps = [b - a for r in done for a, b in zip(r.chunk_times, r.chunk_times[1:])]
     errors = [r.error for r in results if not r.ok]
     return {
-        "config": spec,
-        "requests": len(results),
         "completed": len(done),
-        "errors": len(errors),
-        "duration_s": duration,
+        "failed": len(errors),
+        "duration_s": duration if done else None,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
         "request_throughput": len(done) / duration,
-        "output_tokens_per_s": output_tokens / duration,
-        "output_tokens": output_tokens,
-        "ttft_p50_ms": percentile_ms(ttft, 50),
-        "ttft_p99_ms": percentile_ms(ttft, 99),
-        "itl_p50_ms": percentile_ms(itl, 50),
-        "itl_p99_ms": percentile_ms(itl, 99),
-        "e2e_p50_s": float(np.percentile([r.e2e_s for r in done], 50)) if done else None,
-        "rss_before_mb": rss_before,
-        "rss_after_mb": rss_after,
-        "rss_change_pct": 100 * (rss_after - rss_before) / rss_before,
-        "kv_slots_in_use_end": after["verispec:kv_slots_in_use"],
-        "running_end": after["vllm:num_requests_running"],
-        "waiting_end": after["vllm:num_requests_waiting"],
-        "server_generation_tokens": grew("vllm:generation_tokens_total"),
-        "mean_acceptance_length": (1 + grew("vllm:spec_decode_num_accepted_tokens_total")
-                                   / drafts) if drafts else None,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        **_stats_ms([r.ttft_s for r in done], "ttft"),
+        **_stats_ms(tpot, "tpot"),
+        **_stats_ms([x for r in done for x in per_token_itls(r)], "itl"),
+        **_stats_ms([r.e2e_s for r in done], "e2el"),
+        **_stats_ms(gaps, "chunk_gap"),
+        "mean_tokens_per_chunk": (sum(sum(r.chunk_tokens) for r in done)
+                                  / max(1, sum(len(r.chunk_tokens) for r in done))),
         "first_errors": errors[:3],
     }
 
 
-def main() -> int:
+# ----------------------------------------------------------------- the run
+
+
+def server_flags(args: argparse.Namespace, spec: dict | None) -> list[str]:
+    flags = ["--device", args.device,
+             "--speculative-config", json.dumps(spec or {"method": "none"})]
+    for name in ("model", "dtype", "max_num_seqs", "max_model_len"):
+        if getattr(args, name) is not None:
+            flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return flags + shlex.split(args.server_args)
+
+
+def bench_config(args: argparse.Namespace, name: str, rates: list[float]) -> dict:
+    """Every rate's pass against one server of configuration ``name``."""
+    spec = speculative_config(name, args.model, args.workdir, args.device)
+    os.makedirs(args.log_dir, exist_ok=True)
+    log_path = os.path.join(args.log_dir, f"bench_serving_{config_label(name)}.log")
+    print(f"{config_label(name)}: starting verispec serve (log: {log_path})", flush=True)
+    server = Server(server_flags(args, spec), log_path)
+    try:
+        vocab_size = model_config(args.model)["vocab_size"]
+        workload = sharegpt_workload(args.num_prompts, vocab_size, args.seed, args.scale,
+                                     server.max_model_len)
+        rng = random.Random(args.seed)
+        bodies = [request_body(p, n, server.model, args.sampling, rng)
+                  for p, n in zip(workload.prompts, workload.output_lens)]
+        longest = sorted(range(len(bodies)), key=lambda i: -len(bodies[i]["prompt"]))
+        warm = [dict(bodies[i], max_tokens=min(32, bodies[i]["max_tokens"]))
+                for i in longest[:args.num_warmup]]
+        warm_results = asyncio.run(run_pass(server.url, warm, [0.0] * len(warm)))
+        if not all(r.ok for r in warm_results):
+            raise RuntimeError(f"warm-up failed: {[r.error for r in warm_results if r.error]}")
+        rss_before = server.rss_mb
+        passes = []
+        for rate in rates:
+            before = read_metrics(server.url)
+            offsets = arrival_offsets(len(bodies), rate, args.seed)
+            results = asyncio.run(run_pass(server.url, bodies, offsets))
+            time.sleep(0.5)  # the engine thread updates its counters after the last step
+            row = {"config": config_label(name), "request_rate": rate_label(rate),
+                   **serving_metrics(results),
+                   "mean_acceptance_length": mean_acceptance_length(
+                       before, read_metrics(server.url))}
+            print(f"{row['config']} at {rate} req/s: {row['completed']}/{len(bodies)} in "
+                  f"{row['duration_s']:.1f} s, {row['output_throughput']:.1f} output tok/s",
+                  flush=True)
+            passes.append(row)
+        rss_after = server.rss_mb
+    finally:
+        server.stop()
+    return {"config": config_label(name), "speculative_config": spec,
+            "max_model_len": server.max_model_len, "num_prompt_tokens": workload.num_prompt_tokens,
+            "num_output_tokens": sum(workload.output_lens), "rss_before_mb": rss_before,
+            "rss_after_mb": rss_after, "passes": passes}
+
+
+TABLE_COLUMNS = {  # JSON key -> table heading
+    "request_rate": "req rate", "completed": "done", "request_throughput": "req/s",
+    "output_throughput": "out tok/s", "total_token_throughput": "total tok/s",
+    "ttft_mean_ms": "TTFT mean", "ttft_p50_ms": "TTFT p50", "ttft_p99_ms": "TTFT p99",
+    "tpot_mean_ms": "TPOT mean", "tpot_p50_ms": "TPOT p50", "tpot_p99_ms": "TPOT p99",
+    "itl_mean_ms": "ITL mean", "itl_p50_ms": "ITL p50", "itl_p99_ms": "ITL p99",
+    "mean_acceptance_length": "accept len",
+}
+
+
+def print_tables(configs: list[dict], num_prompts: int) -> None:
+    for config in configs:
+        print(f"\n{config['config']} (latencies in ms; {num_prompts} requests per rate; "
+              f"RSS {config['rss_before_mb']:.0f} -> {config['rss_after_mb']:.0f} MiB)")
+        print_table([{heading: row[key] for key, heading in TABLE_COLUMNS.items()}
+                     for row in config["passes"]])
+
+
+def plot_latency(configs: list[dict], rates: list[float], path: str) -> None:
+    """p50 (solid) and p99 (dashed) TTFT and TPOT against request rate, one colour per
+    configuration; rates are evenly spaced categories (``inf`` last)."""
+    from matplotlib.figure import Figure  # optional: only --plot needs it
+
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    axes = fig.subplots(1, 2)
+    x = list(range(len(rates)))
+    for i, config in enumerate(configs):
+        colour = f"C{i}"
+        for ax, metric in zip(axes, ("ttft", "tpot")):
+            for q, style in (("p50", "-"), ("p99", "--")):
+                y = [row[f"{metric}_{q}_ms"] for row in config["passes"]]
+                y = [math.nan if v is None else v for v in y]
+                ax.plot(x, y, style, marker="o", color=colour, label=f"{config['config']} {q}")
+    axes[0].set_yscale("log")  # TTFT grows by orders of magnitude once requests queue
+    axes[1].set_ylim(bottom=0)
+    for ax, title in zip(axes, ("time to first token", "time per output token")):
+        ax.set(xlabel="request rate (req/s)", ylabel="ms", title=title)
+        ax.set_xticks(x, [rate_text(r) for r in rates])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.savefig(path, dpi=120)
+
+
+def rate_label(rate: float) -> float | str:
+    """A rate as JSON holds it: ``"inf"`` for all at once (JSON has no infinity)."""
+    return "inf" if math.isinf(rate) else rate
+
+
+def rate_text(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = [float(r) for r in text.split(",") if r.strip()]
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError(f"--request-rates must be positive numbers or inf, got {text!r}")
+    return rates
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", default="none,ngram",
-                        help="comma-separated: none, ngram, or one speculative_config JSON "
+    parser.add_argument("--configs", default="none,ngram,eagle3",
+                        help="comma-separated: none, ngram, eagle3, or one speculative_config "
+                        "JSON (default: %(default)s)")
+    parser.add_argument("--request-rates", default="1,4,16,64,inf",
+                        help="requests/s, comma-separated; inf = all at once "
                         "(default: %(default)s)")
-    parser.add_argument("--num-prompts", type=int, default=200)
-    parser.add_argument("--max-concurrency", type=int, default=None,
-                        help="requests in flight at once (default: all of them)")
-    parser.add_argument("--max-tokens", type=int, default=32,
-                        help="each request asks for a random max_tokens in [N/2, N]")
-    parser.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    parser.add_argument("--num-prompts", type=int, default=1000, help="requests per rate")
+    parser.add_argument("--num-warmup", type=int, default=32,
+                        help="warm-up requests (the longest prompts, 32 tokens each)")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="multiply the length distributions (default: %(default)s)")
+    parser.add_argument("--sampling", choices=["greedy", "random"], default="greedy")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="default: the bundled model")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--max-num-seqs", type=int, default=16,
-                        help="KV slots of the server (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="of the random request parameters")
+    parser.add_argument("--random-model", choices=["8b", "tiny"], default=None,
+                        help="serve a random-weight Llama target of this shape (written under "
+                        "--workdir) instead of --model")
+    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(),
+                                                          "verispec_bench_models"),
+                        help="where random models and EAGLE-3 heads are written (reused)")
+    parser.add_argument("--device", default="cpu", help="passed to the server")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="passed to the server (an EAGLE-3 head needs a dense target)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="passed to the server")
+    parser.add_argument("--max-model-len", type=int, default=None, help="passed to the server")
+    parser.add_argument("--server-args", default="",
+                        help="more verispec serve flags, e.g. '--enforce-eager'")
     parser.add_argument("--log-dir", default=".", help="where the servers' logs go")
-    args = parser.parse_args()
-    for flag in ("num_prompts", "max_tokens", "max_num_seqs"):
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="draw p50 / p99 TTFT and TPOT against request rate")
+    args = parser.parse_args(argv)
+    for flag in ("num_prompts", "num_warmup"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    configs = [args.configs] if args.configs.lstrip().startswith("{") else [
-        c.strip() for c in args.configs.split(",")]
-    for c in configs:
-        if c not in ("none", "ngram") and not c.startswith("{"):
-            parser.error(f"--configs entries are none, ngram or a JSON object, got {c!r}")
-    prompts = list(GROUNDED_PROMPTS) + list(FREE_PROMPTS)
-    rows = [bench_config(args, c, prompts) for c in configs]
-    print(f"hardware: {machine_description()}")
-    print(f"{args.num_prompts} streaming {args.endpoint} requests, max_tokens <= "
-          f"{args.max_tokens}, concurrency {args.max_concurrency or args.num_prompts}, "
-          f"{args.dtype}, max_num_seqs {args.max_num_seqs}")
-    columns = ["config", "completed", "errors", "request_throughput", "output_tokens_per_s",
-               "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "rss_before_mb",
-               "rss_after_mb", "rss_change_pct", "kv_slots_in_use_end", "mean_acceptance_length"]
-    print_table([{c: r[c] for c in columns} for r in rows])
-    print(json.dumps({"bench_serving": {"hardware": machine_description(), "args": vars(args),
-                                        "rows": rows}}))
-    return 0 if all(r["errors"] == 0 for r in rows) else 1
+    if args.random_model and args.model:
+        parser.error("give --model or --random-model, not both")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    rates = parse_rates(args.request_rates)
+    names = split_configs(args.configs)
+    if args.plot:
+        import matplotlib  # noqa: F401  (fail before the runs, not after them)
+    if args.random_model:
+        args.model = target_checkpoint(args.workdir, args.random_model == "tiny",
+                                       args.device)
+    configs = [bench_config(args, name, rates) for name in names]
+    print(f"\nhardware: {machine_description()}; server device {args.device}")
+    print(f"model {args.model or 'bundled SmolLM2-135M-Instruct'}; {args.num_prompts} "
+          f"ShareGPT-shaped requests (scale {args.scale}, {configs[0]['num_prompt_tokens']} "
+          f"prompt / {configs[0]['num_output_tokens']} output tokens), {args.sampling}, "
+          f"ignore_eos, {args.dtype}")
+    print_tables(configs, args.num_prompts)
+    if args.plot:
+        plot_latency(configs, rates, args.plot)
+        print(f"plot: {args.plot}")
+    result = {"benchmark": "bench_serving", "hardware": machine_description(),
+              "args": vars(args), "request_rates": [rate_label(r) for r in rates],
+              "configs": configs}
+    print(json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    outcome = main()
+    sys.exit(0 if all(p["failed"] == 0 for c in outcome["configs"] for p in c["passes"]) else 1)
