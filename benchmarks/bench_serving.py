@@ -10,7 +10,9 @@ bounds (small runs on CPU). Prompts are random token ids of the model's vocabula
 ``/v1/completions``, so a model without a tokenizer (a random-weight checkpoint) serves them;
 ``ignore_eos`` makes each output exactly as long as drawn; greedy unless ``--sampling random``
 (per request a random temperature, top-p, top-k, min-p and seed). Seeded: every configuration
-and every rate gets the same requests.
+and every rate gets the same lengths and parameters; each rate's pass (and the warm-up) draws
+its own token ids, the same for every configuration, so that no pass is served from the prefix
+cache an earlier pass filled.
 
 Arrivals. For each rate of ``--request-rates`` (requests/s; ``inf`` sends all at once) the
 requests are sent at Poisson arrival times (exponential gaps of mean 1 / rate, seeded), each
@@ -43,7 +45,10 @@ Metrics per configuration and rate, as vLLM's serving table (times are the clien
   token on the server, the same for every configuration;
 - means, medians and 99th percentiles (numpy, linear interpolation) in ms; the mean acceptance
   length from the server's ``/metrics``, and the server's RSS before the first pass and after
-  the last.
+  the last;
+- ``client_lag_*``: how late the client's event loop wakes a 5 ms timer during the pass. The
+  client is one Python process; when it falls behind reading chunks (many streams on a fast
+  GPU) every latency above grows with it, and this says so.
 
 Prints one table per configuration, then one JSON line with everything. ``--plot FILE.png``
 draws p50 and p99 TTFT and TPOT against request rate, one line per configuration
@@ -94,15 +99,17 @@ LENGTH_RANGE = (4, 1024)  # vLLM's ShareGPT filter: at least 4 tokens, prompts a
 
 @dataclass(frozen=True)
 class Workload:
-    prompts: list[list[int]]  # token ids
+    prompt_lens: list[int]
     output_lens: list[int]  # max_tokens of each request (ignore_eos: exactly this many)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
+    def prompts(self, vocab_size: int, seed: int, token_seed: int) -> list[list[int]]:
+        """Random token ids of the prompt lengths. Each pass draws its own (``token_seed``), so
+        that no pass finds its prompts in a prefix cache that an earlier pass filled."""
+        rng = np.random.default_rng([seed, 2, token_seed])
+        return [rng.integers(0, vocab_size, size=n).tolist() for n in self.prompt_lens]
 
 
-def sharegpt_workload(num: int, vocab_size: int, seed: int, scale: float = 1.0,
+def sharegpt_workload(num: int, seed: int, scale: float = 1.0,
                       max_model_len: int | None = None) -> Workload:
     """``num`` requests with log-normal prompt and output lengths of ShareGPT's shape.
 
@@ -121,8 +128,7 @@ def sharegpt_workload(num: int, vocab_size: int, seed: int, scale: float = 1.0,
     if max_model_len is not None:
         prompt_lens = np.minimum(prompt_lens, max_model_len - 1)
         output_lens = np.maximum(1, np.minimum(output_lens, max_model_len - prompt_lens))
-    prompts = [rng.integers(0, vocab_size, size=n).tolist() for n in prompt_lens]
-    return Workload(prompts, output_lens.tolist())
+    return Workload(prompt_lens.tolist(), output_lens.tolist())
 
 
 def arrival_offsets(num: int, rate: float, seed: int) -> list[float]:
@@ -208,10 +214,21 @@ async def send(http: httpx.AsyncClient, url: str, body: dict) -> Result:
     return result
 
 
-async def run_pass(base_url: str, bodies: list[dict], offsets: list[float]) -> list[Result]:
-    """Send ``bodies[i]`` at ``offsets[i]`` seconds after the start; every result."""
+async def run_pass(base_url: str, bodies: list[dict],
+                   offsets: list[float]) -> tuple[list[Result], list[float]]:
+    """Send ``bodies[i]`` at ``offsets[i]`` seconds after the start: every result, and how late
+    the client's event loop woke a 5 ms timer meanwhile (seconds; a busy client delays the
+    chunks it reads, and every time it measures)."""
     url = base_url + "/v1/completions"
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    lags: list[float] = []
+
+    async def watch_lag() -> None:
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(0.005)
+            lags.append(time.perf_counter() - before - 0.005)
+
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits,
                                  trust_env=False) as http:
         start = time.perf_counter()
@@ -222,7 +239,10 @@ async def run_pass(base_url: str, bodies: list[dict], offsets: list[float]) -> l
                 await asyncio.sleep(delay)
             return await send(http, url, body)
 
-        return list(await asyncio.gather(*[one(b, o) for b, o in zip(bodies, offsets)]))
+        watcher = asyncio.ensure_future(watch_lag())
+        results = list(await asyncio.gather(*[one(b, o) for b, o in zip(bodies, offsets)]))
+        watcher.cancel()
+        return results, lags
 
 
 # ----------------------------------------------------------------- metrics
@@ -298,29 +318,33 @@ def bench_config(args: argparse.Namespace, name: str, rates: list[float]) -> dic
     server = Server(server_flags(args, spec), log_path)
     try:
         vocab_size = model_config(args.model)["vocab_size"]
-        workload = sharegpt_workload(args.num_prompts, vocab_size, args.seed, args.scale,
+        workload = sharegpt_workload(args.num_prompts, args.seed, args.scale,
                                      server.max_model_len)
-        rng = random.Random(args.seed)
-        bodies = [request_body(p, n, server.model, args.sampling, rng)
-                  for p, n in zip(workload.prompts, workload.output_lens)]
-        longest = sorted(range(len(bodies)), key=lambda i: -len(bodies[i]["prompt"]))
-        warm = [dict(bodies[i], max_tokens=min(32, bodies[i]["max_tokens"]))
-                for i in longest[:args.num_warmup]]
-        warm_results = asyncio.run(run_pass(server.url, warm, [0.0] * len(warm)))
+
+        def bodies(token_seed: int) -> list[dict]:
+            rng = random.Random(args.seed)  # the same sampling parameters in every pass
+            prompts = workload.prompts(vocab_size, args.seed, token_seed)
+            return [request_body(p, n, server.model, args.sampling, rng)
+                    for p, n in zip(prompts, workload.output_lens)]
+
+        first = bodies(0)  # the warm-up: the longest prompts, with tokens of their own
+        warm = [dict(first[i], max_tokens=min(32, first[i]["max_tokens"]))
+                for i in np.argsort(workload.prompt_lens)[::-1][:args.num_warmup]]
+        warm_results, _ = asyncio.run(run_pass(server.url, warm, [0.0] * len(warm)))
         if not all(r.ok for r in warm_results):
             raise RuntimeError(f"warm-up failed: {[r.error for r in warm_results if r.error]}")
         rss_before = server.rss_mb
         passes = []
-        for rate in rates:
+        for index, rate in enumerate(rates):
             before = read_metrics(server.url)
-            offsets = arrival_offsets(len(bodies), rate, args.seed)
-            results = asyncio.run(run_pass(server.url, bodies, offsets))
+            offsets = arrival_offsets(args.num_prompts, rate, args.seed)
+            results, lags = asyncio.run(run_pass(server.url, bodies(index + 1), offsets))
             time.sleep(0.5)  # the engine thread updates its counters after the last step
             row = {"config": config_label(name), "request_rate": rate_label(rate),
-                   **serving_metrics(results),
+                   **serving_metrics(results), **_stats_ms(lags, "client_lag"),
                    "mean_acceptance_length": mean_acceptance_length(
                        before, read_metrics(server.url))}
-            print(f"{row['config']} at {rate} req/s: {row['completed']}/{len(bodies)} in "
+            print(f"{row['config']} at {rate} req/s: {row['completed']}/{args.num_prompts} in "
                   f"{row['duration_s']:.1f} s, {row['output_throughput']:.1f} output tok/s",
                   flush=True)
             passes.append(row)
@@ -328,7 +352,8 @@ def bench_config(args: argparse.Namespace, name: str, rates: list[float]) -> dic
     finally:
         server.stop()
     return {"config": config_label(name), "speculative_config": spec,
-            "max_model_len": server.max_model_len, "num_prompt_tokens": workload.num_prompt_tokens,
+            "max_model_len": server.max_model_len,
+            "num_prompt_tokens": sum(workload.prompt_lens),
             "num_output_tokens": sum(workload.output_lens), "rss_before_mb": rss_before,
             "rss_after_mb": rss_after, "passes": passes}
 

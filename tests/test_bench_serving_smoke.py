@@ -44,8 +44,8 @@ def test_tiny_model_two_rates_prints_one_json_line(bench, tmp_path, capsys):
     [config] = result["configs"]
     assert config["config"] == "eagle3"
     assert config["speculative_config"]["synthetic_acceptance_length"] == 2.5
-    workload = bench.sharegpt_workload(6, 512, 0, 0.05, 256)
-    assert config["num_prompt_tokens"] == workload.num_prompt_tokens
+    workload = bench.sharegpt_workload(6, 0, 0.05, 256)
+    assert config["num_prompt_tokens"] == sum(workload.prompt_lens)
     assert config["num_output_tokens"] == sum(workload.output_lens)
     assert [p["request_rate"] for p in config["passes"]] == [8.0, "inf"]
     for row in config["passes"]:
@@ -61,20 +61,23 @@ def test_tiny_model_two_rates_prints_one_json_line(bench, tmp_path, capsys):
         assert row["total_token_throughput"] > row["output_throughput"]
         assert 1.0 <= row["mean_acceptance_length"] <= 4.0
         assert row["mean_tokens_per_chunk"] > 1.0  # speculation: chunks of several tokens
+        assert row["client_lag_p50_ms"] >= 0
 
 
 def test_workload_is_seeded_and_sharegpt_shaped(bench):
-    a = bench.sharegpt_workload(2000, 1000, seed=3)
-    b = bench.sharegpt_workload(2000, 1000, seed=3)
-    assert a == b
-    prompt_lens = np.array([len(p) for p in a.prompts])
+    a = bench.sharegpt_workload(2000, seed=3)
+    assert a == bench.sharegpt_workload(2000, seed=3)
+    prompts = a.prompts(1000, seed=3, token_seed=1)
+    assert prompts == a.prompts(1000, seed=3, token_seed=1)
+    assert prompts[0] != a.prompts(1000, seed=3, token_seed=2)[0]  # each pass its own ids
+    prompt_lens = np.array([len(p) for p in prompts])
     assert 200 <= np.median(prompt_lens) <= 300
     assert 160 <= np.median(a.output_lens) <= 240
     assert prompt_lens.min() >= 4 and prompt_lens.max() <= 1024
     assert min(a.output_lens) >= 4 and max(a.output_lens) <= 1024
-    assert all(0 <= t < 1000 for p in a.prompts for t in p)
-    short = bench.sharegpt_workload(200, 1000, seed=3, max_model_len=300)
-    assert all(len(p) + n <= 300 for p, n in zip(short.prompts, short.output_lens))
+    assert all(0 <= t < 1000 for p in prompts for t in p)
+    short = bench.sharegpt_workload(200, seed=3, max_model_len=300)
+    assert all(p + n <= 300 for p, n in zip(short.prompt_lens, short.output_lens))
 
 
 def test_arrivals_are_poisson_at_the_rate(bench):
