@@ -22,8 +22,9 @@ after the other in the same process; the ratios come from that one run.
    are the gaps between the steps that gave it tokens, a gap that gave n tokens counting as n
    latencies of gap / n (speculation). Reported: the streams' median, p99 and worst ITL and
    worst / median (goal: <= 4x with chunked prefill), the worst stream's own worst / median, and
-   the long prompt's time to first token. ``--max-num-batched-tokens`` (512) is the prefill
-   token budget of a step, so the chunk size; without chunking the long prompt runs alone.
+   the long prompt's time to first token. ``--max-num-batched-tokens`` (512; both engines) is
+   the most tokens a step computes, the streams' decodes and a prefill chunk together, which
+   sets the chunk size; without chunking the long prompt's prefill is a step of its own.
 
 Both scenarios run greedy, with speculation when ``--speculative-config`` says so (``ngram``,
 ``eagle3`` or a vLLM JSON object, as in ``bench_serving.py``). Each engine first runs a smaller

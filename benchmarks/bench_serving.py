@@ -55,7 +55,7 @@ draws p50 and p99 TTFT and TPOT against request rate, one line per configuration
 (matplotlib, ``pip install 'verispec[bench]'``).
 
     python benchmarks/bench_serving.py --device cuda --random-model 8b --configs none,ngram,eagle3 \
-        --request-rates 1,4,16,64,inf --num-prompts 1000 --plot docs/serving_latency.png
+        --request-rates 1,4,16,64,inf --num-prompts 500 --plot docs/serving_latency.png
     python benchmarks/bench_serving.py --configs none,ngram --request-rates 1,inf --num-prompts 16 \
         --scale 0.1 --max-num-seqs 8                        # the bundled model on the CPU
 """
@@ -72,9 +72,8 @@ import shlex
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -85,7 +84,13 @@ from random_checkpoints import (  # noqa: E402
     split_configs,
     target_checkpoint,
 )
-from serve_subprocess import Server, mean_acceptance_length, read_metrics  # noqa: E402
+from serve_client import (  # noqa: E402
+    Result,
+    Server,
+    mean_acceptance_length,
+    read_metrics,
+    run_pass,
+)
 
 from verispec.bench.report import machine_description, print_table  # noqa: E402
 
@@ -152,97 +157,6 @@ def request_body(prompt: list[int], max_tokens: int, model: str, sampling: str,
                     top_p=rng.choice([1.0, 0.95, 0.9]), top_k=rng.choice([0, 20, 50]),
                     min_p=rng.choice([0.0, 0.05]), seed=rng.randrange(2**31))
     return body
-
-
-# ----------------------------------------------------------------- client
-
-
-@dataclass
-class Result:
-    """One request as the client saw it (perf_counter seconds)."""
-
-    ok: bool = False
-    error: str | None = None
-    prompt_tokens: int = 0
-    output_tokens: int = 0  # usage.completion_tokens
-    start: float = 0.0
-    ttft_s: float | None = None
-    e2e_s: float = 0.0
-    chunk_times: list[float] = field(default_factory=list)  # arrivals of chunks with tokens
-    chunk_tokens: list[int] = field(default_factory=list)  # tokens in each of them
-
-
-async def send(http: httpx.AsyncClient, url: str, body: dict) -> Result:
-    """One streaming completion; records when each chunk with tokens arrived and how many."""
-    result = Result(prompt_tokens=len(body["prompt"]))
-    result.start = time.perf_counter()
-    finish_reason = None
-    try:
-        async with http.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.perf_counter()
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    result.error = chunk["error"]["message"]
-                    return result
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                for choice in chunk["choices"]:
-                    num_tokens = len((choice.get("logprobs") or {}).get("tokens") or ())
-                    if num_tokens:
-                        if result.ttft_s is None:
-                            result.ttft_s = now - result.start
-                        result.chunk_times.append(now)
-                        result.chunk_tokens.append(num_tokens)
-                    finish_reason = choice["finish_reason"] or finish_reason
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
-        result.error = f"{type(e).__name__}: {e}"
-        return result
-    result.e2e_s = time.perf_counter() - result.start
-    result.ok = finish_reason in ("stop", "length") and result.ttft_s is not None
-    if not result.ok:
-        result.error = f"stream ended without tokens or a finish_reason ({finish_reason!r})"
-    elif sum(result.chunk_tokens) != result.output_tokens:
-        result.ok = False
-        result.error = (f"chunks carried {sum(result.chunk_tokens)} tokens, usage says "
-                        f"{result.output_tokens}")
-    return result
-
-
-async def run_pass(base_url: str, bodies: list[dict],
-                   offsets: list[float]) -> tuple[list[Result], list[float]]:
-    """Send ``bodies[i]`` at ``offsets[i]`` seconds after the start: every result, and how late
-    the client's event loop woke a 5 ms timer meanwhile (seconds; a busy client delays the
-    chunks it reads, and every time it measures)."""
-    url = base_url + "/v1/completions"
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    lags: list[float] = []
-
-    async def watch_lag() -> None:
-        while True:
-            before = time.perf_counter()
-            await asyncio.sleep(0.005)
-            lags.append(time.perf_counter() - before - 0.005)
-
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits,
-                                 trust_env=False) as http:
-        start = time.perf_counter()
-
-        async def one(body: dict, offset: float) -> Result:
-            delay = start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            return await send(http, url, body)
-
-        watcher = asyncio.ensure_future(watch_lag())
-        results = list(await asyncio.gather(*[one(b, o) for b, o in zip(bodies, offsets)]))
-        watcher.cancel()
-        return results, lags
 
 
 # ----------------------------------------------------------------- metrics
