@@ -72,8 +72,10 @@ SIZES = {  # flag -> (default, --tiny)
 }
 
 
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def greedy(max_tokens: int, seed: int) -> SamplingParams:
+    """Greedy with a fixed seed: synthetic acceptance draws from the request's seed, so only a
+    seed that is the same in both engines makes their outputs comparable."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=seed)
 
 
 def percentile_ms(values: list[float], q: float) -> float | None:
@@ -108,7 +110,6 @@ def run_chat(llm: LLM, system: list[int], users: list[list[list[int]]], answer_l
              starts: list[float]) -> tuple[list[dict], float]:
     """Every turn of every conversation, each submitted when the turn before it finished; one
     record per request and the seconds the run took."""
-    params = greedy(answer_len)
     history = [list(system) for _ in users]  # each conversation's tokens so far
     running = {}  # Request -> (conversation, turn)
     order = sorted(range(len(users)), key=lambda c: starts[c])  # conversations not started
@@ -116,6 +117,7 @@ def run_chat(llm: LLM, system: list[int], users: list[list[list[int]]], answer_l
 
     def submit(conversation: int, turn: int) -> None:
         history[conversation] += users[conversation][turn]
+        params = greedy(answer_len, seed=conversation * len(users[0]) + turn)
         running[llm.add_request(list(history[conversation]), params)] = (conversation, turn)
 
     begin = time.perf_counter()
@@ -206,7 +208,8 @@ def run_long(llm: LLM, stream_prompts: list[list[int]], stream_output_len: int,
              long_prompt: list[int], long_after: int) -> dict:
     """The streams, the long prompt once each stream has ``long_after`` tokens; each stream's
     ITLs and the long prompt's time to first token."""
-    streams = [llm.add_request(p, greedy(stream_output_len)) for p in stream_prompts]
+    streams = [llm.add_request(p, greedy(stream_output_len, seed=i))
+               for i, p in enumerate(stream_prompts)]
     seen = [0] * len(streams)
     times: list[list[float]] = [[] for _ in streams]
     counts: list[list[int]] = [[] for _ in streams]
@@ -221,7 +224,7 @@ def run_long(llm: LLM, stream_prompts: list[list[int]], stream_output_len: int,
                 counts[i].append(n - seen[i])
                 seen[i] = n
         if long_request is None and min(seen) >= long_after:
-            long_request = llm.add_request(long_prompt, greedy(8))
+            long_request = llm.add_request(long_prompt, greedy(8, seed=len(streams)))
     if long_request is None:
         raise ValueError(f"the streams ended before each had --long-after={long_after} tokens")
     return {"itls": [per_token_itls(t, c) for t, c in zip(times, counts)],
