@@ -13,7 +13,9 @@ after the other in the same process; the ratios come from that one run.
    committed the first token) p50 / p99 of turn 1 and of turns 2.., with caching over without
    (goal: turns 2.. p50 <= 0.2x); the prefix-cache hit rate = cached prompt tokens / prompt
    tokens (``RequestOutput.num_cached_tokens``), over all turns and over turns 2..; and the
-   number of requests whose output differs with caching from without (greedy: must be 0).
+   number of requests whose output differs with caching from without (greedy, a fixed seed per
+   request: must be 0; under synthetic acceptance the output is whichever drafts pass, so there
+   a difference means the proposer drafted differently, not that the target's tokens changed).
 2. A long prompt arrives during decoding (``enable_chunked_prefill`` on / off).
    ``--num-streams`` (32) requests of ``--stream-prompt-len`` (64) tokens decode
    ``--stream-output-len`` (512) tokens each; once every stream has ``--long-after`` (32)
