@@ -186,7 +186,7 @@ def warm_then_rest(llm):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("chunk", [1, 3, 8, 64])
+@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 3, 8, 64])
 def test_prefix_hits_and_chunks_give_the_cold_tokens(dtype, chunk, target_dir, cold):
     llm = make_llm(target_dir, dtype=dtype, max_num_batched_tokens=chunk)
     outputs = warm_then_rest(llm)
@@ -218,6 +218,7 @@ def test_greedy_speculation_with_hits_and_chunks_is_plain_greedy(method, chunk, 
         assert outputs[5].num_cached_tokens == 32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])
 def test_seeded_speculative_tokens_do_not_change_with_hits_or_chunks(method, target_dir,
                                                                      draft_dir, head_dir):
