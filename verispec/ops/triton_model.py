@@ -42,6 +42,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from verispec.ops.triton_kernels import INTERPRET
 
 ATTENTION_BLOCK_Q = 16  # query rows per program (tl.dot needs >= 16)
+# ... in a bfloat16 / float16 prefill or mixed step: twice the rows per key tile read, the same
+# bits (both tiles take the same tensor-core instructions; 64 rows and more do not, nor do
+# float32 products at 32 rows: benchmarks/bench_attention.py, tests/ops/test_model_ops.py)
+PREFILL_BLOCK_Q = 32
 ATTENTION_BLOCK_KV = 64  # keys per step of the online softmax (part of the reduction order)
 
 
@@ -137,18 +141,36 @@ def _rope_rows(src, d, partner, pos, ok, cos_ptr, sin_ptr, stride_cos, norm_ptr,
 
 @triton.jit
 def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr,
-                           out_ptr, bt_ptr, slot_ptr, ctx_ptr, qs_ptr, stride_qkv, stride_cos,
+                           out_ptr, bt_ptr, slot_ptr, ctx_ptr, qs_ptr, ts_ptr, B, search_steps,
+                           stride_qkv,
+                           stride_cos,
                            stride_bt, stride_kc_block, stride_kc_pos, stride_kc_head,
                            stride_vc_block, stride_vc_pos, stride_vc_head, stride_ot, stride_oh,
                            scale, window, eps, BLOCK_SIZE: tl.constexpr,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                            BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
                            HAS_QK_NORM: tl.constexpr, WINDOWED: tl.constexpr,
-                           WRITE: tl.constexpr, ATTEND: tl.constexpr, PRECISION: tl.constexpr):
+                           WRITE: tl.constexpr, ATTEND: tl.constexpr, PRECISION: tl.constexpr,
+                           FLAT_GRID: tl.constexpr):
     G: tl.constexpr = HQ // HKV
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    tile = tl.program_id(2)
+    if FLAT_GRID:  # grid (tiles of every request, kv heads): find this tile's request
+        t = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        if t >= tl.load(ts_ptr + B):
+            return
+        lo = t * 0
+        hi = lo + B
+        for _ in range(search_steps):  # the last b with ts[b] <= t (ts ascending, ts[0] = 0)
+            mid = (lo + hi) // 2
+            go = tl.load(ts_ptr + mid) <= t
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid)
+        b = lo
+        tile = t - tl.load(ts_ptr + b)
+    else:  # grid (requests, kv heads, tiles up to the longest request's)
+        b = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        tile = tl.program_id(2)
     q_lo = tl.load(qs_ptr + b)
     num_q = tl.load(qs_ptr + b + 1) - q_lo
     if tile * BLOCK_Q >= num_q * G:
@@ -301,12 +323,14 @@ FUSED_WRITE_MAX_QUERIES = 16
 
 def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
                          slot_ids, context_lens, query_start, max_queries, num_heads, num_kv_heads,
-                         scale, window=None, q_norm=None, k_norm=None, eps=1e-6) -> torch.Tensor:
-    """See ``model_ops.rope_cache_attention``. The kernel derives each token's position and cache
-    slot from ``context_lens``, ``query_start``, ``slot_ids`` and ``block_tables``
+                         scale, window=None, q_norm=None, k_norm=None, eps=1e-6,
+                         block_q: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """See ``model_ops.rope_cache_attention``. The kernel derives each token's position and
+    cache slot from ``context_lens``, ``query_start``, ``slot_ids`` and ``block_tables``
     (``positions`` and ``slot_mapping`` are the twin's). Keys are read in tiles of
     ``ATTENTION_BLOCK_KV`` positions from 0, whatever the blocks: the reduction order is that of
-    a contiguous cache, so paging changes no bit."""
+    a contiguous cache, so paging changes no bit. ``block_q`` / ``num_warps``: the tile of query
+    rows and its warps (a tuning knob for ``benchmarks/bench_attention.py``)."""
     _check_index(slot_ids=slot_ids, context_lens=context_lens, query_start=query_start)
     if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
         raise ValueError(f"block_tables must be contiguous int32, got {block_tables.dtype} with "
@@ -323,17 +347,32 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
             raise ValueError(f"{name} must have a contiguous last dimension")
     G = num_heads // num_kv_heads
     has_norm = q_norm is not None
-    grid = (B, num_kv_heads, triton.cdiv(max_queries * G, ATTENTION_BLOCK_Q))
+    fused = max_queries <= FUSED_WRITE_MAX_QUERIES
+    if block_q is None:  # float32 products (no tensor cores) take another order at 32 rows
+        block_q = (PREFILL_BLOCK_Q if not fused and qkv.dtype != torch.float32
+                   else ATTENTION_BLOCK_Q)
+    if fused:  # decode / verify (captured): every request's tiles up to the longest's
+        grid = (B, num_kv_heads, triton.cdiv(max_queries * G, block_q))
+        tile_starts, search_steps = query_start, 0
+    else:
+        # A prefill or a mixed step (chunks beside one-token decodes): only real tiles, found
+        # by each program from the requests' first tiles (no host sync: the grid is an upper
+        # bound, T * G / block_q plus one partial tile per request; the rest return at once).
+        tiles = (torch.diff(query_start) * G + block_q - 1) // block_q
+        tile_starts = torch.zeros(B + 1, dtype=torch.int64, device=qkv.device)
+        torch.cumsum(tiles, 0, out=tile_starts[1:])
+        grid = (triton.cdiv(T * G, block_q) + B, num_kv_heads)
+        search_steps = max(1, int(B).bit_length())
     args = (qkv, cos, sin, q_norm if has_norm else cos, k_norm if has_norm else cos, k_cache,
-            v_cache, out, block_tables, slot_ids, context_lens, query_start, qkv.stride(0),
+            v_cache, out, block_tables, slot_ids, context_lens, query_start, tile_starts, B,
+            search_steps, qkv.stride(0),
             cos.stride(0), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             out.stride(0), out.stride(1), scale, 0 if window is None else window, eps)
     meta = dict(BLOCK_SIZE=k_cache.shape[1], HQ=num_heads, HKV=num_kv_heads, D=D,
-                BLOCK_Q=ATTENTION_BLOCK_Q,
+                BLOCK_Q=block_q,
                 BLOCK_KV=ATTENTION_BLOCK_KV, HAS_QK_NORM=has_norm, WINDOWED=window is not None,
-                PRECISION=_precision(qkv.dtype), num_warps=4)
-    fused = max_queries <= FUSED_WRITE_MAX_QUERIES
+                PRECISION=_precision(qkv.dtype), FLAT_GRID=not fused, num_warps=num_warps)
     if not fused:
         _rope_attention_kernel[grid](*args, WRITE=True, ATTEND=False, **meta)
     _rope_attention_kernel[grid](*args, WRITE=fused, ATTEND=True, **meta)
