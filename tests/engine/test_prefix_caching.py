@@ -111,12 +111,17 @@ def test_blocks_are_published_as_the_target_commits_them_and_complete_when_all_c
     tables.assign(1, hit)
     prefix.start_lengths(1, 8)
     assert target.lengths_np[1] == 8 and draft.lengths_np[1] == 4
-    # a proposer that needs the target's hidden states: complete blocks, less the skipped one
-    assert PrefixCache(tables, skip_blocks=1).lookup(other, 13) == []
+    # a proposer whose rows depend on the next token: complete blocks completed before the
+    # request's own next token
+    shifted = PrefixCache(tables, shifted=True)
+    assert shifted.lookup(other, 13) == blocks[:1]
+    assert tables.pool.next_token[blocks[0]] == 7  # token 4 of the request that completed it
     draft.lengths_np[0] = 12
     prefix.publish([request])
     assert tables.num_complete_np[0] == 2  # 11 // 4: position 11 is not committed in all
-    assert PrefixCache(tables, skip_blocks=1).lookup(other, 13) == blocks[:1]
+    assert shifted.lookup(other, 13) == blocks[:2]
+    # the same first block followed by another token: its last row is not this request's
+    assert shifted.lookup(_Request(1, list(range(3, 7)) + [50] + list(range(8, 16))), 13) == []
     # a hit leaves at least one token to compute
     assert prefix.lookup(_Request(1, list(range(3, 11))), 8) == blocks[:1]
 
@@ -212,10 +217,10 @@ def test_greedy_speculation_with_hits_and_chunks_is_plain_greedy(method, chunk, 
     for i, out in enumerate(outputs):
         if params[i].temperature == 0.0:
             assert out.token_ids == cold["float32"][i], f"request {i}"
-    if method == "eagle3":  # the head's inputs of a hit's last block need the block after it
-        assert outputs[5].num_cached_tokens == 28
-    else:
-        assert outputs[5].num_cached_tokens == 32
+    assert outputs[5].num_cached_tokens == 32
+    # the shared part is not a multiple of the block: every block of it is followed by the
+    # same token, whichever request completed it
+    assert outputs[6].num_cached_tokens == 32
 
 
 @pytest.mark.slow
@@ -310,3 +315,34 @@ def test_feature_flags_are_checked(target_dir):
     assert llm.get_metrics()["prefix_cache"] is None
     assert llm.max_num_batched_tokens == 8192
     assert make_llm(target_dir).max_num_batched_tokens == 2048
+
+
+def test_a_shared_prompt_ending_on_a_block_gives_eagle_the_cold_drafts(target_dir, head_dir):
+    """Conversations share a system prompt of whole blocks, then differ: the head's last row of
+    the prompt's last block pairs it with the next token, which differs by conversation. Under
+    synthetic acceptance the output is whichever drafts pass, so any head row taken from
+    another conversation would change it: outputs with caching equal those without."""
+    spec = speculative_config("eagle3", None, head_dir)
+    spec.update(rejection_sample_method="synthetic", synthetic_acceptance_length=2.5)
+    rng = np.random.default_rng(9)
+    system = rng.integers(3, VOCAB, size=8 * BLOCK_SIZE).tolist()
+    users = [[rng.integers(3, VOCAB, size=6).tolist() for _ in range(2)] for _ in range(3)]
+    results = []
+    for caching in (True, False):
+        llm = make_llm(target_dir, spec, enable_prefix_caching=caching)
+        history = [list(system) for _ in users]
+        outputs = []
+        for turn in range(2):
+            prompts = [h + u[turn] for h, u in zip(history, users)]
+            params = [SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0,
+                                     seed=10 * c + turn) for c in range(len(users))]
+            done = []
+            for prompt, p in zip(prompts, params):  # one at a time: each hits the others'
+                done.append(llm.generate([prompt], [p])[0])
+            outputs.append([o.token_ids for o in done])
+            history = [pr + o.token_ids for pr, o in zip(prompts, done)]
+        results.append(outputs)
+        if caching:
+            # the system prompt's last block was completed before conversation 0's next token
+            assert done[1].num_cached_tokens == len(system) - BLOCK_SIZE
+    assert results[0] == results[1]

@@ -234,8 +234,8 @@ class LLM:
                                                                       preempted=True)
         prefix_cache = None
         if self.enable_prefix_caching:
-            skip = 1 if self.spec is not None and self.spec.proposer.shifted_inputs else 0
-            prefix_cache = PrefixCache(self.runner.kv_cache.block_tables, skip_blocks=skip)
+            shifted = self.spec is not None and self.spec.proposer.shifted_inputs
+            prefix_cache = PrefixCache(self.runner.kv_cache.block_tables, shifted=shifted)
         self.scheduler = Scheduler(max_num_seqs, self.runner.kv_cache, max_num_batched_tokens,
                                    lookahead=k + 1, on_preempt=on_preempt,
                                    chunked_prefill=self.enable_chunked_prefill,

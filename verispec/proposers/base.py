@@ -166,7 +166,7 @@ class Proposer(abc.ABC):
     graph_name: str | None = None
     # Whether the proposer's KV at position p depends on the token at p + 1 (an EAGLE head
     # pairs the target's hidden state at p with it): a prefix-cache hit then keeps only blocks
-    # whose next block matched too (runtime.prefix_cache).
+    # completed before the same next token (runtime.prefix_cache).
     shifted_inputs: bool = False
 
     def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:

@@ -66,6 +66,9 @@ class BlockPool:
         # Published blocks whose rows every cache on the tables holds (a proposer's too; the
         # others hold the target's rows only: a proposer that lagged behind its target).
         self.complete = np.zeros(num_blocks, dtype=bool)
+        # ... and the token after each complete block in the request that completed it (a
+        # proposer whose row at p depends on the token at p + 1: runtime.prefix_cache)
+        self.next_token = np.full(num_blocks, -1, dtype=np.int64)
 
     @property
     def num_usable(self) -> int:
@@ -137,10 +140,12 @@ class BlockPool:
             self._cached[key] = block
             self._keys[block] = key
 
-    def mark_complete(self, block: int) -> None:
-        """Every cache on the tables now holds the published ``block``'s rows."""
-        if block in self._keys:
+    def mark_complete(self, block: int, next_token: int = -1) -> None:
+        """Every cache on the tables now holds the published ``block``'s rows, written before
+        ``next_token`` (the first only: rows stay those of the first request to complete it)."""
+        if block in self._keys and not self.complete[block]:
             self.complete[block] = True
+            self.next_token[block] = next_token
 
     def lookup(self, keys: list[bytes]) -> list[int]:
         """The published blocks of the longest prefix of ``keys`` (a chain: key i names block i

@@ -14,11 +14,14 @@ computed reuses that request's KV blocks instead of computing them again.
   aborted or preempted request publishes before it gives its blocks back.
 - **Lookup.** An admitted request takes the longest chain of published blocks over its tokens,
   at most up to the token before the last it must compute (a prefill computes at least one
-  token: the one whose logits give the next token). ``skip_blocks`` drops that many blocks off
-  the end of a hit: an EAGLE head's KV at position p pairs the target's hidden state at p with
-  the token at p + 1, so the last block of a hit is only valid when the block after it matched
-  too (drop one, as vLLM does; the dropped block is recomputed, with the target's hidden states
-  the head needs).
+  token: the one whose logits give the next token). With ``shifted`` (an EAGLE head, whose KV
+  at position p pairs the target's hidden state at p with the token at p + 1) a block's last
+  row also depends on the token after the block, which its key does not name: a shared system
+  prompt's last block is published by one conversation and found by others whose next token
+  differs. Each complete block therefore records the token after it in the request that
+  completed it, and a shifted hit stops at the first block whose recorded token is not the
+  request's (vLLM instead drops the hit's last block, which misses blocks deeper in the chain
+  that another request published).
 
 Every cache on the tables starts the request at the hit's length; the prefill computes the rest.
 By the invariance rule (docs/architecture.md) the tokens are those of a cold run.
@@ -57,14 +60,14 @@ class PrefixCache:
     matched block and a proposer's cache the complete ones: a draft model catches up from its
     tokens, writing its own rows of the blocks after (the same values any other holder of
     them computes: its rows depend on the block's tokens and those before only, and are batch
-    invariant). With ``skip_blocks`` (a proposer that needs the target's hidden states, which a
-    hit does not compute) the hit itself stops at the complete blocks.
+    invariant). With ``shifted`` (a proposer that needs the target's hidden states, which a hit
+    does not compute) the hit itself stops at the complete blocks whose next token matches.
     """
 
-    def __init__(self, block_tables: BlockTables, skip_blocks: int = 0) -> None:
+    def __init__(self, block_tables: BlockTables, shifted: bool = False) -> None:
         self.block_tables = block_tables
         self.block_size = block_tables.block_size
-        self.skip_blocks = skip_blocks
+        self.shifted = shifted
         self.num_queries = 0  # prompt tokens looked up (vllm:prefix_cache_queries_total)
         self.num_hits = 0  # of which found (vllm:prefix_cache_hits_total)
 
@@ -75,10 +78,12 @@ class PrefixCache:
         keys = extend_keys(request.block_keys, request.token_ids, self.block_size, max_blocks)
         pool = self.block_tables.pool
         blocks = pool.lookup(keys[:max_blocks])
-        if self.skip_blocks and blocks:
-            complete = pool.complete[blocks]
-            num_complete = len(blocks) if complete.all() else int(complete.argmin())
-            blocks = blocks[:max(0, num_complete - self.skip_blocks)]
+        if self.shifted:  # complete, and completed by a request with the same next token
+            tokens = request.token_ids
+            for i, block in enumerate(blocks):
+                if not (pool.complete[block]
+                        and pool.next_token[block] == tokens[(i + 1) * self.block_size]):
+                    return blocks[:i]
         return blocks
 
     def count(self, num_queried: int, num_found: int) -> None:
@@ -112,8 +117,11 @@ class PrefixCache:
             for b in range(int(tables.num_published_np[slot]), n):
                 tables.pool.publish(int(row[b]), keys[b])
             tables.num_published_np[slot] = max(n, int(tables.num_published_np[slot]))
+            tokens = request.token_ids
             for b in range(int(tables.num_complete_np[slot]), int(full_complete[i])):
-                tables.pool.mark_complete(int(row[b]))
+                after = (b + 1) * self.block_size  # committed: a cache holds a row paired with it
+                tables.pool.mark_complete(int(row[b]),
+                                          int(tokens[after]) if after < len(tokens) else -1)
             tables.num_complete_np[slot] = max(int(full_complete[i]),
                                                int(tables.num_complete_np[slot]))
 
