@@ -8,7 +8,9 @@ tokens, k = 3), against the weight-bandwidth floor (weight bytes / measured copy
 Then the linear layers alone on the model's shapes at 1, 8, 64 and 256 rows, both matmuls, with
 the achieved bandwidth; whether row 0 of a product is bit-identical at 1, 8, 64 and 256 rows
 (batch invariance); and the kernels of one decode step at B = 1 with their share of the step
-(torch profiler over an eager step). Prints tables, then one JSON line.
+(torch profiler over an eager step); and (``mixed``) the kernels of a chunked-prefill step
+(decodes beside a prompt chunk) against a whole-prompt step of as many tokens. Prints tables,
+then one JSON line.
 
     python benchmarks/profile_gpu_step.py                # on the GPU machine
     python benchmarks/profile_gpu_step.py --layers 4     # a shallower model, quicker
@@ -56,7 +58,7 @@ def llama1b(layers: int) -> ModelConfig:
 
 
 SHAPES = {"8b": (llama8b, 32), "1b": (llama1b, 16)}
-PARTS = ("steps", "linears", "sweep", "kernels")
+PARTS = ("steps", "linears", "sweep", "kernels", "mixed")
 
 
 def random_model(config: ModelConfig, device) -> LlamaForCausalLM:
@@ -255,6 +257,55 @@ def kernel_shares(model, device, batch_size: int = 1, tokens: int = 1) -> list[d
     return rows
 
 
+def _profiled(runner, slots, tokens) -> dict[str, tuple[float, int]]:
+    """Kernel name -> (total microseconds, launches) of one eager ``runner.forward``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.forward(slots, tokens)
+        torch.cuda.synchronize()
+    totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            totals[e.name[:60]][0] += e.device_time
+            totals[e.name[:60]][1] += 1
+    return {k: (v[0], v[1]) for k, v in totals.items()}
+
+
+def mixed_step_shares(model, device, num_decodes: int, chunk: int,
+                      context: int) -> list[dict]:
+    """A chunked-prefill step against a whole-prompt step of as many tokens: ``num_decodes``
+    one-token decodes (600 tokens cached each) beside a chunk of ``chunk`` prompt tokens after
+    ``context`` cached ones, then one prompt of ``num_decodes + chunk`` tokens from position 0.
+    Per kernel: microseconds in each step."""
+    total = num_decodes + chunk
+    runner = ModelRunner(model, num_decodes + 2, max(context + chunk, total) + 16, device,
+                         enforce_eager=True,
+                         num_blocks=(num_decodes * 640 + context + chunk + total) // 16 + 64)
+    for slot in range(num_decodes):
+        runner.forward([slot], [[3] * 600], logits="none")
+    if context:
+        runner.forward([num_decodes], [[4] * context], logits="none")
+    slots = list(range(num_decodes + 1))
+    tokens = [[5]] * num_decodes + [[6] * chunk]
+    for _ in range(2):  # warm-up (kernels compiled), rolled back
+        runner.forward(slots, tokens)
+        for slot in range(num_decodes):
+            runner.kv_cache.truncate(slot, 600)
+        runner.kv_cache.truncate(num_decodes, context)
+        runner.forward([num_decodes + 1], [[7] * total])
+        runner.kv_cache.truncate(num_decodes + 1, 0)
+    mixed = _profiled(runner, slots, tokens)
+    whole = _profiled(runner, [num_decodes + 1], [[7] * total])
+    names = sorted(set(mixed) | set(whole), key=lambda k: -mixed.get(k, (0, 0))[0])
+    rows = [dict(kernel=k, mixed_us=mixed.get(k, (0.0, 0))[0],
+                 whole_us=whole.get(k, (0.0, 0))[0]) for k in names]
+    rows.append(dict(kernel="TOTAL", mixed_us=sum(v[0] for v in mixed.values()),
+                     whole_us=sum(v[0] for v in whole.values())))
+    return rows
+
+
 def print_rows(rows: list[dict]) -> None:
     from verispec.bench.report import print_table
 
@@ -274,6 +325,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="row counts of the tile sweep")
     parser.add_argument("--kernel-batch", type=int, default=1,
                         help="requests of the step whose kernels are listed")
+    parser.add_argument("--mixed", type=int, nargs=3, default=[115, 1933, 512],
+                        metavar=("DECODES", "CHUNK", "CONTEXT"),
+                        help="the chunked-prefill step of the 'mixed' part")
     parser.add_argument("--kernel-tokens", type=int, default=1,
                         help="new tokens per request of that step (K + 1: a verify step)")
     args = parser.parse_args(argv)
@@ -302,10 +356,15 @@ def main(argv: list[str] | None = None) -> None:
     if "kernels" in args.parts:
         kernels = kernel_shares(model, device, args.kernel_batch, args.kernel_tokens)
         print_rows(kernels[:25] + kernels[-1:])
+    mixed = []
+    if "mixed" in args.parts:
+        mixed = mixed_step_shares(model, device, *args.mixed)
+        print_rows(mixed[:20] + mixed[-1:])
     print(json.dumps(dict(benchmark="profile_gpu_step", device=torch.cuda.get_device_name(),
                           copy_bandwidth_tb_s=bandwidth / 1e12, weight_gb=weight_bytes / 1e9,
                           floor_ms=floor_s * 1e3, steps=steps, linears=linears,
-                          invariant=invariant, sweep=sweep, kernels=kernels[:40])))
+                          invariant=invariant, sweep=sweep, kernels=kernels[:40],
+                          mixed=mixed[:40])))
 
 
 if __name__ == "__main__":

@@ -187,15 +187,19 @@ def test_query_alone_equals_query_in_verify(device):
     assert torch.equal(k_cache, k_many) and torch.equal(v_cache, v_many)
 
 
+@pytest.mark.parametrize("block_q", [None, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_of_a_mixed_step_equal_them_alone(device, dtype):
+def test_rows_of_a_mixed_step_equal_them_alone(device, dtype, block_q):
     """A prefill or mixed step (a chunk of 20 queries beside one-token decodes: the launch with
     the flat grid of real tiles and the prefill's query tile) gives each row the bits of the
     same query alone in a decode step, and writes the same caches."""
     _dot_dtype(device, dtype)
+    if block_q is not None and torch.device(device).type != "cuda":
+        pytest.skip("query tiles other than the defaults: a question for the GPU's instructions")
     counts, contexts = [1, 20, 1, 1], [9, 45, 30, 1]
     inputs = _attention_inputs(device, dtype, counts, contexts, max_len=64)
-    mixed, k_mixed, v_mixed = _rope_attention(triton_model.rope_cache_attention, inputs)
+    tile = {} if block_q is None else {"block_q": block_q}
+    mixed, k_mixed, v_mixed = _rope_attention(triton_model.rope_cache_attention, inputs, **tile)
     k_cache, v_cache = inputs["k_cache"].clone(), inputs["v_cache"].clone()
     start = 0
     for b, (n, ctx) in enumerate(zip(counts, contexts)):
@@ -207,7 +211,7 @@ def test_rows_of_a_mixed_step_equal_them_alone(device, dtype):
                 slot_mapping=inputs["slot_mapping"][row:row + 1], k_cache=k_cache,
                 v_cache=v_cache, slot_ids=inputs["slot_ids"][b:b + 1],
                 context_lens=torch.tensor([ctx - n + i + 1], device=device),
-                query_start=torch.tensor([0, 1], device=device), max_queries=1))
+                query_start=torch.tensor([0, 1], device=device), max_queries=1, **tile))
             assert torch.equal(alone[0], mixed[row]), (b, i)
         start += n
     assert torch.equal(k_cache, k_mixed) and torch.equal(v_cache, v_mixed)
