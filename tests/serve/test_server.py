@@ -49,21 +49,21 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def make_llm(model_dir: str, speculative_config=None) -> LLM:
-    return LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=2,
-               speculative_config=speculative_config)
+def engine_kwargs(model_dir: str, speculative_config=None) -> dict:
+    return dict(model=model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=2,
+                speculative_config=speculative_config)
 
 
 @pytest.fixture(scope="module")
 def spec_server(model_dir):
-    server = RunningServer(make_llm(model_dir, NGRAM), MODEL_NAME)
+    server = RunningServer(engine_kwargs(model_dir, NGRAM), MODEL_NAME)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def plain_server(model_dir):
-    server = RunningServer(make_llm(model_dir), MODEL_NAME)
+    server = RunningServer(engine_kwargs(model_dir), MODEL_NAME)
     yield server
     server.stop()
 
@@ -71,7 +71,7 @@ def plain_server(model_dir):
 @pytest.fixture(scope="module")
 def oracle(model_dir):
     """An LLM configured as the speculative server: seeded requests must match it."""
-    return make_llm(model_dir, NGRAM)
+    return LLM(**engine_kwargs(model_dir, NGRAM))
 
 
 @pytest.fixture(scope="module")
