@@ -169,6 +169,31 @@ def test_completions_and_chat_equal_llm_generate(spec_server, oracle):
     assert stream[-1].choices == [] and stream[-1].usage.completion_tokens == 24
 
 
+def test_stop_strings_end_where_llm_generate_ends(spec_server, oracle):
+    """Stop strings are checked in the API process on the engine's deltas (several tokens per
+    step with speculation): the text, the finish reason and the token count (usage) are those
+    of LLM.generate, streamed or not, for stop strings inside one token and across tokens."""
+    api = client(spec_server)
+    sampling = dict(temperature=0.9, seed=21, max_tokens=48)
+    full = oracle.generate(PROMPT, SamplingParams(**sampling))[0]
+    text = full.text
+    assert len(text) > 40
+    stops = [[text[5:6]], [text[12:16]], [text[30:33], text[20:24]], ["\x00never", text[-3:]]]
+    for stop in stops:
+        expected = oracle.generate(PROMPT, SamplingParams(**sampling, stop=stop))[0]
+        assert expected.finish_reason == "stop", stop
+        result = api.completions.create(model=MODEL_NAME, prompt=PROMPT, stop=stop, **sampling)
+        assert result.choices[0].text == expected.text, stop
+        assert result.choices[0].finish_reason == "stop"
+        assert result.usage.completion_tokens == len(expected.token_ids), stop
+        chunks = list(api.completions.create(model=MODEL_NAME, prompt=PROMPT, stop=stop,
+                                             stream=True, stream_options={"include_usage": True},
+                                             **sampling))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text, stop
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
 def test_logprobs_are_the_processed_target_distribution(spec_server, plain_server, oracle,
                                                         hf_model):
     """Greedy: speculative == plain logprobs (drafts were accepted on the way), both equal to HF's
@@ -335,6 +360,41 @@ def test_full_server_queues_and_counters_add_up(spec_server, oracle):
     assert grew("vllm:time_to_first_token_seconds_count") == 6
     assert grew("vllm:e2e_request_latency_seconds_count") == 6
     assert grew("vllm:inter_token_latency_seconds_count") > 0
+
+
+def test_second_chat_turn_reports_cached_tokens_and_matches_a_cold_server(plain_server,
+                                                                          model_dir):
+    """Prefix caching through the server: a second chat turn whose messages extend the first
+    (the first turn's messages, the assistant's answer, a new user message) finds the first
+    turn's prompt in the prefix cache, so its usage reports
+    ``prompt_tokens_details.cached_tokens`` > 0 (in the response and in the streamed usage
+    chunk), and, greedy, it answers exactly what a fresh server given the second turn alone
+    answers."""
+    api = client(plain_server)
+    first = [{"role": "system", "content": "You answer in one short line. " * 8},
+             {"role": "user", "content": "Name three colours."}]
+    greedy = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
+    answer = api.chat.completions.create(model=MODEL_NAME, messages=first, **greedy)
+    assert answer.usage.prompt_tokens_details.cached_tokens >= 0
+    second = first + [{"role": "assistant", "content": answer.choices[0].message.content},
+                      {"role": "user", "content": "And three animals?"}]
+    warm = api.chat.completions.create(model=MODEL_NAME, messages=second, **greedy)
+    streamed = list(api.chat.completions.create(model=MODEL_NAME, messages=second, stream=True,
+                                                stream_options={"include_usage": True},
+                                                **greedy))
+    cold_server = RunningServer(engine_kwargs(model_dir), MODEL_NAME)
+    try:
+        cold = client(cold_server).chat.completions.create(model=MODEL_NAME, messages=second,
+                                                           **greedy)
+    finally:
+        cold_server.stop()
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.usage.prompt_tokens == cold.usage.prompt_tokens
+    assert warm.usage.prompt_tokens_details.cached_tokens > 0
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens > 0
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == (
+        cold.choices[0].message.content)
 
 
 def test_serve_flags_are_checked_before_the_model_loads(capsys):

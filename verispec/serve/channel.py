@@ -134,6 +134,7 @@ class FrameSocket:
         sock.setblocking(True)
         self.sock = sock
         self._buffer = bytearray()
+        self._closed = False  # the other end is closed (read to its end)
         self._selector = selectors.DefaultSelector()
         self._selector.register(sock, selectors.EVENT_READ)
 
@@ -142,15 +143,18 @@ class FrameSocket:
 
     def receive(self, timeout: float | None) -> list[Any]:
         """The messages that have arrived; waits up to ``timeout`` seconds (None: for ever)
-        for the first one, not at all for more."""
+        for the first one, not at all for more. EOFError once the other end is closed and
+        every message before that was taken."""
         messages = self._complete_frames()
         while not messages:
+            if self._closed:
+                raise EOFError("the other process closed the channel")
             if not self._selector.select(timeout):
                 return []
             self._read_available()
             messages = self._complete_frames()
             timeout = None if timeout is None else 0.0  # a frame has started: wait for its end
-        while self._selector.select(0):  # whatever else is already there
+        while not self._closed and self._selector.select(0):  # whatever else is there now
             self._read_available()
             messages += self._complete_frames()
         return messages
@@ -167,8 +171,7 @@ class FrameSocket:
 
     def _read_available(self) -> None:
         data = self.sock.recv(READ_BYTES)
-        if not data:
-            raise EOFError("the other process closed the channel")
+        self._closed = not data
         self._buffer += data
 
     def _complete_frames(self) -> list[Any]:

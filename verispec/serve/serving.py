@@ -314,19 +314,22 @@ class _Response:
     async def stream(self, submission: Submission, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events; a client that disconnects cancels this, which aborts."""
         usage = {"usage": None} if include_usage else {}
+        # Every chunk is this envelope around one choice: its JSON is written once, and each
+        # chunk serialises only its choice (the server writes one chunk per request per step).
+        head, tail = _sse(dict(self._envelope([_HOLE], True), **usage)).split(_HOLE_JSON)
         try:
             if self.chat:  # the first chunk of each choice carries the role
                 for index in range(len(self.choices)):
                     choice = {"index": index, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}
-                    yield _sse(dict(self._envelope([choice], True), **usage))
+                    yield head + json.dumps(choice, ensure_ascii=False) + tail
             async for batch in submission.outputs():
                 for index, state, output in batch:
                     delta, logprobs = await self._advance_off_loop(index, state, output)
                     if delta or logprobs or output.finished:
                         choice = self._choice_json(index, delta, logprobs, output.finish_reason,
                                                    True)
-                        yield _sse(dict(self._envelope([choice], True), **usage))
+                        yield head + json.dumps(choice, ensure_ascii=False) + tail
             if include_usage:
                 yield _sse(dict(self._envelope([], True), usage=self._usage()))
         except EngineError as e:
@@ -345,6 +348,10 @@ def _clamp(logprob: float) -> float:
 
 def _chat_logprob(token: str, logprob: float) -> dict:
     return {"token": token, "logprob": _clamp(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+_HOLE = "\x00choice\x00"  # a placeholder no JSON of a choice contains
+_HOLE_JSON = json.dumps(_HOLE, ensure_ascii=False)
 
 
 def _sse(payload: dict) -> str:
