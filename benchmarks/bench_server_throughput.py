@@ -17,6 +17,11 @@ process): on a machine with fewer free cores than busy processes the ratio measu
 where a GPU host's cores let them run side by side. The goal the server is built for: ratio >= 0.9
 and /health p99 <= 50 ms with 128 clients. Prints a table, then one JSON line.
 
+``--engine-cpus`` pins the engine (and the offline run) to those CPUs and everything else to the
+rest: on a small machine this shows what a GPU host's spare cores give, the engine's work done
+beside the HTTP side's instead of taking turns with it (set ``OMP_NUM_THREADS`` to the number of
+engine CPUs).
+
 ``--tiny-random`` serves a random Llama (``--hidden-size``, ``--num-layers``) with the bundled
 model's tokenizer instead of ``--model``: its steps take milliseconds, so the server's own work
 per token weighs as much as it does beside a large model on a GPU.
@@ -145,6 +150,12 @@ def server_processes(pid: int) -> dict[str, int]:
     return processes
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` onto ``cpus``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
 def poll_health(port: int, stop, results) -> None:
     """In a process of its own: GET /health every 10 ms until ``stop`` is set; the latencies
     (seconds) and the non-200 count go to ``results``."""
@@ -206,6 +217,14 @@ def run_server_load(args, requests: list, warm_up: list) -> dict:
     log_path = os.path.join(tempfile.mkdtemp(prefix="verispec-throughput-"), "server.log")
     server = start_server(args, port, log_path)
     ctx = multiprocessing.get_context("spawn")
+    if args.engine_cpus:
+        # The engine gets its cores; everything else (the API process where the engine runs
+        # in a process of its own, the clients, the /health poller) the others.
+        processes = server_processes(server.pid)
+        pin(processes.get("engine", server.pid), args.engine_cpus)
+        if "engine" in processes:
+            pin(server.pid, args.other_cpus)
+        os.sched_setaffinity(0, args.other_cpus)
     try:
         asyncio.run(drive(port, warm_up, args.concurrency, args.stream))
         stop, results = ctx.Event(), ctx.Queue()
@@ -224,6 +243,8 @@ def run_server_load(args, requests: list, warm_up: list) -> dict:
     finally:
         server.terminate()
         server.wait(60)
+        if args.engine_cpus:
+            os.sched_setaffinity(0, args.engine_cpus)  # the offline run's engine, alike
     latencies.sort()
     return {"server_s": seconds, "server_tokens": tokens, "server_tok_s": tokens / seconds, **cpu,
             "health_polls": len(latencies), "health_failures": failures,
@@ -274,7 +295,17 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--no-stream", dest="stream", action="store_false")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine-cpus", default=None,
+                        help="comma-separated CPUs for the engine (the server's engine process, "
+                        "or its API process where the engine runs inside it; the offline run); "
+                        "the clients and the rest of the server get the others")
     args = parser.parse_args()
+    if args.engine_cpus:
+        args.engine_cpus = {int(c) for c in args.engine_cpus.split(",")}
+        args.other_cpus = os.sched_getaffinity(0) - args.engine_cpus
+        if not args.other_cpus:
+            raise SystemExit(f"--engine-cpus {sorted(args.engine_cpus)} leaves no CPU for the "
+                             "clients and the API process")
     if args.tiny_random:
         if args.model:
             raise SystemExit("--tiny-random and --model exclude each other")
@@ -308,7 +339,8 @@ def main() -> int:
           f"{result['health_failures']} not 200)")
     result.update({k: getattr(args, k) for k in (
         "num_prompts", "concurrency", "min_prompt_tokens", "max_prompt_tokens", "output_tokens",
-        "max_num_seqs", "stream", "device", "batch_invariant")})
+        "max_num_seqs", "stream", "device", "batch_invariant")},
+                  engine_cpus=sorted(args.engine_cpus) if args.engine_cpus else None)
     print(json.dumps({"bench_server_throughput": result}))
     return 0
 

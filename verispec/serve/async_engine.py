@@ -335,22 +335,21 @@ class AsyncEngine:
                     self._requests.pop(state.request_id, None)
                 submission.fail(ValueError(message) if error_type == "ValueError" else
                                 EngineError(f"the engine failed: {error_type}: {message}"))
-        for delta in outputs.deltas:
-            entry = self._requests.get(delta.request_id)
+        for request_id, token_ids, logprobs, finish_reason, num_cached in outputs.deltas:
+            entry = self._requests.get(request_id)
             if entry is None:  # aborted, or stopped here on a stop string
                 continue
             state, submission = entry
-            if delta.token_ids:
+            if token_ids:
                 if state.last_token_time == 0.0:
                     metrics.time_to_first_token.observe(now - submission.arrival_time)
                 else:
                     metrics.inter_token_latency.observe(now - state.last_token_time)
                 state.last_token_time = now
-            num_new = state.receive(delta.token_ids, delta.logprobs, delta.finish_reason,
-                                    delta.num_cached_tokens)
+            num_new = state.receive(token_ids, logprobs, finish_reason, num_cached)
             self.committed(state, submission, num_new, now)
-            if delta.finish_reason is not None:
-                self._requests.pop(delta.request_id, None)
+            if finish_reason is not None:
+                self._requests.pop(request_id, None)
             if state.wakes_each_step or state.finished:
                 submission.wake()
         if outputs.failed is not None:

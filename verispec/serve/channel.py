@@ -82,14 +82,14 @@ class EngineStartFailed(NamedTuple):
     traceback: str
 
 
-class RequestDelta(NamedTuple):
-    """What one request did in one step."""
-
-    request_id: int
-    token_ids: list[int]  # output tokens new since the last delta (several with speculation)
-    logprobs: list[dict[int, float]] | None  # one dict per new token, if the request asked
-    finish_reason: str | None  # "stop" (EOS or a stop token id: the last token), "length"
-    num_cached_tokens: int  # prompt tokens served from the prefix cache
+# What one request did in one step, a plain tuple (pickled in C: a NamedTuple per request
+# would cost ~7x more to pickle, hundreds of times a step):
+#   (request_id,
+#    token_ids,          output tokens new since the last delta (several with speculation)
+#    logprobs,           one dict per new token (token id -> logprob), or None if not asked
+#    finish_reason,      "stop" (EOS or a stop token id: the last token), "length" or None
+#    num_cached_tokens)  prompt tokens served from the prefix cache
+RequestDelta = tuple[int, list[int], "list[dict[int, float]] | None", "str | None", int]
 
 
 class SchedulerStats(NamedTuple):

@@ -139,11 +139,11 @@ class EngineCore:
             if num_tokens == tracked.num_sent and not request.finished:
                 continue
             start = tracked.num_sent
+            token_ids = ([request.last_token_id] if num_tokens == start + 1
+                         else request.output_token_ids[start:num_tokens].tolist())
             logprobs = None if request.logprobs is None else request.logprobs[start:num_tokens]
-            deltas.append(RequestDelta(request_id,
-                                       request.output_token_ids[start:num_tokens].tolist(),
-                                       logprobs, request.finish_reason,
-                                       request.num_cached_tokens))
+            deltas.append((request_id, token_ids, logprobs, request.finish_reason,
+                           request.num_cached_tokens))
             tracked.num_sent = num_tokens
             if request.finished:
                 del self.tracked[request_id]
