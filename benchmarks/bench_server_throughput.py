@@ -51,8 +51,6 @@ import sys
 import tempfile
 import time
 
-from verispec.bench.report import machine_description, print_table
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -156,11 +154,12 @@ def pin(pid: int, cpus: set[int]) -> None:
         os.sched_setaffinity(int(tid), cpus)
 
 
-def poll_health(port: int, stop, results) -> None:
-    """In a process of its own: GET /health every 10 ms until ``stop`` is set; the latencies
-    (seconds) and the non-200 count go to ``results``."""
+def poll_health(port: int, ready, stop, results) -> None:
+    """In a process of its own: GET /health every 10 ms until ``stop`` is set (``ready`` once
+    polling); the latencies (seconds) and the non-200 count go to ``results``."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     latencies, failures = [], 0
+    ready.set()
     while not stop.is_set():
         start = time.perf_counter()
         conn.request("GET", "/health")
@@ -227,9 +226,10 @@ def run_server_load(args, requests: list, warm_up: list) -> dict:
         os.sched_setaffinity(0, args.other_cpus)
     try:
         asyncio.run(drive(port, warm_up, args.concurrency, args.stream))
-        stop, results = ctx.Event(), ctx.Queue()
-        poller = ctx.Process(target=poll_health, args=(port, stop, results))
+        ready, stop, results = ctx.Event(), ctx.Event(), ctx.Queue()
+        poller = ctx.Process(target=poll_health, args=(port, ready, stop, results))
         poller.start()
+        ready.wait(120)
         processes = server_processes(server.pid)
         cpu_before = {name: cpu_seconds(pid) for name, pid in processes.items()}
         clients_before = time.process_time()
@@ -275,6 +275,9 @@ def run_offline(args, requests: list, warm_up: list) -> dict:
 
 
 def main() -> int:
+    # Here, not at the top: the /health poller's process imports this file and needs no torch.
+    from verispec.bench.report import machine_description, print_table
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: the bundled model")
     parser.add_argument("--tiny-random", action="store_true",

@@ -169,6 +169,26 @@ def test_completions_and_chat_equal_llm_generate(spec_server, oracle):
     assert stream[-1].choices == [] and stream[-1].usage.completion_tokens == 24
 
 
+def test_one_token_requests_are_answered_whole(spec_server, oracle):
+    """Regression: a request whose only step admitted and finished it (max_tokens=1: the
+    engine's answer to the submission and the token come in one message) was answered with no
+    token, its reader finding it finished before it first looked."""
+    api = client(spec_server)
+    expected = oracle.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=1))[0]
+    for stream in (False, True):
+        extra = dict(stream=True, stream_options={"include_usage": True}) if stream else {}
+        reply = api.completions.create(model=MODEL_NAME, prompt=PROMPT, temperature=0.0,
+                                       max_tokens=1, **extra)
+        if stream:
+            chunks = list(reply)
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            reply = chunks[-1]
+        else:
+            text, reason = reply.choices[0].text, reply.choices[0].finish_reason
+        assert (text, reason, reply.usage.completion_tokens) == (expected.text, "length", 1)
+
+
 def test_stop_strings_end_where_llm_generate_ends(spec_server, oracle):
     """Stop strings are checked in the API process on the engine's deltas (several tokens per
     step with speculation): the text, the finish reason and the token count (usage) are those

@@ -100,11 +100,10 @@ class Submission:
             raise self._error
 
     async def outputs(self) -> AsyncIterator[list[tuple[int, RequestState, Output]]]:
-        """Until every request finished: (index, state, output) of each request with something
-        new, in prompt order (streamed: whenever one moved; otherwise: as they finish)."""
-        while not self.finished:
-            await self._woken.wait()
-            self._woken.clear()
+        """Until every request finished and was shown: (index, state, output) of each request
+        with something new, in prompt order (streamed: whenever one moved; otherwise: as they
+        finish). A request may have finished before its reader first looks."""
+        while True:
             if self._error is not None:
                 raise self._error
             now = time.perf_counter()
@@ -116,8 +115,11 @@ class Submission:
                     moved.append((index, state, state.output()))
             if moved:
                 yield moved
-        if self._error is not None:
-            raise self._error
+            elif self.finished:
+                return
+            else:
+                await self._woken.wait()
+                self._woken.clear()
 
     def abort(self) -> None:
         """Abort the requests that have not finished (no-op once all finished or aborted)."""
