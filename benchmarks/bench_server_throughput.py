@@ -134,16 +134,19 @@ def cpu_seconds(pid: int) -> float:
 
 
 def server_processes(pid: int) -> dict[str, int]:
-    """The server's processes: ``api`` (``pid``) and ``engine`` (its child, if it has one)."""
+    """The server's processes: ``api`` (``pid``) and ``engine`` (its spawned child, if it has
+    one; not multiprocessing's resource tracker)."""
     processes = {"api": pid}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
                     parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    command = f.read()
             except OSError:
                 continue
-            if parent == pid:
+            if parent == pid and b"spawn_main" in command:
                 processes["engine"] = int(entry)
     return processes
 

@@ -171,8 +171,11 @@ class AsyncEngine:
         except EOFError:
             messages = []
         if not messages or isinstance(messages[0], EngineStartFailed):
-            self._stop_process(0.0 if messages else 5.0)
+            timed_out = not messages and self.process.is_alive()
+            self._stop_process(0.0 if messages or timed_out else 5.0)
             self._frames.close()
+            if timed_out:
+                raise RuntimeError(f"the engine process did not load its model in {timeout_s} s")
             if not messages:
                 raise RuntimeError(f"the engine process exited (exit code "
                                    f"{self.process.exitcode}) before its model was loaded; its "
@@ -199,6 +202,9 @@ class AsyncEngine:
     async def close(self) -> None:
         """Stop the engine process after its current step (the server's shut-down);
         unfinished requests get an EngineError."""
+        if self._writer is None:  # never connected
+            self.shutdown()
+            return
         self._closing = True
         self._fail_all(EngineError("the server is shutting down"))
         self._send(Shutdown())
