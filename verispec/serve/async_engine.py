@@ -84,6 +84,10 @@ class Submission:
     def wake(self) -> None:
         self._woken.set()
 
+    def admit(self) -> None:
+        """The engine took its requests: ``admitted`` returns."""
+        self._admitted.set()
+
     def fail(self, error: BaseException) -> None:
         """End it with ``error`` (raised to its reader); its requests are gone from the engine
         or about to be."""
@@ -335,7 +339,7 @@ class AsyncEngine:
         for batch_id in outputs.accepted:
             submission = self._unadmitted.pop(batch_id, None)
             if submission is not None:
-                submission._admitted.set()
+                submission.admit()
         for batch_id, error_type, message in outputs.refused:
             submission = self._unadmitted.pop(batch_id, None)
             if submission is not None:
