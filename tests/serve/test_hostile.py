@@ -31,7 +31,6 @@ from hypothesis import strategies as st
 
 from tests.models.utils import copy_bundled_tokenizer, requires_bundled, save_tiny_model
 from tests.serve.utils import RunningServer
-from verispec import LLM
 
 pytestmark = requires_bundled
 
@@ -67,8 +66,8 @@ def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama_hostile")
     save_tiny_model(path, "LlamaForCausalLM", vocab_size=49152, max_position_embeddings=256)
     copy_bundled_tokenizer(str(path))
-    llm = LLM(str(path), dtype="float32", max_model_len=256, max_num_seqs=2)
-    running = RunningServer(llm, "tiny", max_request_bytes=MAX_REQUEST_BYTES)
+    running = RunningServer(dict(model=str(path), dtype="float32", max_model_len=256,
+                                 max_num_seqs=2), "tiny", max_request_bytes=MAX_REQUEST_BYTES)
     handler = Records()
     loggers = [logging.getLogger(name) for name in ("", "verispec", "uvicorn", "asyncio")]
     for logger in loggers:

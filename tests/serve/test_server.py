@@ -49,21 +49,21 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def make_llm(model_dir: str, speculative_config=None) -> LLM:
-    return LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=2,
-               speculative_config=speculative_config)
+def engine_kwargs(model_dir: str, speculative_config=None) -> dict:
+    return dict(model=model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=2,
+                speculative_config=speculative_config)
 
 
 @pytest.fixture(scope="module")
 def spec_server(model_dir):
-    server = RunningServer(make_llm(model_dir, NGRAM), MODEL_NAME)
+    server = RunningServer(engine_kwargs(model_dir, NGRAM), MODEL_NAME)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def plain_server(model_dir):
-    server = RunningServer(make_llm(model_dir), MODEL_NAME)
+    server = RunningServer(engine_kwargs(model_dir), MODEL_NAME)
     yield server
     server.stop()
 
@@ -71,7 +71,7 @@ def plain_server(model_dir):
 @pytest.fixture(scope="module")
 def oracle(model_dir):
     """An LLM configured as the speculative server: seeded requests must match it."""
-    return make_llm(model_dir, NGRAM)
+    return LLM(**engine_kwargs(model_dir, NGRAM))
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +167,51 @@ def test_completions_and_chat_equal_llm_generate(spec_server, oracle):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == (
         chat_expected.text)
     assert stream[-1].choices == [] and stream[-1].usage.completion_tokens == 24
+
+
+def test_one_token_requests_are_answered_whole(spec_server, oracle):
+    """Regression: a request whose only step admitted and finished it (max_tokens=1: the
+    engine's answer to the submission and the token come in one message) was answered with no
+    token, its reader finding it finished before it first looked."""
+    api = client(spec_server)
+    expected = oracle.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=1))[0]
+    for stream in (False, True):
+        extra = dict(stream=True, stream_options={"include_usage": True}) if stream else {}
+        reply = api.completions.create(model=MODEL_NAME, prompt=PROMPT, temperature=0.0,
+                                       max_tokens=1, **extra)
+        if stream:
+            chunks = list(reply)
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            reply = chunks[-1]
+        else:
+            text, reason = reply.choices[0].text, reply.choices[0].finish_reason
+        assert (text, reason, reply.usage.completion_tokens) == (expected.text, "length", 1)
+
+
+def test_stop_strings_end_where_llm_generate_ends(spec_server, oracle):
+    """Stop strings are checked in the API process on the engine's deltas (several tokens per
+    step with speculation): the text, the finish reason and the token count (usage) are those
+    of LLM.generate, streamed or not, for stop strings inside one token and across tokens."""
+    api = client(spec_server)
+    sampling = dict(temperature=0.9, seed=21, max_tokens=48)
+    full = oracle.generate(PROMPT, SamplingParams(**sampling))[0]
+    text = full.text
+    assert len(text) > 40
+    stops = [[text[5:6]], [text[12:16]], [text[30:33], text[20:24]], ["\x00never", text[-3:]]]
+    for stop in stops:
+        expected = oracle.generate(PROMPT, SamplingParams(**sampling, stop=stop))[0]
+        assert expected.finish_reason == "stop", stop
+        result = api.completions.create(model=MODEL_NAME, prompt=PROMPT, stop=stop, **sampling)
+        assert result.choices[0].text == expected.text, stop
+        assert result.choices[0].finish_reason == "stop"
+        assert result.usage.completion_tokens == len(expected.token_ids), stop
+        chunks = list(api.completions.create(model=MODEL_NAME, prompt=PROMPT, stop=stop,
+                                             stream=True, stream_options={"include_usage": True},
+                                             **sampling))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text, stop
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
 
 
 def test_logprobs_are_the_processed_target_distribution(spec_server, plain_server, oracle,
@@ -335,6 +380,41 @@ def test_full_server_queues_and_counters_add_up(spec_server, oracle):
     assert grew("vllm:time_to_first_token_seconds_count") == 6
     assert grew("vllm:e2e_request_latency_seconds_count") == 6
     assert grew("vllm:inter_token_latency_seconds_count") > 0
+
+
+def test_second_chat_turn_reports_cached_tokens_and_matches_a_cold_server(plain_server,
+                                                                          model_dir):
+    """Prefix caching through the server: a second chat turn whose messages extend the first
+    (the first turn's messages, the assistant's answer, a new user message) finds the first
+    turn's prompt in the prefix cache, so its usage reports
+    ``prompt_tokens_details.cached_tokens`` > 0 (in the response and in the streamed usage
+    chunk), and, greedy, it answers exactly what a fresh server given the second turn alone
+    answers."""
+    api = client(plain_server)
+    first = [{"role": "system", "content": "You answer in one short line. " * 8},
+             {"role": "user", "content": "Name three colours."}]
+    greedy = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
+    answer = api.chat.completions.create(model=MODEL_NAME, messages=first, **greedy)
+    assert answer.usage.prompt_tokens_details.cached_tokens >= 0
+    second = first + [{"role": "assistant", "content": answer.choices[0].message.content},
+                      {"role": "user", "content": "And three animals?"}]
+    warm = api.chat.completions.create(model=MODEL_NAME, messages=second, **greedy)
+    streamed = list(api.chat.completions.create(model=MODEL_NAME, messages=second, stream=True,
+                                                stream_options={"include_usage": True},
+                                                **greedy))
+    cold_server = RunningServer(engine_kwargs(model_dir), MODEL_NAME)
+    try:
+        cold = client(cold_server).chat.completions.create(model=MODEL_NAME, messages=second,
+                                                           **greedy)
+    finally:
+        cold_server.stop()
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.usage.prompt_tokens == cold.usage.prompt_tokens
+    assert warm.usage.prompt_tokens_details.cached_tokens > 0
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens > 0
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == (
+        cold.choices[0].message.content)
 
 
 def test_serve_flags_are_checked_before_the_model_loads(capsys):

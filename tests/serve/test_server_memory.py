@@ -33,8 +33,8 @@ def test_hundred_streams_on_a_tiny_pool_all_finish(tmp_path):
     oracle = LLM(path, max_num_seqs=16, **common)
     per_block = oracle.kv_plan.bytes_per_block
     blocks = 1 + MAX_MODEL_LEN // BLOCK_SIZE + 8
-    server = RunningServer(LLM(path, max_num_seqs=16, kv_cache_memory=blocks * per_block,
-                               **common), "tiny")
+    server = RunningServer(dict(model=path, max_num_seqs=16,
+                                kv_cache_memory=blocks * per_block, **common), "tiny")
     try:
         prompts = [f"Request {i}: the cat sat on the mat and" for i in range(100)]
 
@@ -61,6 +61,5 @@ def test_hundred_streams_on_a_tiny_pool_all_finish(tmp_path):
         after = server.wait_for(lambda m: m["vllm:num_requests_running"] == 0)
         assert after["vllm:num_preemptions_total"] > 0
         assert after["vllm:kv_cache_usage_perc"] == 0.0
-        assert server.llm.scheduler.num_preemptions == after["vllm:num_preemptions_total"]
     finally:
         server.stop()

@@ -1,4 +1,5 @@
-"""Running a real ``verispec serve`` app on 127.0.0.1 in a thread of the test process."""
+"""Running a real ``verispec serve`` app on 127.0.0.1: uvicorn in a thread of the test process,
+the engine in its own process (as ``verispec serve`` runs it)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,18 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from verispec.engine.llm import LLM
-from verispec.serve import build_app
+from verispec.serve import AsyncEngine, build_app
 
 
 class RunningServer:
-    """uvicorn serving ``build_app(llm, model_name)`` on a free port until ``stop``."""
+    """uvicorn serving ``build_app`` over an engine process built from ``engine_kwargs``
+    (``LLM``'s arguments) on a free port until ``stop``, which leaves no process behind."""
 
-    def __init__(self, llm: LLM, model_name: str, **app_kwargs) -> None:
-        self.llm = llm
+    def __init__(self, engine_kwargs: dict, model_name: str, **app_kwargs) -> None:
         self.model_name = model_name
-        self.app = build_app(llm, model_name, **app_kwargs)
+        self.engine = AsyncEngine(engine_kwargs)
+        self.engine.start()
+        self.app = build_app(self.engine, model_name, **app_kwargs)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))  # the kernel picks a free port, and we hold it
         self.port = sock.getsockname()[1]
@@ -38,6 +40,8 @@ class RunningServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+        self.engine.shutdown()  # a no-op after the app's shut-down stopped it
+        assert not self.engine.process.is_alive(), "the engine process outlived its server"
 
     def metrics(self) -> dict[str, float]:
         """``/metrics`` parsed by prometheus_client: sample name (with labels other than

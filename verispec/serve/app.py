@@ -1,10 +1,16 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes over one ``LLM`` and its engine thread.
+"""The OpenAI-compatible HTTP server: FastAPI routes in this process, the engine in its own.
 
     POST /v1/completions        text or token-id prompts (a list of them gives one choice each)
     POST /v1/chat/completions   messages, the model's chat template applied
     GET  /v1/models             the served model
-    GET  /health                200 while the engine thread runs
+    GET  /health                200 while the engine process runs (503 once it died)
     GET  /metrics               Prometheus text, vLLM's metric names (verispec.serve.metrics)
+
+Two processes (docs/architecture.md, The server): this one (uvicorn, the routes, tokenizing,
+detokenizing, streaming; ``verispec.serve.async_engine``) and the engine process (``LLM`` and
+its step loop; ``verispec.serve.engine_core``), which only steps and sends each step's new
+tokens. The step loop and the HTTP side never share a GIL, so the server keeps up with the
+engine and ``/health`` answers within milliseconds under load.
 
 Errors are OpenAI's error body: a bad field 400 naming the field and the value (text that is
 not valid Unicode included), an unknown model 404, an unknown route 404, a body over
@@ -28,8 +34,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from verispec.config import SpeculativeConfig
-from verispec.engine.llm import LLM
 from verispec.serve.async_engine import AsyncEngine
+from verispec.serve.engine_core import LOG_FORMAT
 from verispec.serve.metrics import ServerMetrics
 from verispec.serve.middleware import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from verispec.serve.protocol import (
@@ -55,25 +61,25 @@ def default_model_name(model: str | None) -> str:
     return os.path.basename(gguf.bundled_gguf_path()).split(".")[0]
 
 
-def build_app(llm: LLM, model_name: str,
+def build_app(engine: AsyncEngine, model_name: str,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """The app serving ``llm`` as ``model_name``; its lifespan starts and stops the engine
-    thread. ``app.state`` holds ``engine``, ``serving`` and ``metrics`` (its own Prometheus
-    registry).
+    """The app serving ``engine``'s model as ``model_name`` (``engine`` is started here if it
+    was not: this loads the model). The app's lifespan connects the engine at start-up and
+    stops its process at shut-down. ``app.state`` holds ``engine``, ``serving`` and
+    ``metrics`` (its own Prometheus registry).
     Request bodies over ``max_request_bytes`` are refused (413) before they are parsed."""
-    k = 0 if llm.spec is None else llm.spec.k
-    metrics = ServerMetrics(model_name, llm.max_num_seqs, k)
-    engine = AsyncEngine(llm, metrics)
-    serving = OpenAIServing(llm, engine, model_name)
+    info = engine.info if engine.info is not None else engine.start()
+    metrics = ServerMetrics(model_name, info.max_num_seqs, info.num_speculative_tokens)
+    serving = OpenAIServing(engine, model_name)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.start()
+        await engine.connect(metrics)
         try:
             yield
         finally:
-            engine.shutdown()
+            await engine.close()
             serving.shutdown()
 
     app = FastAPI(title="verispec", lifespan=lifespan)
@@ -102,7 +108,7 @@ def build_app(llm: LLM, model_name: str,
     @app.get("/v1/models")
     async def models() -> dict:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "verispec",
-                "root": model_name, "max_model_len": llm.max_model_len}
+                "root": model_name, "max_model_len": info.max_model_len}
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
@@ -123,22 +129,25 @@ def build_app(llm: LLM, model_name: str,
 def run_server(engine_kwargs: dict, speculative_config: SpeculativeConfig | None, host: str,
                port: int, served_model_name: str | None = None,
                max_request_bytes: int | None = None) -> int:
-    """Load the model and serve it until interrupted (uvicorn handles Ctrl-C and SIGTERM)."""
+    """Start the engine process (the model loads before the server listens: a bad argument is
+    a ValueError here) and serve it until interrupted (uvicorn handles Ctrl-C and SIGTERM; the
+    engine process is stopped with the server)."""
     import uvicorn
     from prometheus_client import disable_created_metrics
 
     disable_created_metrics()  # no ``*_created`` series in this process, as in vLLM
-    # The engine thread takes the GIL back between kernels hundreds of times a step; while the
-    # event loop parses a large body it would wait up to the switch interval (5 ms) each time.
+    # The tokenizer thread holds the GIL while it tokenizes a long prompt; the event loop would
+    # wait up to the switch interval (5 ms by default) each time it wants it back.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    llm = LLM(**engine_kwargs, speculative_config=speculative_config)
-    name = served_model_name or default_model_name(engine_kwargs.get("model"))
-    spec = "no speculation" if speculative_config is None else (
-        f"speculation {speculative_config.method}, k={speculative_config.num_speculative_tokens}")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logger.info("serving %r (%s, %s, max_num_seqs=%d) on http://%s:%d/v1", name,
-                str(llm.runner.dtype).removeprefix("torch."), spec, llm.max_num_seqs, host, port)
-    max_request_bytes = max_request_bytes or DEFAULT_MAX_REQUEST_BYTES
-    uvicorn.run(build_app(llm, name, max_request_bytes), host=host, port=port,
-                log_level="info")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    engine = AsyncEngine(dict(engine_kwargs, speculative_config=speculative_config))
+    info = engine.start()
+    try:
+        name = served_model_name or default_model_name(engine_kwargs.get("model"))
+        logger.info("serving %r (%s, max_num_seqs=%d; engine process %d) on http://%s:%d/v1",
+                    name, info.description, info.max_num_seqs, engine.process.pid, host, port)
+        app = build_app(engine, name, max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        engine.shutdown()  # a no-op after the app's shut-down; else (uvicorn failed) stop it
     return 0

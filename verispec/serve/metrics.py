@@ -5,10 +5,13 @@ can run in one process (tests do). Every metric carries the ``model_name`` label
 Counters are exposed with the ``_total`` suffix (``vllm:prompt_tokens_total``), as vLLM's are;
 the process's own metrics (``process_resident_memory_bytes``, ...) are there too.
 
-Request metrics are observed by the engine thread when a step's tokens reach a request:
-time to first token from the request's arrival at the server, inter-token latency between two
-successive deliveries of new tokens (a speculative step may deliver several at once, as in vLLM),
-end-to-end latency when it finishes. Speculative decoding counters follow docs/design.md §8.
+Request metrics are observed in the API process (``verispec.serve.async_engine``) when a step's
+tokens arrive from the engine process: time to first token from the request's arrival at the
+server, inter-token latency between two successive arrivals of new tokens (a speculative step
+may deliver several at once, as in vLLM), end-to-end latency when it finishes; token counts are
+those the responses report (a stop string ends a request's tokens). The gauges and speculative
+counters are the engine's, sent with every step. Speculative decoding counters follow
+docs/design.md §8.
 """
 
 from __future__ import annotations

@@ -1,18 +1,21 @@
 """Completions and chat completions: API request -> engine submission -> OpenAI response.
 
-Prompts are tokenized off the event loop, on the front's one tokenizer thread with the front's
-own copy of the tokenizer (the engine thread decodes with the engine's; a Rust tokenizer must not
-be used by two threads at once), under the rules ``LLM.generate`` applies
-(``verispec.engine.inputs.PromptEncoder``: the chat template for messages, vLLM's prompt +
-max_tokens rule, a text too long by its length alone refused before tokenizing), so a seeded
-request gives the tokens ``LLM.generate`` gives and one huge prompt never stalls ``/health`` or
-the streams running beside it. Token texts of logprobs are decoded on the same thread.
+Prompts are tokenized off the event loop, on the front's one tokenizer thread with its own copy of
+the tokenizer the engine process sent at start-up (the event loop decodes outputs with another
+copy; a Rust tokenizer must not be used by two threads at once), under the rules
+``LLM.generate`` applies (``verispec.engine.inputs.PromptEncoder``: the chat template for
+messages, vLLM's prompt + max_tokens rule, a text too long by its length alone refused before
+tokenizing), so a seeded request gives the tokens ``LLM.generate`` gives and one huge prompt
+never stalls ``/health`` or the streams running beside it. Token texts of logprobs are decoded
+on the same thread.
 
 Streaming sends server-sent events as OpenAI's API: one ``data: {chunk}`` per engine step that
-moved a request (several tokens when speculation accepted drafts), the last chunk of a choice
-with its ``finish_reason``, a usage chunk when ``stream_options.include_usage``, then
-``data: [DONE]``. Logprobs cover every generated token but one that ended the request (an EOS or
-stop token, which is not text either).
+moved a request (several tokens when speculation accepted drafts; several steps at once when
+the reader fell behind), the last chunk of a choice with its ``finish_reason``, a usage chunk
+when ``stream_options.include_usage``, then ``data: [DONE]``. Logprobs cover every generated
+token but one that ended the request (an EOS or stop token, which is not text either). The
+usage reports ``prompt_tokens_details.cached_tokens``: prompt tokens the engine's prefix cache
+served.
 """
 
 from __future__ import annotations
@@ -32,10 +35,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from verispec.engine import inputs
-from verispec.engine.llm import LLM
-from verispec.engine.request import RequestOutput
 from verispec.sampling_params import SamplingParams
 from verispec.serve.async_engine import AsyncEngine, EngineError, Submission
+from verispec.serve.detokenizer import Output, RequestState
 from verispec.serve.protocol import (
     MIN_LOGPROB,
     ApiError,
@@ -57,6 +59,7 @@ class _Choice:
     num_logprobs: int = 0
     text_offset: int = 0
     num_tokens: int = 0
+    num_cached_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)
 
@@ -64,13 +67,13 @@ class _Choice:
 class OpenAIServing:
     """The two generation endpoints of one served model."""
 
-    def __init__(self, llm: LLM, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        info = engine.info
         self.engine = engine
         self.model_name = model_name
-        self.tokenizer = copy.deepcopy(llm.tokenizer)
-        self.vocab_size = llm.model_config.vocab_size
-        self.max_model_len = llm.max_model_len
-        self.eos_token_ids = llm.eos_token_ids
+        self.tokenizer = copy.deepcopy(info.tokenizer)
+        self.vocab_size = info.vocab_size
+        self.max_model_len = info.max_model_len
         self.encoder = inputs.PromptEncoder(self.tokenizer, self.vocab_size, self.max_model_len)
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
         # The one thread that uses self.tokenizer.
@@ -165,7 +168,7 @@ class OpenAIServing:
                        params: list[SamplingParams], stream: bool, stream_options,
                        prompt_param: str) -> Response:
         try:
-            submission = await self.engine.submit(prompts, params)
+            submission = await self.engine.submit(prompts, params, stream)
         except ValueError as e:  # refused by the engine (the checks above catch most first)
             raise ApiError(400, str(e), prompt_param) from None
         except EngineError as e:
@@ -184,15 +187,6 @@ class OpenAIServing:
         if self.tokenizer is None:  # a model without a tokenizer: vLLM's spelling of an id
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
-
-    def num_text_tokens(self, output: RequestOutput, params: SamplingParams) -> int:
-        """Generated tokens that count as text: all but an EOS / stop token that ended it."""
-        ids = output.token_ids
-        if output.finish_reason == "stop" and ids and (
-                ids[-1] in params.stop_token_ids
-                or (not params.ignore_eos and ids[-1] in self.eos_token_ids)):
-            return len(ids) - 1
-        return len(ids)
 
 
 async def cancel_on_disconnect(work, raw: Request, response_id: str) -> Response:
@@ -233,29 +227,30 @@ class _Response:
         self.num_prompt_tokens = sum(len(p) for p in prompts)
         self.choices = [_Choice() for _ in prompts]
 
-    def _advance(self, index: int, output: RequestOutput) -> tuple[str, list | None]:
+    def _advance(self, index: int, state: RequestState,
+                 output: Output) -> tuple[str, list | None]:
         """The choice's new text and new logprobs (None unless asked for) since last time."""
         choice, params = self.choices[index], self.params[index]
         text = output.text
         # Text only grows (held-back pieces of UTF-8 or of a stop string are not shown early);
-        # should a re-decode ever change shown text, the response keeps the engine's text.
+        # should a re-decode ever change shown text, the response keeps the text it sent.
         delta = text[len(choice.text):] if text.startswith(choice.text) else ""
         choice.text = text
-        choice.num_tokens = len(output.token_ids)
+        choice.num_tokens = output.num_tokens
+        choice.num_cached_tokens = state.num_cached_tokens
         choice.finish_reason = output.finish_reason
         if params.logprobs is None:
             return delta, None
-        end = self.serving.num_text_tokens(output, params)
-        new = [(output.token_ids[i], output.logprobs[i])
-               for i in range(choice.num_logprobs, end)]
+        end = output.num_text_tokens  # committed tokens: the state's lists never change there
+        new = [(state.token_ids[i], state.logprobs[i]) for i in range(choice.num_logprobs, end)]
         choice.num_logprobs = end
         return delta, self._logprobs(choice, new, params.logprobs)
 
-    async def _advance_off_loop(self, index: int, output: RequestOutput):
+    async def _advance_off_loop(self, index: int, state: RequestState, output: Output):
         """``_advance``, on the tokenizer thread when token texts must be decoded."""
         if self.params[index].logprobs is None:
-            return self._advance(index, output)
-        return await self.serving.in_tokenizer_thread(self._advance, index, output)
+            return self._advance(index, state, output)
+        return await self.serving.in_tokenizer_thread(self._advance, index, state, output)
 
     def _logprobs(self, choice: _Choice, new: list[tuple[int, dict]], num_top: int) -> list:
         text = self.serving.token_text
@@ -289,8 +284,10 @@ class _Response:
 
     def _usage(self) -> dict:
         completion = sum(c.num_tokens for c in self.choices)
+        cached = sum(c.num_cached_tokens for c in self.choices)
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.num_prompt_tokens + completion}
+                "total_tokens": self.num_prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _envelope(self, choices: list[dict], streaming: bool) -> dict:
         kind = self.kind + (".chunk" if streaming and self.chat else "")
@@ -302,8 +299,8 @@ class _Response:
         logprobs: list[list | None] = [None] * len(self.choices)
         try:
             async for batch in submission.outputs():
-                for index, output in batch:
-                    _, new = await self._advance_off_loop(index, output)
+                for index, state, output in batch:
+                    _, new = await self._advance_off_loop(index, state, output)
                     if new is not None:
                         logprobs[index] = (logprobs[index] or []) + new
         except EngineError as e:
@@ -317,19 +314,22 @@ class _Response:
     async def stream(self, submission: Submission, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events; a client that disconnects cancels this, which aborts."""
         usage = {"usage": None} if include_usage else {}
+        # Every chunk is this envelope around one choice: its JSON is written once, and each
+        # chunk serialises only its choice (the server writes one chunk per request per step).
+        head, tail = _sse(dict(self._envelope([_HOLE], True), **usage)).split(_HOLE_JSON)
         try:
             if self.chat:  # the first chunk of each choice carries the role
                 for index in range(len(self.choices)):
                     choice = {"index": index, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}
-                    yield _sse(dict(self._envelope([choice], True), **usage))
+                    yield head + json.dumps(choice, ensure_ascii=False) + tail
             async for batch in submission.outputs():
-                for index, output in batch:
-                    delta, logprobs = await self._advance_off_loop(index, output)
+                for index, state, output in batch:
+                    delta, logprobs = await self._advance_off_loop(index, state, output)
                     if delta or logprobs or output.finished:
                         choice = self._choice_json(index, delta, logprobs, output.finish_reason,
                                                    True)
-                        yield _sse(dict(self._envelope([choice], True), **usage))
+                        yield head + json.dumps(choice, ensure_ascii=False) + tail
             if include_usage:
                 yield _sse(dict(self._envelope([], True), usage=self._usage()))
         except EngineError as e:
@@ -348,6 +348,10 @@ def _clamp(logprob: float) -> float:
 
 def _chat_logprob(token: str, logprob: float) -> dict:
     return {"token": token, "logprob": _clamp(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+_HOLE = "\x00choice\x00"  # a placeholder no JSON of a choice contains
+_HOLE_JSON = json.dumps(_HOLE, ensure_ascii=False)
 
 
 def _sse(payload: dict) -> str:
