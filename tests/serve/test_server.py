@@ -415,6 +415,15 @@ def test_second_chat_turn_reports_cached_tokens_and_matches_a_cold_server(plain_
     assert warm.choices[0].message.content == cold.choices[0].message.content
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == (
         cold.choices[0].message.content)
+    # vLLM's counters, in tokens
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {s.name: s.value for family in text_string_to_metric_families(
+        httpx.get(plain_server.url + "/metrics").text) for s in family.samples}
+    cached = warm.usage.prompt_tokens_details.cached_tokens
+    assert samples["vllm:prefix_cache_hits_total"] >= 2 * cached  # the two warm requests
+    assert samples["vllm:prefix_cache_queries_total"] > samples["vllm:prefix_cache_hits_total"]
 
 
 def test_serve_flags_are_checked_before_the_model_loads(capsys):

@@ -98,6 +98,8 @@ class SchedulerStats(NamedTuple):
     num_slots_in_use: int
     kv_cache_usage: float  # fraction of KV blocks in use
     num_preemptions: int  # running count since start
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of which found
 
 
 class EngineOutputs(NamedTuple):

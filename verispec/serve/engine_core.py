@@ -159,9 +159,12 @@ class EngineCore:
 
     def _stats(self) -> SchedulerStats:
         scheduler = self.llm.scheduler
+        cache = scheduler.prefix_cache
         return SchedulerStats(len(scheduler.running), len(scheduler.waiting),
                               self.llm.max_num_seqs - scheduler.num_free_slots,
-                              scheduler.kv_cache_usage, scheduler.num_preemptions)
+                              scheduler.kv_cache_usage, scheduler.num_preemptions,
+                              0 if cache is None else cache.num_queries,
+                              0 if cache is None else cache.num_hits)
 
 
 def engine_info(llm: LLM) -> EngineInfo:

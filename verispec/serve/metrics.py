@@ -64,6 +64,14 @@ class ServerMetrics:
         self.num_preemptions = make(
             Counter, "vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self._preemptions_seen = 0
+        # exposed as vllm:prefix_cache_queries_total / vllm:prefix_cache_hits_total (tokens)
+        self.prefix_cache_queries = make(
+            Counter, "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = make(
+            Counter, "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.")
+        self._prefix_seen = (0, 0)
         self.prompt_tokens = make(
             Counter, "vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = make(
@@ -98,15 +106,20 @@ class ServerMetrics:
                                           for i in range(num_spec_tokens)]
 
     def set_queue(self, num_running: int, num_waiting: int, num_kv_slots_in_use: int,
-                  kv_cache_usage: float = 0.0, num_preemptions: int = 0) -> None:
+                  kv_cache_usage: float = 0.0, num_preemptions: int = 0,
+                  prefix_cache_queries: int = 0, prefix_cache_hits: int = 0) -> None:
         """The scheduler's state: queue lengths, slots in use, the fraction of KV blocks in use
-        and its running count of preemptions."""
+        and its running counts of preemptions and of prefix-cache tokens queried and found."""
         self.num_requests_running.set(num_running)
         self.num_requests_waiting.set(num_waiting)
         self.kv_slots_in_use.set(num_kv_slots_in_use)
         self.kv_cache_usage.set(kv_cache_usage)
         self.num_preemptions.inc(num_preemptions - self._preemptions_seen)
         self._preemptions_seen = num_preemptions
+        queries, hits = self._prefix_seen
+        self.prefix_cache_queries.inc(prefix_cache_queries - queries)
+        self.prefix_cache_hits.inc(prefix_cache_hits - hits)
+        self._prefix_seen = (prefix_cache_queries, prefix_cache_hits)
 
     def observe_spec(self, total: SpecDecodingStats) -> None:
         """Advance the speculative counters to the engine's running totals ``total``."""
