@@ -6,7 +6,7 @@ result does not depend on its batch (docs/design.md §12):
 
 - ``_rms_norm_kernel``: one program per row, residual add and norm in one pass;
 - ``_silu_mul_kernel``: elementwise (where the gate|up projection is not fused with it);
-- ``_rope_attention_kernel``: one program per (request, kv head, tile of 64 query rows), the
+- ``_rope_attention_kernel``: one program per (request, kv head, tile of 16 query rows), the
   rows of a tile being the (query, head) pairs of one kv head's group. It rotates the tile's q
   (RoPE after Qwen3's per-head norm) in registers, and for a step of at most 16 new tokens per
   request (decode, verify) it first writes the rotated K and V of the request's new tokens into
@@ -41,13 +41,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from verispec.ops.triton_kernels import INTERPRET
 
-# Query rows per program, in every launch (decode, verify, prefill, mixed): a row's bits depend
-# on the tile (16 and 32 rows take other product instructions than 64 on Hopper), so one tile
-# for all keeps a position's result the same whichever step computes it. 64 rows read each key
-# tile for 4x the rows of 16 (a prefill chunk's attention 1.9x faster at 32 k context); a decode
-# row wastes more of the tile, which is cheap beside reading the keys
-# (benchmarks/bench_attention.py).
-ATTENTION_BLOCK_Q = 64
+ATTENTION_BLOCK_Q = 16  # query rows per program (tl.dot needs >= 16)
+# ... in a bfloat16 / float16 prefill or mixed step: twice the rows per key tile read, the same
+# bits (both tiles take the same tensor-core instructions; 64 rows and more do not, nor do
+# float32 products at 32 rows: benchmarks/bench_attention.py, tests/ops/test_model_ops.py).
+# 64 rows in every launch would keep the bits too and make a 32 k chunk's attention 1.6x
+# faster, but cost decode 5 % at batch 1 and 10 % at batch 64 (docs/benchmarks.md).
+PREFILL_BLOCK_Q = 32
 ATTENTION_BLOCK_KV = 64  # keys per step of the online softmax (part of the reduction order)
 
 
@@ -350,8 +350,9 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
     G = num_heads // num_kv_heads
     has_norm = q_norm is not None
     fused = max_queries <= FUSED_WRITE_MAX_QUERIES
-    if block_q is None:
-        block_q = ATTENTION_BLOCK_Q
+    if block_q is None:  # float32 products (no tensor cores) take another order at 32 rows
+        block_q = (PREFILL_BLOCK_Q if not fused and qkv.dtype != torch.float32
+                   else ATTENTION_BLOCK_Q)
     if fused:  # decode / verify (captured): every request's tiles up to the longest's
         grid = (B, num_kv_heads, triton.cdiv(max_queries * G, block_q))
         tile_starts, search_steps = query_start, 0
