@@ -225,6 +225,7 @@ class LLM:
         draft_runner = None if self.spec is None else self.spec.proposer.runner
         if draft_runner is not None and draft_runner is not self.runner:
             draft_runner.max_forward_tokens = max_num_batched_tokens
+        self._captured_query_counts = [1] if self.spec is None else [1, k + 1]
         self.kv_plan = self._plan_kv_cache(gpu_memory_utilization, kv_cache_memory)
         logger.info("%s", self.kv_plan.summary())
         # (a function of the proposer, not a method of the engine: no reference cycle keeps a
@@ -241,7 +242,7 @@ class LLM:
                                    chunked_prefill=self.enable_chunked_prefill,
                                    prefix_cache=prefix_cache)
         # CUDA graphs (no-op on CPU and with enforce_eager): decode, verify, the proposer's draft
-        self.runner.capture([1] if self.spec is None else [1, k + 1])
+        self.runner.capture(self._captured_query_counts)
         if self.spec is not None:
             self.spec.capture()
         if self.runner.graphs is not None:
@@ -268,14 +269,16 @@ class LLM:
         else:
             peak = self.runner.profile_peak_memory(
                 self.max_num_batched_tokens, self.max_num_seqs * (self.num_speculative_tokens + 1))
+            graphs = self.runner.graph_output_bytes(self._captured_query_counts)
             free, total = torch.cuda.mem_get_info(self.device)
-            kv_bytes = int(utilization * total) - (total - free) - peak
+            kv_bytes = int(utilization * total) - (total - free) - peak - graphs
             if kv_bytes < per_block * 2:
                 raise ValueError(
                     f"gpu_memory_utilization={utilization} leaves no memory for the KV cache: "
-                    f"{(total - free) / memory.GiB:.1f} GiB in use (weights) and "
+                    f"{(total - free) / memory.GiB:.1f} GiB in use (weights), "
                     f"{peak / memory.GiB:.1f} GiB for a step of max_num_batched_tokens="
-                    f"{self.max_num_batched_tokens} exceed {utilization} x "
+                    f"{self.max_num_batched_tokens} and {graphs / memory.GiB:.1f} GiB for the "
+                    f"CUDA graphs' outputs exceed {utilization} x "
                     f"{total / memory.GiB:.1f} GiB; raise gpu_memory_utilization or lower "
                     "max_num_batched_tokens / max_num_seqs")
             num_blocks = memory.blocks_for_bytes(kv_bytes, per_block)

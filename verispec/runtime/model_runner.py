@@ -447,6 +447,18 @@ class ModelRunner:
                 rows = rows[meta.valid_index]
         return self.model.compute_logits(rows)
 
+    def graph_output_bytes(self, query_counts) -> int:
+        """Device memory the outputs of ``capture(query_counts)`` will hold: every batch bucket
+        keeps its own float32 logits of every fed token (and the hidden states
+        ``capture_layers`` names); 0 without graphs. The memory plan leaves it out of the
+        KV pool (at 256 slots and a 128 k vocabulary: 2.2 GB for decode, 4x that for a verify
+        of 4 tokens a request)."""
+        if self.graphs is None or not self.graphs.capture_graphs:
+            return 0
+        per_row = self.config.vocab_size * 4 + len(self.capture_layers) * (
+            self.config.hidden_size * self.dtype.itemsize)
+        return sum(self.graphs.buckets) * sum(set(query_counts)) * per_row
+
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int, num_logit_rows: int) -> int:
         """Bytes of device memory the largest eager steps take above what is allocated now (CUDA;
