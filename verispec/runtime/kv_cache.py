@@ -69,6 +69,12 @@ class BlockPool:
         # ... and the token after each complete block in the request that completed it (a
         # proposer whose row at p depends on the token at p + 1: runtime.prefix_cache)
         self.next_token = np.full(num_blocks, -1, dtype=np.int64)
+        # Blocks that computed an already published key again (two requests at once, or one
+        # that could not use the published block: another next token); once complete they are
+        # found under (key, next token) by such a proposer.
+        self._duplicates: dict[int, bytes] = {}
+        self._alternates: dict[tuple[bytes, int], int] = {}
+        self._alternate_of: dict[int, tuple[bytes, int]] = {}
 
     @property
     def num_usable(self) -> int:
@@ -100,7 +106,11 @@ class BlockPool:
             key = self._keys.pop(block, None)
             if key is not None:
                 del self._cached[key]
-                self.complete[block] = False
+            alternate = self._alternate_of.pop(block, None)
+            if alternate is not None:
+                del self._alternates[alternate]
+            self._duplicates.pop(block, None)
+            self.complete[block] = False
             blocks.append(block)
         self.ref_counts[blocks] = 1
         return blocks
@@ -132,13 +142,17 @@ class BlockPool:
 
     def publish(self, block: int, key: bytes) -> None:
         """Make ``block`` findable under ``key`` (a held block whose tokens are final). A key
-        another block already has stays with that block (two requests computed the same
-        tokens at once): this one is then freed as an ordinary block."""
+        another block already has stays with that block; this one is kept as a duplicate,
+        found only by ``lookup_shifted`` once complete (else freed as an ordinary block)."""
         if self.ref_counts[block] < 1:
             raise ValueError(f"cannot publish the free KV block {block}")
-        if key not in self._cached and block not in self._keys:
+        if block in self._keys or block in self._alternate_of:
+            return
+        if key not in self._cached:
             self._cached[key] = block
             self._keys[block] = key
+        else:
+            self._duplicates[block] = key
 
     def mark_complete(self, block: int, next_token: int = -1) -> None:
         """Every cache on the tables now holds the published ``block``'s rows, written before
@@ -146,6 +160,13 @@ class BlockPool:
         if block in self._keys and not self.complete[block]:
             self.complete[block] = True
             self.next_token[block] = next_token
+        elif block in self._duplicates:
+            alternate = (self._duplicates.pop(block), next_token)
+            if alternate not in self._alternates:
+                self._alternates[alternate] = block
+                self._alternate_of[block] = alternate
+                self.complete[block] = True
+                self.next_token[block] = next_token
 
     def lookup(self, keys: list[bytes]) -> list[int]:
         """The published blocks of the longest prefix of ``keys`` (a chain: key i names block i
@@ -158,10 +179,29 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
+    def lookup_shifted(self, keys: list[bytes], next_tokens) -> list[int]:
+        """``lookup`` for a proposer whose rows depend on the next token: block i must be
+        complete and completed before ``next_tokens[i]`` (the published block or another with
+        the same key)."""
+        blocks = []
+        for key, after in zip(keys, next_tokens):
+            block = self._cached.get(key)
+            if block is None:
+                break
+            if not (self.complete[block] and self.next_token[block] == after):
+                block = self._alternates.get((key, int(after)))
+                if block is None:
+                    break
+            blocks.append(block)
+        return blocks
+
     def reset_prefix_cache(self) -> None:
         """Forget every published block (their contents stay with their holders)."""
         self._cached.clear()
         self._keys.clear()
+        self._duplicates.clear()
+        self._alternates.clear()
+        self._alternate_of.clear()
         self.complete[:] = False
 
 

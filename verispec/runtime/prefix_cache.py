@@ -19,9 +19,11 @@ computed reuses that request's KV blocks instead of computing them again.
   row also depends on the token after the block, which its key does not name: a shared system
   prompt's last block is published by one conversation and found by others whose next token
   differs. Each complete block therefore records the token after it in the request that
-  completed it, and a shifted hit stops at the first block whose recorded token is not the
-  request's (vLLM instead drops the hit's last block, which misses blocks deeper in the chain
-  that another request published).
+  completed it, and a shifted hit takes, block by block, the published block or another
+  complete copy of it (``BlockPool.lookup_shifted``: a request that computed the same key again
+  before another next token) whose recorded token is the request's, and stops where there is
+  none (vLLM instead drops the hit's last block, which misses blocks deeper in the chain that
+  another request completed).
 
 Every cache on the tables starts the request at the hit's length; the prefill computes the rest.
 By the invariance rule (docs/architecture.md) the tokens are those of a cold run.
@@ -77,14 +79,11 @@ class PrefixCache:
         max_blocks = (num_tokens - 1) // self.block_size
         keys = extend_keys(request.block_keys, request.token_ids, self.block_size, max_blocks)
         pool = self.block_tables.pool
-        blocks = pool.lookup(keys[:max_blocks])
-        if self.shifted:  # complete, and completed by a request with the same next token
-            tokens = request.token_ids
-            for i, block in enumerate(blocks):
-                if not (pool.complete[block]
-                        and pool.next_token[block] == tokens[(i + 1) * self.block_size]):
-                    return blocks[:i]
-        return blocks
+        if self.shifted:  # complete, and completed before the request's own next token
+            after = request.token_ids[self.block_size:(max_blocks + 1) * self.block_size:
+                                      self.block_size]
+            return pool.lookup_shifted(keys[:max_blocks], after)
+        return pool.lookup(keys[:max_blocks])
 
     def count(self, num_queried: int, num_found: int) -> None:
         self.num_queries += num_queried
