@@ -364,3 +364,24 @@ def test_a_shared_prompt_ending_on_a_block_gives_eagle_the_cold_drafts(target_di
             # token: conversation 1 finds its own copy of it
             assert done[1].num_cached_tokens > len(system)
     assert results[0] == results[1]
+
+
+def test_an_eagle_head_that_stopped_drafting_still_completes_its_blocks(target_dir, head_dir):
+    """A random head's drafts fail, so the planner turns drafting off for the request; the head
+    still takes its pending pairs every CATCH_UP_PENDING steps, so the next turn finds the
+    first turn's blocks complete (an EAGLE hit needs the head's rows) and answers as a cold
+    engine does."""
+    from verispec.proposers.eagle import CATCH_UP_PENDING
+
+    spec = speculative_config("eagle3", None, head_dir)
+    llm = make_llm(target_dir, spec)
+    prompts, _ = workload()
+    first = llm.generate([prompts[1]], SamplingParams(max_tokens=100, ignore_eos=True,
+                                                      temperature=0.0))[0]
+    assert first.spec_stats.num_draft_tokens < 20  # drafting was switched off early
+    turn = prompts[1] + first.token_ids + [5, 6, 7]
+    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0)
+    second = llm.generate([turn], params)[0]
+    assert second.num_cached_tokens >= len(turn) - 3 - CATCH_UP_PENDING - BLOCK_SIZE
+    cold = make_llm(target_dir, spec, enable_prefix_caching=False)
+    assert second.token_ids == cold.generate([turn], params)[0].token_ids

@@ -75,6 +75,12 @@ from verispec.proposers.draft_model import ModelProposer, _AheadDraft
 from verispec.runtime.cuda_graphs import StepInput
 from verispec.runtime.model_runner import ModelRunner
 
+# A request that does not draft (the planner turned drafting off, or no room) still feeds its
+# pending pairs to the head once it has this many: its head KV then stays within a block or so
+# of the target's, so the prefix cache can publish its blocks as complete (an EAGLE hit needs
+# the head's rows). Every 16 idle steps, one eager forward of the head without logits.
+CATCH_UP_PENDING = 16
+
 
 @register_proposer("eagle")
 class EagleProposer(ModelProposer):
@@ -399,6 +405,38 @@ class EagleProposer(ModelProposer):
         finally:
             for slot, n in zip(slot_list, num_tokens.tolist()):
                 cache.truncate(slot, n - 1)  # only rows fed with target hidden states stay
+
+    def propose(self, requests: Sequence[ProposalRequest]):
+        self._catch_up_idle(requests)
+        return super().propose(requests)
+
+    def _catch_up_idle(self, requests: Sequence[ProposalRequest]) -> None:
+        """Feed the head the pending pairs of each request that drafts nothing this step and
+        has at least ``CATCH_UP_PENDING`` of them, but the last (a later forward 0 needs one
+        pair to draft from). Rows fed with the target's hidden states, the same bits as in a
+        forward 0 (the head's forward is batch invariant)."""
+        threshold = max(CATCH_UP_PENDING, self.width + 1)  # never a request that just drafted
+        if not (self.num_pending >= threshold).any():
+            return
+        num_drafts = self._num_drafts(requests)
+        cache = self.runner.kv_cache
+        slots, feeds, hidden = [], [], []
+        for r, n in zip(requests, num_drafts.tolist()):
+            slot = r.slot
+            if n > 0 or self.num_pending[slot] < threshold:
+                continue
+            parts = self._pending[slot]
+            rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+            num_cached = cache.length(slot)
+            fed = rows.shape[0] - 1
+            slots.append(slot)
+            feeds.append(np.asarray(r.token_ids[num_cached + 1:num_cached + 1 + fed],
+                                    dtype=np.int64))
+            hidden.append(rows[:fed])
+            self._pending[slot] = [rows[fed:]]
+            self.num_pending[slot] = 1
+        if slots:
+            self._head_forward(slots, feeds, torch.cat(hidden), True, logits=False)
 
     def on_commit(self, slots: Sequence[int], num_committed_tokens: Sequence[int]) -> None:
         """Take the target hidden states of the newly committed pairs from the target runner's
