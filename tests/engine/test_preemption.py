@@ -26,23 +26,38 @@ MAX_MODEL_LEN = 96
 BLOCK_SIZE = 4
 
 
+def save_target(tmp_path_factory, max_model_len: int) -> str:
+    """The tiny random target of the engine tests (3 layers, vocabulary VOCAB)."""
+    return save_llama(tmp_path_factory.mktemp("target"), num_layers=3, vocab_size=VOCAB,
+                      max_position_embeddings=max_model_len)
+
+
+def save_draft(tmp_path_factory, max_model_len: int) -> str:
+    """A one-layer random draft model with the target's vocabulary."""
+    return save_llama(tmp_path_factory.mktemp("draft"), num_layers=1, vocab_size=VOCAB, seed=3,
+                      max_position_embeddings=max_model_len)
+
+
+def save_head(target_dir: str, tmp_path_factory) -> str:
+    """A random EAGLE-3 head for ``target_dir`` (a reduced draft vocabulary of 40)."""
+    config, state = eagle_checkpoint("eagle3", load_model(target_dir).config, seed=11,
+                                     draft_vocab_size=40)
+    return write_checkpoint(tmp_path_factory.mktemp("eagle3"), config, state)
+
+
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    return save_llama(tmp_path_factory.mktemp("target"), num_layers=3, vocab_size=VOCAB,
-                      max_position_embeddings=MAX_MODEL_LEN)
+    return save_target(tmp_path_factory, MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory):
-    return save_llama(tmp_path_factory.mktemp("draft"), num_layers=1, vocab_size=VOCAB, seed=3,
-                      max_position_embeddings=MAX_MODEL_LEN)
+    return save_draft(tmp_path_factory, MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
 def head_dir(target_dir, tmp_path_factory):
-    config, state = eagle_checkpoint("eagle3", load_model(target_dir).config, seed=11,
-                                     draft_vocab_size=40)
-    return write_checkpoint(tmp_path_factory.mktemp("eagle3"), config, state)
+    return save_head(target_dir, tmp_path_factory)
 
 
 def workload():

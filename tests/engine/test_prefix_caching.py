@@ -14,15 +14,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.engine.test_preemption import speculative_config
-from tests.proposers.test_draft_model import save_llama
-from tests.proposers.test_eagle_loader import eagle_checkpoint, write_checkpoint
+from tests.engine.test_preemption import (
+    VOCAB,
+    save_draft,
+    save_head,
+    save_target,
+    speculative_config,
+)
 from verispec import LLM, SamplingParams
-from verispec.models import load_model
 from verispec.runtime.kv_cache import BlockPool, BlockTables
 from verispec.runtime.prefix_cache import PrefixCache, extend_keys
 
-VOCAB = 64
 MAX_MODEL_LEN = 160
 BLOCK_SIZE = 4
 
@@ -148,21 +150,17 @@ def test_blocks_are_published_as_the_target_commits_them_and_complete_when_all_c
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    return save_llama(tmp_path_factory.mktemp("target"), num_layers=3, vocab_size=VOCAB,
-                      max_position_embeddings=MAX_MODEL_LEN)
+    return save_target(tmp_path_factory, MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory):
-    return save_llama(tmp_path_factory.mktemp("draft"), num_layers=1, vocab_size=VOCAB, seed=3,
-                      max_position_embeddings=MAX_MODEL_LEN)
+    return save_draft(tmp_path_factory, MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
 def head_dir(target_dir, tmp_path_factory):
-    config, state = eagle_checkpoint("eagle3", load_model(target_dir).config, seed=11,
-                                     draft_vocab_size=40)
-    return write_checkpoint(tmp_path_factory.mktemp("eagle3"), config, state)
+    return save_head(target_dir, tmp_path_factory)
 
 
 def workload():
