@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import random
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -24,7 +25,7 @@ from verispec.engine.scheduler import Scheduler
 from verispec.engine.spec_decode import SpeculativeDecoder
 from verispec.log import warn_once
 from verispec.models.loader import load_model, parse_dtype
-from verispec.runtime import memory
+from verispec.runtime import memory, workers
 from verispec.runtime.cuda_graphs import batch_buckets
 from verispec.runtime.kv_cache import DEFAULT_BLOCK_SIZE
 from verispec.runtime.model_runner import ModelRunner
@@ -122,6 +123,12 @@ class LLM:
     speculative_config : SpeculativeConfig or a dict of vLLM ``speculative_config`` keys;
         None (or ``method="none"``) decodes one token per step
     device : torch device, default ``"cpu"``
+    tensor_parallel_size : GPUs (or CPU processes) one model is split over (vLLM's key;
+        default 1). In a plain process the engine spawns the other ranks itself and stops them
+        at ``close`` (or exit); under ``torchrun`` each rank runs the script and builds its
+        engine with the same arguments. Llama-family models (docs/design.md §14)
+    load_format : ``"auto"`` reads the weights; ``"dummy"`` makes random weights on the device
+        from ``config.json`` alone (benchmarks of big shapes; vLLM's meaning)
     enforce_eager : on CUDA, run every step eagerly instead of replaying captured CUDA graphs
         (vLLM's name); no effect on CPU
     batch_invariant : matmuls and attention whose rows do not depend on the batch, on CUDA and
@@ -146,7 +153,11 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool | None = None,
         enable_chunked_prefill: bool | None = None,
+        tensor_parallel_size: int = 1,
+        load_format: str = "auto",
     ) -> None:
+        engine_kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        _check_positive_int("tensor_parallel_size", tensor_parallel_size)
         if dtype is not None:
             parse_dtype(dtype)
         for name, flag in (("enforce_eager", enforce_eager), ("batch_invariant", batch_invariant),
@@ -185,7 +196,30 @@ class LLM:
         if speculative_config is not None and speculative_config.is_synthetic:
             warn_once(logger, "synthetic", SYNTHETIC_WARNING)
 
-        self.loaded = load_model(model, dtype, self.device)
+        # Ranks 1.. of a tensor-parallel engine (spawned here unless under torchrun) build
+        # this same engine from engine_kwargs; from here on every rank runs the code below.
+        self._tp, self.device, self._workers = workers.start(
+            tensor_parallel_size, self.device, LLM, engine_kwargs)
+        self.tensor_parallel_size = tensor_parallel_size
+        try:
+            self._init_engine(model, dtype, max_model_len, max_num_seqs, speculative_config,
+                              enforce_eager, batch_invariant, block_size,
+                              gpu_memory_utilization, kv_cache_memory, max_num_batched_tokens,
+                              enable_prefix_caching, enable_chunked_prefill, load_format)
+            if self._workers is not None:
+                self._workers.wait_ready()
+        except BaseException as e:
+            failure = None if self._workers is None else self._workers.failure
+            self.close()
+            if failure is not None:
+                raise workers.WorkerDied(failure) from e
+            raise
+
+    def _init_engine(self, model, dtype, max_model_len, max_num_seqs, speculative_config,
+                     enforce_eager, batch_invariant, block_size, gpu_memory_utilization,
+                     kv_cache_memory, max_num_batched_tokens, enable_prefix_caching,
+                     enable_chunked_prefill, load_format) -> None:
+        self.loaded = load_model(model, dtype, self.device, tp=self._tp, load_format=load_format)
         config = self.loaded.config
         self.enable_prefix_caching = _feature("enable_prefix_caching", enable_prefix_caching,
                                               config)
@@ -218,7 +252,7 @@ class LLM:
         self.sampler = Sampler()
         self.spec = None if speculative_config is None else SpeculativeDecoder(
             speculative_config, self.runner, config.vocab_size, max_num_seqs, max_model_len,
-            tokenizer=self.tokenizer,
+            tokenizer=self.tokenizer, tp=self._tp,
         )
         # Longer forwards run in pieces: the memory plan measures a step of this many tokens.
         self.runner.max_forward_tokens = max_num_batched_tokens
@@ -245,10 +279,17 @@ class LLM:
         self.runner.capture(self._captured_query_counts)
         if self.spec is not None:
             self.spec.capture()
+            # every rank plans its drafts with rank 0's measured step costs
+            self.spec.costs = self._tp.broadcast_object(self.spec.costs)
         if self.runner.graphs is not None:
             self.runner.graphs.log_summary("target")
         self._warm_up_samplers()
         self._next_request_id = 0
+        # Seeds of requests that gave none: drawn from one stream that every rank of a
+        # tensor-parallel engine starts from rank 0's value, so the ranks agree on them.
+        self._seed_rng = (None if not self._tp.enabled
+                          else random.Random(self._tp.broadcast_object(draw_seed())))
+        self._requests_by_id: dict[int, Request] = {}  # a spawned rank's requests (apply_command)
         self.num_steps = 0  # engine steps run (prefill and decode)
         self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
 
@@ -283,6 +324,7 @@ class LLM:
                     "max_num_batched_tokens / max_num_seqs")
             num_blocks = memory.blocks_for_bytes(kv_bytes, per_block)
             source = f"gpu_memory_utilization={utilization}"
+        num_blocks = self._tp.min_int(num_blocks, self.device)  # every rank holds the same pool
         memory.check_plan(num_blocks, tables.block_size, self.max_model_len, source)
         num_blocks = min(num_blocks, full)
         try:
@@ -302,7 +344,11 @@ class LLM:
         params = inputs.as_sampling_params(params)
         text, ids = self.encoder.encode(prompt)
         self.encoder.check_params(params, len(ids))
-        seed = draw_seed() if params.seed is None else params.seed
+        if params.seed is not None:
+            seed = params.seed
+        else:
+            seed = (draw_seed() if self._seed_rng is None
+                    else self._seed_rng.getrandbits(64) - 2**63)
         request = Request(self._next_request_id, text, ids, params, seed, self.max_model_len)
         self._next_request_id += 1
         return request
@@ -343,6 +389,17 @@ class LLM:
         the captured decode graph)."""
         if not self.scheduler.has_unfinished:
             return []
+        if self._workers is None:
+            return self._step()
+        self._workers.step()
+        try:
+            return self._step()
+        except Exception as e:
+            if self._workers.failure is not None:
+                raise workers.WorkerDied(self._workers.failure) from e
+            raise
+
+    def _step(self) -> list[Request]:
         plan = self.scheduler.schedule()
         self.num_steps += 1
         finished: list[Request] = []
@@ -541,7 +598,7 @@ class LLM:
                     prompt_token_ids=[], finish_reason="error", error=f"prompt {i}: {e}",
                 )
         for _, request in requests:
-            self.scheduler.add(request)
+            self._queue(request)
         try:
             while self.scheduler.has_unfinished:
                 self.step()
@@ -565,6 +622,8 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         """Forget every published KV block (the next requests compute their prompts cold)."""
         self.runner.kv_cache.pool.reset_prefix_cache()
+        if self._workers is not None:
+            self._workers.queue(("reset",))
 
     def spec_decoding_log_line(self, elapsed_s: float) -> str | None:
         """The vLLM-format metrics line over all steps so far (None without speculation)."""
@@ -579,7 +638,7 @@ class LLM:
         the batch at the next ``step`` with a free slot and KV blocks for it. Read it with
         ``get_output``."""
         request = self._make_request(prompt, sampling_params or SamplingParams())
-        self.scheduler.add(request)
+        self._queue(request)
         return request
 
     def abort_request(self, request: Request) -> None:
@@ -605,7 +664,7 @@ class LLM:
         return self._stream(request)
 
     def _stream(self, request: Request) -> Iterator[RequestOutput]:
-        self.scheduler.add(request)  # at the first next(): an unread stream queues nothing
+        self._queue(request)  # at the first next(): an unread stream queues nothing
         shown = ""
         try:
             while True:
@@ -624,9 +683,52 @@ class LLM:
         finally:  # the consumer may stop early: release the request's slot
             self._abort([request])
 
+    def _queue(self, request: Request) -> None:
+        """Queue a validated request (and send it to the spawned ranks with the next step)."""
+        self.scheduler.add(request)
+        if self._workers is not None:
+            self._workers.queue(("add", request.request_id, request.prompt,
+                                 request.prompt_token_ids, request.params, request.seed))
+
+    def apply_command(self, command: tuple) -> None:
+        """On a spawned rank of a tensor-parallel engine: apply one of rank 0's state changes
+        (``runtime.workers``) so the next step schedules what rank 0's does."""
+        kind = command[0]
+        if kind == "add":
+            _, request_id, prompt, ids, params, seed = command
+            request = Request(request_id, prompt, list(ids), params, seed, self.max_model_len)
+            self._requests_by_id[request_id] = request
+            self.scheduler.add(request)
+        elif kind == "abort":
+            request = self._requests_by_id.pop(command[1], None)
+            if request is not None:
+                self._abort([request])
+        elif kind == "reset":
+            self.reset_prefix_cache()
+        else:
+            raise ValueError(f"unknown engine command {kind!r}")
+        for request_id in [i for i, r in self._requests_by_id.items() if r.finished]:
+            del self._requests_by_id[request_id]
+
+    def close(self) -> None:
+        """Stop the ranks this engine spawned (tensor parallelism; no-op otherwise). Also runs
+        at exit; the engine cannot step after it."""
+        group = getattr(self, "_workers", None)
+        if group is not None:
+            group.close()
+            self._workers = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _abort(self, requests: Sequence[Request]) -> None:
         for request in requests:
             if not request.finished:
+                if self._workers is not None:
+                    self._workers.queue(("abort", request.request_id))
                 if request.slot >= 0 and self.spec is not None:
                     self.spec.release(request)
                 self.scheduler.abort(request)

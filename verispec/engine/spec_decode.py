@@ -55,6 +55,7 @@ from verispec import ops
 from verispec.config import SpeculativeConfig
 from verispec.engine.metrics import SpecDecodingLogger, SpecDecodingStats
 from verispec.engine.request import Request
+from verispec.models.parallel import SINGLE, TensorParallel
 from verispec.ops import cpu_kernels
 from verispec.proposers import ProposerContext, build_proposer
 from verispec.runtime.model_runner import ModelRunner
@@ -146,6 +147,7 @@ class SpeculativeDecoder:
         max_model_len: int,
         tokenizer=None,
         log_interval_s: float = 5.0,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
@@ -163,6 +165,7 @@ class SpeculativeDecoder:
             target_model=runner,
             tokenizer=tokenizer,
             block_tables=runner.kv_cache.block_tables,
+            tp=tp,
         )
         self.proposer = build_proposer(config, context)
         self.rejection_sampler = RejectionSampler(config, runner.device)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.models.config import ModelConfig
+from verispec.models.parallel import SINGLE, TensorParallel
 from verispec.models.rope import apply_rope
 from verispec.ops import cpu_kernels, quant
 from verispec.ops.model_ops import ModelOps
@@ -228,9 +229,15 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    """Grouped-query attention over the paged cache. Under tensor parallelism ``config`` is the
+    rank's slice (``TensorParallel.shard_config``: its heads) and the output projection's
+    partial sums are all-reduced here."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         c = config
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = (
             c.num_attention_heads, c.num_key_value_heads, c.head_dim
         )
@@ -292,9 +299,9 @@ class Attention(nn.Module):
         else:
             out = None
         if out is not None:
-            return linear(out.to(x.dtype).reshape(B, S, self.q_size), self.o_weight,
-                          self.o_bias, self.matmul_splits, self.upcast_rows,
-                          self.batch_invariant)
+            return self.tp.all_reduce(linear(
+                out.to(x.dtype).reshape(B, S, self.q_size), self.o_weight, self.o_bias,
+                self.matmul_splits, self.upcast_rows, self.batch_invariant))
         keys = gather_positions(k_cache, meta.block_tables, meta.kv_len)  # [B, kv_len, hkv, d]
         values = gather_positions(v_cache, meta.block_tables, meta.kv_len)
         out = F.scaled_dot_product_attention(
@@ -306,8 +313,9 @@ class Attention(nn.Module):
             scale=self.scale,
             enable_gqa=hq != hkv,
         ).to(x.dtype)  # [B, hq, S, d]
-        return linear(out.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight, self.o_bias,
-                      self.matmul_splits, self.upcast_rows, self.batch_invariant)
+        return self.tp.all_reduce(linear(
+            out.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight, self.o_bias,
+            self.matmul_splits, self.upcast_rows, self.batch_invariant))
 
 
     def forward_flat(self, h: torch.Tensor, batch: FlatBatch, k_cache: torch.Tensor,
@@ -325,15 +333,19 @@ class Attention(nn.Module):
             None if self.k_norm is None else self.k_norm.weight,
             0.0 if self.q_norm is None else self.q_norm.eps,
         )
-        return ops.linear(out.view(h.shape[0], self.q_size), self.o_weight, self.o_bias)
+        return self.tp.all_reduce(
+            ops.linear(out.view(h.shape[0], self.q_size), self.o_weight, self.o_bias))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one matmul. Under tensor
+    parallelism ``config`` holds the rank's FFN width and down's partial sums are all-reduced."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         c = config
+        self.tp = tp
         self.intermediate_size = c.intermediate_size
         self.gate_up_weight = _param(2 * c.intermediate_size, c.hidden_size, dtype=dtype)
         self.gate_up_bias = _param(2 * c.intermediate_size, dtype=dtype) if c.mlp_bias else None
@@ -345,13 +357,14 @@ class MLP(nn.Module):
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.matmul_splits,
                          self.upcast_rows, self.batch_invariant)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight, self.down_bias, self.matmul_splits,
-                      self.upcast_rows, self.batch_invariant)
+        return self.tp.all_reduce(linear(F.silu(gate) * up, self.down_weight, self.down_bias,
+                                         self.matmul_splits, self.upcast_rows,
+                                         self.batch_invariant))
 
 
     def forward_flat(self, h: torch.Tensor, ops: ModelOps) -> torch.Tensor:
         act = ops.linear_silu_mul(h, self.gate_up_weight, self.gate_up_bias)
-        return ops.linear(act, self.down_weight, self.down_bias)
+        return self.tp.all_reduce(ops.linear(act, self.down_weight, self.down_bias))
 
 
 def input_norm_flat(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
@@ -365,12 +378,13 @@ def input_norm_flat(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | Non
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.attn = Attention(config, dtype)
+        self.attn = Attention(config, dtype, tp)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype)
+        self.mlp = MLP(config, dtype, tp)
 
     def forward(self, x, meta, k_cache, v_cache):
         # x is this forward's own residual stream (the embedding output, then this layer's
@@ -394,21 +408,35 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The decoder plus LM head. ``forward`` returns final-norm hidden states; ``compute_logits``
     applies the LM head to the rows the caller needs (usually one per request, or the n_r + 1
-    rows of a verify step), so the [*, vocab] matmul never runs on rows nobody reads."""
+    rows of a verify step), so the [*, vocab] matmul never runs on rows nobody reads.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    Under tensor parallelism (``tp``, ``models.parallel``) ``config`` is the rank's slice (its
+    heads and FFN width; what the runner sizes the KV cache by), ``full_config`` the model's,
+    and the embedding and LM head hold the rank's vocabulary rows."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.config = config
+        self.full_config = config
+        self.tp = tp
+        self.config = config = tp.shard_config(config)
         self.matmul_splits, self.upcast_rows, self.batch_invariant = 1, 0, False
-        self.embed_weight = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        vocab_rows = tp.vocab_shard_size(config.vocab_size)
+        self.embed_weight = _param(vocab_rows, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, dtype, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head_weight = (
             self.embed_weight if config.tie_word_embeddings
-            else _param(config.vocab_size, config.hidden_size, dtype=dtype)
+            else _param(vocab_rows, config.hidden_size, dtype=dtype)
         )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[...] int64 -> [..., hidden] (vocabulary-parallel under tensor parallelism)."""
+        if self.tp.enabled:
+            return self.tp.embedding(input_ids, self.embed_weight, self.config.vocab_size)
+        return quant.embedding(input_ids, self.embed_weight)
 
     def forward(
         self,
@@ -423,7 +451,7 @@ class LlamaForCausalLM(nn.Module):
         final norm. Returns [B, S, hidden] in the model dtype; with ``capture_layers`` also the
         residual stream entering each of those layers (HF's ``hidden_states[i]``; an EAGLE
         head's input), each [B, S, hidden], in the order given."""
-        x = quant.embedding(input_ids, self.embed_weight)
+        x = self.embed(input_ids)
         captured: dict[int, torch.Tensor] = {}
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         for i, (layer, k_cache, v_cache) in enumerate(zip(layers, k_caches, v_caches)):
@@ -446,7 +474,7 @@ class LlamaForCausalLM(nn.Module):
         """``forward`` on the flat layout of a GPU step (one kernel per small op, no host
         work per layer, capturable in a CUDA graph). Returns [T, hidden] after the final norm;
         with ``capture_layers`` also the residual stream entering those layers, as ``forward``."""
-        x = quant.embedding(input_ids, self.embed_weight)
+        x = self.embed(input_ids)
         residual = None
         captured: dict[int, torch.Tensor] = {}
         layers = self.layers if num_layers is None else self.layers[:num_layers]
@@ -464,11 +492,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, ops: ModelOps | None = None) -> torch.Tensor:
         """[..., hidden] -> [..., vocab_size] float32 logits (through ``ops.linear`` on the GPU
-        path)."""
+        path); under tensor parallelism each rank's vocabulary slice, gathered."""
         if ops is not None:
-            return ops.linear(hidden, self.lm_head_weight, out_dtype=torch.float32)
-        return linear(hidden, self.lm_head_weight, None, self.matmul_splits,
-                      self.upcast_rows, self.batch_invariant).float()
+            logits = ops.linear(hidden, self.lm_head_weight, out_dtype=torch.float32)
+        else:
+            logits = linear(hidden, self.lm_head_weight, None, self.matmul_splits,
+                            self.upcast_rows, self.batch_invariant).float()
+        return self.tp.gather_vocab(logits, self.config.vocab_size)
 
     def set_cpu_matmuls(self, splits: int, upcast_rows: int = 0,
                         batch_invariant: bool = False) -> None:

@@ -7,11 +7,13 @@ A GGUF file is converted once into an HF-format directory in the user cache (see
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
 import re
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +22,13 @@ from safetensors import SafetensorError, safe_open
 
 from verispec.models.config import ModelConfig, read_hf_config
 from verispec.models.gguf_quant import load_quantized
+from verispec.models.llama import LlamaForCausalLM
+from verispec.models.parallel import SINGLE, TensorParallel
 from verispec.models.registry import resolve_architecture
 from verispec.ops import cpu_kernels
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LOAD_FORMATS = ("auto", "dummy")  # vLLM's load_format values that apply here
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -79,18 +84,29 @@ def _safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(model_dir: str, select: Callable[[str], Any] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """(name, tensor) of every tensor in the directory's safetensors files; a truncated or
-    garbage file is a ValueError naming it and what is wrong."""
+    garbage file is a ValueError naming it and what is wrong. ``select(name)``, when given,
+    says what to read of each: None the whole tensor, an index (a tuple of slices) only those
+    rows / columns (read as such from the file), ``SKIP`` nothing (the tensor is None)."""
     for path in _safetensors_files(model_dir):
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    yield name, f.get_tensor(name)
+                    index = None if select is None else select(name)
+                    if index is SKIP:
+                        yield name, None
+                    elif index is None:
+                        yield name, f.get_tensor(name)
+                    else:
+                        yield name, f.get_slice(name)[index]
         except SafetensorError as e:
             raise ValueError(f"{path} is not a readable safetensors file ({e}); it may be "
                              "truncated or corrupt") from None
 
+
+SKIP = "skip"  # iter_safetensors: a tensor this rank does not read
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF name inside a layer -> (our parameter inside the layer, which part of a fused matrix)
@@ -138,11 +154,55 @@ def _target(model, config: ModelConfig, name: str) -> tuple[str, slice | None] |
     return param, slice(*bounds)
 
 
+def tensor_parallel_slice(config: ModelConfig, tp: TensorParallel, name: str) -> Any:
+    """What rank ``tp.rank`` reads of HF tensor ``name`` (``iter_safetensors``'s ``select``;
+    ``config`` is the whole model's): its rows of a column-parallel matrix (q/k/v, gate/up, the
+    embedding and LM head), its columns of a row-parallel one (o, down), ``SKIP`` for a
+    row-parallel bias on ranks other than 0 (the bias is added once, after the sum), None
+    (everything) for the norms."""
+    if not tp.enabled:
+        return None
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        start, end = tp.vocab_range(config.vocab_size)
+        return (slice(start, min(end, config.vocab_size)),)
+    m = _LAYER.match(name)
+    if not m:
+        return None
+    module, _, kind = m.group(2).rpartition(".")
+    d, n = config.head_dim, tp.size
+    heads = config.num_attention_heads // n
+    kv_heads = max(1, config.num_key_value_heads // n)
+    ffn = config.intermediate_size // n
+    if module == "self_attn.q_proj":
+        return (slice(tp.rank * heads * d, (tp.rank + 1) * heads * d),)
+    if module in ("self_attn.k_proj", "self_attn.v_proj"):
+        start = tp.kv_head_start(config)
+        return (slice(start * d, (start + kv_heads) * d),)
+    if module in ("mlp.gate_proj", "mlp.up_proj"):
+        return (slice(tp.rank * ffn, (tp.rank + 1) * ffn),)
+    if module in ("self_attn.o_proj", "mlp.down_proj"):
+        if kind == "bias":
+            return None if tp.rank == 0 else SKIP
+        width = heads * d if module == "self_attn.o_proj" else ffn
+        return (slice(None), slice(tp.rank * width, (tp.rank + 1) * width))
+    return None
+
+
 @torch.inference_mode()
-def load_weights(model, config: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy HF-named tensors into the (fused) parameters; every parameter row must be filled."""
+def load_weights(model, config: ModelConfig,
+                 tensors: Iterator[tuple[str, torch.Tensor | None]]) -> None:
+    """Copy HF-named tensors into the (fused) parameters; every parameter row must be filled.
+    ``config`` is the model's own (under tensor parallelism the rank's slice); a tensor given
+    as None (``SKIP``) zero-fills its place; vocabulary rows past the vocabulary (the last
+    rank's padding) are zero."""
     params = dict(model.named_parameters())
     filled = {name: 0 for name in params}
+    vocab_rows = {"embed_weight", "lm_head_weight"}
+    for pname in vocab_rows & set(params):
+        pad = params[pname][config.vocab_size - getattr(model, "tp", SINGLE).vocab_range(
+            config.vocab_size)[0]:]
+        pad.zero_()
+        filled[pname] += pad.numel()
     for name, tensor in tensors:
         # A model with its own checkpoint layout names its parameters (granite_hybrid).
         target = (model.weight_target(name) if hasattr(model, "weight_target")
@@ -153,6 +213,12 @@ def load_weights(model, config: ModelConfig, tensors: Iterator[tuple[str, torch.
         if pname not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {config.architecture}")
         dest = params[pname] if rows is None else params[pname][rows]
+        if pname in vocab_rows and tensor is not None:
+            dest = dest[: tensor.shape[0]]  # the last rank's shard may pass the vocabulary
+        if tensor is None:  # SKIP: a row-parallel bias that another rank adds
+            dest.zero_()
+            filled[pname] += dest.numel()
+            continue
         if dest.shape != tensor.shape:
             raise ValueError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -186,11 +252,11 @@ def _eos_token_ids(model_dir: str, config: ModelConfig, tokenizer) -> tuple[int,
 
 
 def quantized_gguf(model: str | None, dtype: str | torch.dtype | None,
-                   device: str | torch.device) -> str | None:
+                   device: str | torch.device, tp: TensorParallel = SINGLE) -> str | None:
     """The GGUF file to load with its weights kept quantised (``models.gguf_quant``), or None:
     with ``dtype`` None (the default), a GGUF (the bundled one when ``model`` is None) on a CPU
     that runs the quantised kernel. An explicit dtype dequantises."""
-    if dtype is not None or torch.device(device).type != "cpu":
+    if dtype is not None or torch.device(device).type != "cpu" or tp.enabled:
         return None
     if model is None:
         from verispec.models import gguf
@@ -208,21 +274,53 @@ def load_model(
     model: str | None = None,
     dtype: str | torch.dtype | None = "float32",
     device: str | torch.device = "cpu",
+    tp: TensorParallel = SINGLE,
+    load_format: str = "auto",
 ) -> LoadedModel:
     """Load weights, tokenizer and EOS ids. ``dtype`` None: a GGUF on the CPU keeps its
     quantised weights (float32 activations; ``quantized_gguf``), anything else loads in
-    bfloat16. Raises ValueError naming the cause on bad input."""
-    gguf_path = quantized_gguf(model, dtype, device)
+    bfloat16. ``tp``: this rank's slice of a tensor-parallel model (it reads only its rows and
+    columns of each tensor). ``load_format``: ``"auto"`` reads the weights, ``"dummy"`` makes
+    random ones on the device from ``config.json`` alone (``dummy_weights``). Raises ValueError
+    naming the cause on bad input."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
+    gguf_path = None if load_format == "dummy" else quantized_gguf(model, dtype, device, tp)
     if gguf_path is not None:
         net, config, model_dir = load_quantized(gguf_path)
     else:
         torch_dtype = parse_dtype("bfloat16" if dtype is None else dtype)
         model_dir = resolve_model_path(model)
         arch, config = resolve_architecture(read_hf_config(model_dir))
+        if tp.enabled and arch.model_cls is not LlamaForCausalLM:
+            raise ValueError(f"tensor_parallel_size={tp.size}: tensor parallelism runs "
+                             f"Llama-family models; {arch.name} runs on one device")
+        tp.check(config)
         with torch.device(device):
-            net = arch.model_cls(config, dtype=torch_dtype)
-        load_weights(net, config, iter_safetensors(model_dir))
+            net = (arch.model_cls(config, dtype=torch_dtype, tp=tp) if tp.enabled
+                   else arch.model_cls(config, dtype=torch_dtype))
+        if load_format == "dummy":
+            dummy_weights(net, seed=0)
+        else:
+            own = net.config if tp.enabled else config
+            load_weights(net, own, iter_safetensors(
+                model_dir, None if not tp.enabled
+                else functools.partial(tensor_parallel_slice, config, tp)))
         net.eval()
     tokenizer = _load_tokenizer(model_dir)
     return LoadedModel(net, config, tokenizer, _eos_token_ids(model_dir, config, tokenizer),
                        model_dir)
+
+
+@torch.inference_mode()
+def dummy_weights(net: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights made on the model's device (vLLM's ``load_format="dummy"``): norms 1,
+    everything else uniform in [-0.02, 0.02), from a generator seeded by ``seed`` and the
+    parameter's name (so every rank makes the same values for a replicated parameter). For
+    benchmarks of shapes whose checkpoint would not be worth writing; the tokens mean nothing."""
+    for name, param in net.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        generator = torch.Generator(param.device).manual_seed(seed + zlib.crc32(name.encode()))
+        param.uniform_(-0.02, 0.02, generator=generator)

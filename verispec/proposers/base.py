@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from verispec.config import SpeculativeConfig
+from verispec.models.parallel import SINGLE, TensorParallel
 from verispec.ops.quant import QuantizedWeight
 from verispec.runtime.kv_cache import BlockTables
 from verispec.runtime.model_runner import ModelRunner
@@ -106,6 +107,9 @@ class ProposerContext:
     # The target's KV block tables: a proposer's own KV cache shares them (its block i belongs
     # to the request that holds the target's block i), so the engine's reservation covers it.
     block_tables: BlockTables | None = None
+    # The target's place in a tensor-parallel group: a draft model or head is split the same
+    # way (docs/design.md §14).
+    tp: TensorParallel = SINGLE
 
 
 class Proposer(abc.ABC):

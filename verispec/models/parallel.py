@@ -1,0 +1,150 @@
+"""Tensor parallelism of a Llama-family decoder (Megatron-style; docs/design.md §14).
+
+Each of ``size`` ranks holds:
+
+- a slice of the attention heads: q heads ``[rank * H / size, (rank + 1) * H / size)`` and the
+  KV heads they read (split the same way, or one replicated KV head per rank when there are
+  fewer KV heads than ranks), so QKV is column-parallel and each rank's KV cache holds its own
+  heads only;
+- a slice of the FFN: gate|up column-parallel, down row-parallel;
+- a slice of the vocabulary: rows ``[rank * S, (rank + 1) * S)`` of the embedding and the LM
+  head, ``S = ceil(vocab_size / size)`` (rows past the vocabulary are zero).
+
+The output and down projections then hold partial sums: one all-reduce each adds them. The
+embedding is a masked lookup of the rank's rows plus an all-reduce (one rank adds the row, the
+others zeros: exact). The LM head's logits are gathered, so every rank holds the same
+``[rows, vocab_size]`` float32 logits and samples the same tokens from the same Philox
+streams: no rank waits on another's host (docs/design.md §14 says why).
+
+With two ranks an all-reduce adds two partials, ``a + b == b + a``: a row's bits do not depend
+on the batch, as on one device. TP = 2 and TP = 1 differ by rounding (each partial is rounded to
+the model dtype before the sum).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from verispec.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group (``size`` 1: no parallelism)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # torch.distributed ProcessGroup; None = the default group
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    # ----------------------------------------------------------------- shapes
+
+    def check(self, config: ModelConfig) -> None:
+        """ValueError naming the field when ``config`` cannot be split ``size`` ways."""
+        if not self.enabled:
+            return
+        for name in ("num_attention_heads", "intermediate_size"):
+            value = getattr(config, name)
+            if value % self.size:
+                raise ValueError(f"tensor_parallel_size={self.size} must divide the model's "
+                                 f"{name}={value}")
+        kv = config.num_key_value_heads
+        if kv % self.size and self.size % kv:
+            raise ValueError(f"tensor_parallel_size={self.size} must divide the model's "
+                             f"num_key_value_heads={kv}, or be a multiple of it")
+
+    def shard_config(self, config: ModelConfig) -> ModelConfig:
+        """The config of this rank's slice: its heads and FFN width (vocabulary as a whole)."""
+        if not self.enabled:
+            return config
+        self.check(config)
+        return dataclasses.replace(
+            config,
+            num_attention_heads=config.num_attention_heads // self.size,
+            num_key_value_heads=max(1, config.num_key_value_heads // self.size),
+            intermediate_size=config.intermediate_size // self.size,
+        )
+
+    def kv_head_start(self, config: ModelConfig) -> int:
+        """The first (global) KV head of this rank."""
+        kv = config.num_key_value_heads
+        if kv >= self.size:
+            return self.rank * (kv // self.size)
+        return self.rank // (self.size // kv)  # replicated: size / kv ranks share a head
+
+    def vocab_shard_size(self, vocab_size: int) -> int:
+        return -(-vocab_size // self.size)
+
+    def vocab_range(self, vocab_size: int) -> tuple[int, int]:
+        """This rank's vocabulary rows ``[start, end)`` (end may pass the vocabulary: zeros)."""
+        shard = self.vocab_shard_size(vocab_size)
+        return self.rank * shard, (self.rank + 1) * shard
+
+    # ----------------------------------------------------------------- collectives
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of every rank's ``x``, in place; returns x. gloo has no bfloat16 sum: there the
+        two partials are added in float32 and rounded once."""
+        if not self.enabled:
+            return x
+        if x.device.type == "cpu" and x.dtype not in (torch.float32, torch.float64):
+            wide = x.float()
+            dist.all_reduce(wide, group=self.group)
+            return x.copy_(wide)
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """[..., shard] -> [..., vocab_size]: every rank's vocabulary slice, in rank order."""
+        if not self.enabled:
+            return logits
+        shape = logits.shape
+        flat = logits.reshape(-1, shape[-1]).contiguous()
+        out = flat.new_empty((self.size * flat.shape[0], flat.shape[1]))
+        _all_gather(out, flat, group=self.group)
+        full = out.view(self.size, *flat.shape).permute(1, 0, 2).reshape(flat.shape[0], -1)
+        full = full[:, :vocab_size]
+        return full.reshape(*shape[:-1], vocab_size)
+
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor,
+                  vocab_size: int) -> torch.Tensor:
+        """Vocabulary-parallel lookup: [...] int64 ids -> [..., hidden] in the weight's dtype.
+        Each rank looks up the ids in its rows (zeros elsewhere) and the all-reduce adds them."""
+        if not self.enabled:
+            return F.embedding(ids, weight)
+        start = self.rank * weight.shape[0]
+        local = ids - start
+        outside = (local < 0) | (local >= weight.shape[0])
+        out = F.embedding(local.clamp(0, weight.shape[0] - 1), weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.all_reduce(out)
+
+    def broadcast_object(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (start-up decisions that must agree)."""
+        if not self.enabled:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def min_int(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's ``value``."""
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+
+SINGLE = TensorParallel()
+# torch >= 2.12 renamed the concatenating all-gather
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
