@@ -24,7 +24,7 @@ from verispec.engine.request import Request, RequestOutput
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.spec_decode import SpeculativeDecoder
 from verispec.log import warn_once
-from verispec.models.loader import load_model, parse_dtype
+from verispec.models.loader import check_tensor_parallel, load_model, parse_dtype
 from verispec.runtime import memory, workers
 from verispec.runtime.cuda_graphs import batch_buckets
 from verispec.runtime.kv_cache import DEFAULT_BLOCK_SIZE
@@ -196,6 +196,8 @@ class LLM:
         if speculative_config is not None and speculative_config.is_synthetic:
             warn_once(logger, "synthetic", SYNTHETIC_WARNING)
 
+        if tensor_parallel_size > 1:  # before any process starts
+            check_tensor_parallel(model, tensor_parallel_size)
         # Ranks 1.. of a tensor-parallel engine (spawned here unless under torchrun) build
         # this same engine from engine_kwargs; from here on every rank runs the code below.
         self._tp, self.device, self._workers = workers.start(
@@ -211,7 +213,7 @@ class LLM:
         except BaseException as e:
             failure = None if self._workers is None else self._workers.failure
             self.close()
-            if failure is not None:
+            if failure is not None and not isinstance(e, ValueError):
                 raise workers.WorkerDied(failure) from e
             raise
 

@@ -251,6 +251,15 @@ def _eos_token_ids(model_dir: str, config: ModelConfig, tokenizer) -> tuple[int,
     return tuple(dict.fromkeys(ids))
 
 
+def check_tensor_parallel(model: str | None, size: int) -> None:
+    """ValueError naming the field unless ``model`` can be split over ``size`` ranks."""
+    arch, config = resolve_architecture(read_hf_config(resolve_model_path(model)))
+    if arch.model_cls is not LlamaForCausalLM:
+        raise ValueError(f"tensor_parallel_size={size}: tensor parallelism runs Llama-family "
+                         f"models; {arch.name} runs on one device")
+    TensorParallel(0, size).check(config)
+
+
 def quantized_gguf(model: str | None, dtype: str | torch.dtype | None,
                    device: str | torch.device, tp: TensorParallel = SINGLE) -> str | None:
     """The GGUF file to load with its weights kept quantised (``models.gguf_quant``), or None:
@@ -292,10 +301,8 @@ def load_model(
         torch_dtype = parse_dtype("bfloat16" if dtype is None else dtype)
         model_dir = resolve_model_path(model)
         arch, config = resolve_architecture(read_hf_config(model_dir))
-        if tp.enabled and arch.model_cls is not LlamaForCausalLM:
-            raise ValueError(f"tensor_parallel_size={tp.size}: tensor parallelism runs "
-                             f"Llama-family models; {arch.name} runs on one device")
-        tp.check(config)
+        if tp.enabled:
+            check_tensor_parallel(model, tp.size)
         with torch.device(device):
             net = (arch.model_cls(config, dtype=torch_dtype, tp=tp) if tp.enabled
                    else arch.model_cls(config, dtype=torch_dtype))

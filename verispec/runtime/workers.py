@@ -90,6 +90,11 @@ def start(size: int, device: torch.device, engine_cls: type, engine_kwargs: dict
     for key, value in SAFE_ENV.items():
         os.environ.setdefault(key, value)
     workers = None
+    running = _running_group()
+    if running is not None:
+        raise ValueError(f"tensor_parallel_size={size}: a tensor-parallel engine already runs "
+                         "in this process (one per process, as its ranks share the default "
+                         "process group); close() it first")
     if dist.is_initialized():  # a worker spawned below, or a script that set up the group
         if dist.get_world_size() != size:
             raise ValueError(f"tensor_parallel_size={size}, but the torch.distributed group "
@@ -108,10 +113,21 @@ def start(size: int, device: torch.device, engine_cls: type, engine_kwargs: dict
         rank = local_rank = 0
         _rank_device(device, size - 1)  # every rank has a GPU
         workers = WorkerGroup(size, device, engine_cls, engine_kwargs)
+        _RUNNING.append(weakref.ref(workers))
     device = _set_device(device, local_rank)
-    if device.type == "cpu":  # the ranks share the cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     return TensorParallel(rank, size), device, workers
+
+
+# The engine this process spawned workers for (at most one: it owns the default group).
+_RUNNING: list[weakref.ref] = []
+
+
+def _running_group() -> WorkerGroup | None:
+    group = _RUNNING[-1]() if _RUNNING else None
+    if group is None or group.closed:
+        _RUNNING.clear()
+        return None
+    return group
 
 
 def _set_device(device: torch.device, local_rank: int) -> torch.device:
@@ -217,6 +233,10 @@ class WorkerGroup:
             self.check()
             raise WorkerDied("a tensor-parallel worker stopped") from None
 
+    @property
+    def closed(self) -> bool:
+        return self._closing.is_set()
+
     def close(self) -> None:
         self._finalizer()
 
@@ -256,6 +276,8 @@ def worker_main(rank: int, size: int, port: int, device: str, engine_cls: type,
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     try:
         torch_device = _set_device(torch.device(device), rank)
+        if torch_device.type == "cpu":  # the ranks share the cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         dist.init_process_group(_backend(torch_device), init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
         llm = engine_cls(**engine_kwargs)

@@ -1,0 +1,188 @@
+"""Tensor parallelism on the CPU: two gloo ranks on a tiny random Llama (docs/design.md §14).
+
+Strategy: the same requests through a TP = 1 and a TP = 2 engine. The tiny model's logits are
+well separated (initializer range 0.2, float32), so TP = 2's different rounding leaves the
+greedy tokens equal; within TP = 2 a request's tokens are the same alone and in a batch,
+seeded sampling included, and greedy speculation (n-gram, draft model) emits the plain
+greedy tokens. Process handling: the spawned rank exits on ``close``; a killed rank makes the
+next step raise ``WorkerDied`` within a bounded time (run in a subprocess, so a hang would fail
+the test by its timeout instead of stalling the suite); ``torchrun`` starts the same engine.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.proposers.test_draft_model import save_llama
+from verispec import LLM, SamplingParams
+from verispec.models import load_model
+from verispec.models.parallel import TensorParallel
+
+MAX_MODEL_LEN = 128
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 3, 4, 5, 6]]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    # vocabulary 63: not a multiple of 2, so the last rank's vocabulary rows are padded
+    return save_llama(tmp_path_factory.mktemp("tp_target"), num_layers=3, vocab_size=63,
+                      max_position_embeddings=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    return save_llama(tmp_path_factory.mktemp("tp_draft"), num_layers=1, vocab_size=63, seed=3,
+                      max_position_embeddings=MAX_MODEL_LEN)
+
+
+def tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def reference(target_dir):
+    llm = LLM(target_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    return tokens(llm, PROMPTS, GREEDY)
+
+
+@pytest.fixture(scope="class")
+def tp2(target_dir):
+    llm = LLM(target_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2)
+    yield llm
+    llm.close()
+
+
+def test_shards_hold_their_slices(target_dir):
+    """Rank 1's loaded slices are the right rows / columns of the whole model's tensors."""
+    full = load_model(target_dir).model
+    part = load_model(target_dir, tp=TensorParallel(1, 2)).model
+    c = full.config
+    d, heads, kv = c.head_dim, c.num_attention_heads // 2, c.num_key_value_heads // 2
+    q_full = full.layers[0].attn.qkv_weight[: c.q_size]
+    assert part.layers[0].attn.qkv_weight[: heads * d].equal(q_full[heads * d:])
+    k_full = full.layers[0].attn.qkv_weight[c.q_size: c.q_size + c.kv_size]
+    assert part.layers[0].attn.qkv_weight[heads * d: (heads + kv) * d].equal(k_full[kv * d:])
+    half = c.intermediate_size // 2
+    assert part.layers[1].mlp.down_weight.equal(full.layers[1].mlp.down_weight[:, half:])
+    assert part.embed_weight[:31].equal(full.embed_weight[32:])
+    assert not part.embed_weight[31:].any()  # the padded vocabulary row
+
+
+class TestOneEngine:
+    """Requests through one TP = 2 engine (one engine per process: the others come after it)."""
+
+    def test_tp2_greedy_equals_tp1(self, tp2, reference):
+        assert tokens(tp2, PROMPTS, GREEDY) == reference
+
+    def test_tp2_alone_equals_batched(self, tp2):
+        for params in (GREEDY, SEEDED):
+            batched = tokens(tp2, PROMPTS, params)
+            alone = [tokens(tp2, [p], params)[0] for p in PROMPTS]
+            assert alone == batched
+
+    def test_tp2_streams_and_aborts(self, tp2, reference):
+        """The step loop driven by the caller (the server's way) and an abort mid-generation:
+        the spawned rank stays in step with rank 0."""
+        stream = tp2.generate_stream(PROMPTS[0], GREEDY)
+        next(stream)
+        stream.close()  # aborts the request
+        other = tp2.add_request(PROMPTS[1], GREEDY)
+        while tp2.has_unfinished_requests:
+            tp2.step()
+        assert tp2.get_output(other).token_ids == reference[1]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tp2_greedy_speculation_equals_plain(target_dir, draft_dir, reference, method):
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    else:
+        spec["model"] = draft_dir
+    with LLM(target_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2,
+             speculative_config=spec) as llm:
+        assert tokens(llm, PROMPTS, GREEDY) == reference
+        assert llm.get_metrics()["spec_decoding"]["num_drafts"] > 0
+
+
+def test_close_leaves_no_process(target_dir):
+    llm = LLM(target_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2)
+    processes = list(llm._workers.processes)
+    with pytest.raises(ValueError, match="already runs in this process"):
+        LLM(target_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2)
+    llm.close()
+    assert not any(p.is_alive() for p in processes)
+
+
+def test_bad_tensor_parallel_size(target_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's "
+                                         "num_attention_heads=4"):
+        LLM(target_dir, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
+        LLM(target_dir, tensor_parallel_size=0)
+    # a failure on every rank at start-up: rank 0's own error, and no process left behind
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        LLM(target_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2,
+            kv_cache_memory=1024)
+    assert not multiprocessing.active_children()
+
+
+def test_killed_worker_is_an_error_not_a_hang(target_dir):
+    script = textwrap.dedent(f"""
+        import os, signal, time
+        from verispec import LLM, SamplingParams
+        from verispec.runtime.workers import WorkerDied
+        llm = LLM({target_dir!r}, dtype="float32", max_model_len={MAX_MODEL_LEN},
+                  tensor_parallel_size=2)
+        worker = llm._workers.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        start = time.monotonic()
+        try:
+            llm.generate([[5, 6, 7]] * 2, SamplingParams(max_tokens=64, ignore_eos=True))
+        except WorkerDied as e:
+            print("WorkerDied", round(time.monotonic() - start, 1), e)
+        llm.close()
+        """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, cwd=REPO)
+    assert "WorkerDied" in result.stdout, result.stdout + result.stderr
+    assert "verispec-tp1" in result.stdout and "exited with code -9" in result.stdout
+    assert float(result.stdout.split()[1]) < 30
+
+
+def test_torchrun_launch(tmp_path, target_dir, reference):
+    """Each rank runs the script (env:// rendezvous); rank 0 prints the tokens."""
+    script = tmp_path / "tp_script.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os
+        from verispec import LLM, SamplingParams
+        llm = LLM({target_dir!r}, dtype="float32", max_model_len={MAX_MODEL_LEN},
+                  tensor_parallel_size=2)
+        outs = llm.generate({PROMPTS!r}, SamplingParams(max_tokens=24, temperature=0.0,
+                                                         ignore_eos=True))
+        seeded = llm.generate({PROMPTS!r}, SamplingParams(max_tokens=8, temperature=1.0,
+                                                           ignore_eos=True))
+        print("rank", os.environ["RANK"], json.dumps([o.token_ids for o in outs]),
+              json.dumps([o.token_ids for o in seeded]))
+        """))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script)], capture_output=True, text=True, timeout=300, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank"))
+    assert len(lines) == 2
+    greedy = [json.loads(line.split(" ", 2)[2].rsplit(" [[", 1)[0]) for line in lines]
+    assert greedy[0] == greedy[1] == reference
+    # seeds drawn for requests that gave none agree across the ranks
+    assert lines[0].rsplit(" [[", 1)[1] == lines[1].rsplit(" [[", 1)[1]
