@@ -31,6 +31,7 @@ from verispec.runtime.model_runner import ModelRunner
 from verispec.runtime.prefix_cache import PrefixCache
 from verispec.runtime.state_cache import is_hybrid
 from verispec.sample.logprobs import token_logprobs
+from verispec.sample.options import RequestOptions, SamplingOptions
 from verispec.sample.sampler import Sampler, SamplingTensors, draw_seed
 from verispec.sampling_params import SamplingParams
 
@@ -216,9 +217,10 @@ class LLM:
                                   batch_invariant=batch_invariant, block_size=block_size,
                                   num_blocks=2)
         self.sampler = Sampler()
+        self.options = SamplingOptions(max_num_seqs, config.vocab_size, self.device)
         self.spec = None if speculative_config is None else SpeculativeDecoder(
             speculative_config, self.runner, config.vocab_size, max_num_seqs, max_model_len,
-            tokenizer=self.tokenizer,
+            tokenizer=self.tokenizer, options=self.options,
         )
         # Longer forwards run in pieces: the memory plan measures a step of this many tokens.
         self.runner.max_forward_tokens = max_num_batched_tokens
@@ -304,6 +306,8 @@ class LLM:
         self.encoder.check_params(params, len(ids))
         seed = draw_seed() if params.seed is None else params.seed
         request = Request(self._next_request_id, text, ids, params, seed, self.max_model_len)
+        request.options = RequestOptions.build(params, self.model_config.vocab_size,
+                                               sorted(self.eos_token_ids), self.tokenizer)
         self._next_request_id += 1
         return request
 
@@ -379,6 +383,7 @@ class LLM:
         if batch:
             if len(rows) < logits.shape[0]:
                 logits = logits[ops.to_device(rows, logits.device)]
+            logits = self.options.process(logits, batch)
             outputs = [[t] for t in self._sample(batch, logits)]
             finished = self._commit_all(batch, outputs, logits, np.arange(len(batch)))
         if self.spec is not None:
