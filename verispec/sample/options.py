@@ -134,18 +134,11 @@ class SamplingOptions:
         draft_base = tails.size
         none_index = draft_base + num_drafts_total
         add, allowed, allowed_pairs, bad, penalty, draft_pairs = [], [], [], [], [], []
+        num_allowed_rows = num_penalty_rows = 0
         for m, b in enumerate(members):
             r, o = batch[b], batch[b].options
             p, n = o.params, int(num_drafts[b])
             rows = first_rows[b] + np.arange(n + 1)  # [n + 1]
-            if width:
-                out = r.output_token_ids[-width:] if r.num_output_tokens else ()
-                if len(out):
-                    tails[m, width - len(out):] = out
-            # index into token_source of context position j of row i: the tail, then drafts
-            virtual = np.arange(width + n)
-            source = np.where(virtual < width, m * width + virtual,
-                              draft_base + first_drafts[b] + virtual - width)
             if o.bias_ids.size:
                 add.append((np.repeat(rows, o.bias_ids.size), np.tile(o.bias_ids, n + 1),
                             np.tile(o.bias_values, n + 1)))
@@ -155,22 +148,33 @@ class SamplingOptions:
             if o.bad_single_ids.size:
                 add.append(_ban(rows, o.bad_single_ids))
             if o.allowed_ids is not None:
-                base = sum(len(a) for a in allowed)
                 allowed.append(rows)
-                allowed_pairs.append((np.repeat(base + np.arange(n + 1), o.allowed_ids.size),
+                allowed_pairs.append((np.repeat(num_allowed_rows + np.arange(n + 1),
+                                                o.allowed_ids.size),
                                       np.tile(o.allowed_ids, n + 1)))
-            for word in o.bad_words:
-                prefix = np.full(width, WILDCARD, dtype=np.int64)
-                prefix[width - len(word) + 1:] = word[:-1]
-                for i, row in enumerate(rows):
-                    bad.append((row, word[-1], prefix, source[i:i + width]))
+                num_allowed_rows += n + 1
+            if o.bad_words:
+                out = r.output_token_ids[max(r.num_output_tokens - width, 0):]
+                tails[m, width - len(out):] = out
+                # token_source index of the context of row i: its last `width` tokens are
+                # positions i .. i + width - 1 of [tail, d_1 .. d_n]
+                virtual = np.arange(width + n)
+                source = np.where(virtual < width, m * width + virtual,
+                                  draft_base + first_drafts[b] + virtual - width)
+                context = np.lib.stride_tricks.sliding_window_view(source, width)  # [n+1, L]
+                for word in o.bad_words:
+                    prefix = np.full(width, WILDCARD, dtype=np.int64)
+                    prefix[width - len(word) + 1:] = word[:-1]
+                    bad.append((rows, np.full(n + 1, word[-1]), np.tile(prefix, (n + 1, 1)),
+                                context))
             if p.uses_penalties:
-                base = len(penalty)
-                for i, row in enumerate(rows):
-                    penalty.append((row, r.slot, p.repetition_penalty, p.frequency_penalty,
-                                    p.presence_penalty))
-                    draft_pairs += [(base + i, first_drafts[b] + j + draft_base)
-                                    for j in range(i)]
+                penalty.append((rows, np.full(n + 1, r.slot),
+                                np.full(n + 1, p.repetition_penalty, dtype=np.float32),
+                                np.full(n + 1, p.frequency_penalty, dtype=np.float32),
+                                np.full(n + 1, p.presence_penalty, dtype=np.float32)))
+                i, j = np.tril_indices(n + 1, -1)  # row i counts draft j + 1 for every j < i
+                draft_pairs.append((num_penalty_rows + i, draft_base + first_drafts[b] + j))
+                num_penalty_rows += n + 1
         if penalty:
             self._count([batch[b] for b in members if batch[b].options.params.uses_penalties])
         return self._tensors(tails, draft_token_ids, none_index, add, allowed, allowed_pairs,
@@ -199,19 +203,19 @@ class SamplingOptions:
             fields["allowed_pair_rows"] = put(np.concatenate([a[0] for a in allowed_pairs]))
             fields["allowed_ids"] = put(np.concatenate([a[1] for a in allowed_pairs]))
         if bad:
-            fields["bad_rows"] = put([e[0] for e in bad])
-            fields["bad_ids"] = put([e[1] for e in bad])
-            fields["bad_prefix"] = put(np.stack([e[2] for e in bad]))
-            fields["bad_context"] = put(np.stack([e[3] for e in bad]))
+            for name, column in zip(("bad_rows", "bad_ids", "bad_prefix", "bad_context"),
+                                    zip(*bad)):
+                fields[name] = put(np.concatenate(column))
         if penalty:
-            columns = list(zip(*penalty))
-            fields["penalty_rows"] = put(columns[0])
-            fields["penalty_slots"] = put(columns[1])
-            for name, column in zip(("repetition", "frequency", "presence"), columns[2:]):
-                fields[name] = put(column, torch.float32)
-            if draft_pairs:
-                fields["draft_count_rows"] = put([d[0] for d in draft_pairs])
-                fields["draft_count_source"] = put([d[1] for d in draft_pairs])
+            names = ("penalty_rows", "penalty_slots", "repetition", "frequency", "presence")
+            for name, column in zip(names, zip(*penalty)):
+                column = np.concatenate(column)
+                fields[name] = put(column, torch.float32 if column.dtype == np.float32
+                                   else torch.int64)
+            pairs = [np.concatenate(column) for column in zip(*draft_pairs)]
+            if pairs[0].size:
+                fields["draft_count_rows"] = put(pairs[0])
+                fields["draft_count_source"] = put(pairs[1])
             fields["output_counts"] = self.output_counts
             fields["prompt_mask"] = self.prompt_mask
         return OptionTensors(**fields)
