@@ -302,6 +302,9 @@ class LLM:
     def _make_request(self, prompt: Any, params: Any) -> Request:
         """A validated request; ValueError naming the cause otherwise."""
         params = inputs.as_sampling_params(params)
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: several samples of one prompt are not supported "
+                             "yet; pass the prompt n times with seeds seed, seed + 1, ...")
         text, ids = self.encoder.encode(prompt)
         self.encoder.check_params(params, len(ids))
         seed = draw_seed() if params.seed is None else params.seed
