@@ -58,9 +58,9 @@ class OptionTensors:
     # penalties: rows that use them, their slots in the per-slot state, their parameters
     penalty_rows: torch.Tensor | None  # [P] int64, rows of the logits
     penalty_slots: torch.Tensor | None  # [P] int64, rows of output_counts / prompt_mask
-    repetition: torch.Tensor | None  # [P] float32, 1 = off
-    frequency: torch.Tensor | None  # [P] float32
-    presence: torch.Tensor | None  # [P] float32
+    repetition: torch.Tensor | None  # [P] float32, 1 = off (None: off in every row)
+    frequency: torch.Tensor | None  # [P] float32 (None: 0 in every row)
+    presence: torch.Tensor | None  # [P] float32 (None: 0 in every row)
     draft_count_rows: torch.Tensor | None  # [D] int64, index into penalty_rows
     draft_count_source: torch.Tensor | None  # [D] int64, index into token_source: a draft
     output_counts: torch.Tensor | None  # [max_num_seqs, V] int32, committed output per slot
@@ -111,7 +111,12 @@ def _penalize(z: torch.Tensor, o: OptionTensors) -> torch.Tensor:
         counts.index_put_((o.draft_count_rows, tokens.clamp_min(0)),
                           (tokens >= 0).to(counts.dtype), accumulate=True)
     present = counts > 0
-    seen = present | o.prompt_mask[o.penalty_slots]
-    rep = o.repetition[:, None]
-    z = torch.where(seen, torch.where(z > 0, z / rep, z * rep), z)
-    return z - o.frequency[:, None] * counts - o.presence[:, None] * present
+    if o.repetition is not None:
+        seen = present | o.prompt_mask[o.penalty_slots]
+        rep = o.repetition[:, None]
+        z = torch.where(seen, torch.where(z > 0, z / rep, z * rep), z)
+    if o.frequency is not None:
+        z = z - o.frequency[:, None] * counts
+    if o.presence is not None:
+        z = z - o.presence[:, None] * present
+    return z

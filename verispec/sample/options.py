@@ -117,7 +117,9 @@ class SamplingOptions:
             return logits
         if num_drafts is None:
             num_drafts = np.zeros(len(batch), dtype=np.int64)
-        return apply_options(logits, self.build(batch, np.asarray(num_drafts), draft_token_ids))
+        options = self.build(batch, np.asarray(num_drafts), draft_token_ids)
+        with ops.few_rows_on_one_thread(logits.device, logits.numel()):  # as the sampling ops
+            return apply_options(logits, options)
 
     def build(self, batch: Sequence, num_drafts: np.ndarray,
               draft_token_ids: torch.Tensor | None) -> OptionTensors:
@@ -208,10 +210,14 @@ class SamplingOptions:
                 fields[name] = put(np.concatenate(column))
         if penalty:
             names = ("penalty_rows", "penalty_slots", "repetition", "frequency", "presence")
+            neutral = {"repetition": 1.0, "frequency": 0.0, "presence": 0.0}
             for name, column in zip(names, zip(*penalty)):
                 column = np.concatenate(column)
-                fields[name] = put(column, torch.float32 if column.dtype == np.float32
-                                   else torch.int64)
+                if name in neutral:  # a penalty no row uses is skipped
+                    if (column != neutral[name]).any():
+                        fields[name] = put(column, torch.float32)
+                else:
+                    fields[name] = put(column)
             pairs = [np.concatenate(column) for column in zip(*draft_pairs)]
             if pairs[0].size:
                 fields["draft_count_rows"] = put(pairs[0])
