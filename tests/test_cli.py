@@ -35,6 +35,29 @@ def test_flags_map_onto_fields():
     assert p.stop == ("x", "y")
 
 
+def test_option_flags_map_onto_fields():
+    from verispec.cli import build_parser, sampling_params
+
+    p = sampling_params(build_parser().parse_args(
+        ["generate", "hi", "--repetition-penalty", "1.2", "--presence-penalty", "0.5",
+         "--frequency-penalty", "-0.5", "--min-tokens", "3", "--logit-bias", "5=2",
+         "--logit-bias", "7=-100", "--allowed-token-ids", "5", "--allowed-token-ids", "7",
+         "--bad-words", "foo", "--bad-words", "bar baz"]))
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_tokens) == (
+        1.2, 0.5, -0.5, 3)
+    assert p.logit_bias == {5: 2.0, 7: -100.0} and p.allowed_token_ids == (5, 7)
+    assert p.bad_words == ("foo", "bar baz")
+    p = sampling_params(build_parser().parse_args(["generate", "hi"]))
+    assert p.logit_bias is None and p.allowed_token_ids is None and p.bad_words is None
+    assert not p.uses_logits_options
+
+
+def test_bad_option_flag_is_one_clear_error(capsys):
+    assert cli.main(["generate", "hi", "--repetition-penalty", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "repetition_penalty" in err and "Traceback" not in err
+
+
 def test_bad_model_is_one_clear_error(tmp_path):
     result = run_cli("generate", "hi", "--model", str(tmp_path / "nope"))
     assert result.returncode == 2

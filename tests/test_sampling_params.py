@@ -36,8 +36,32 @@ def test_defaults_and_flags():
         ({"stop": [""]}, r"stop .*\[''\]"),
         ({"stop_token_ids": [-1]}, r"stop_token_ids .*\[-1\]"),
         ({"ignore_eos": 1}, r"ignore_eos .*1"),
+        ({"max_tokens": 2**70}, r"max_tokens .*1180591620717411303424"),
+        ({"repetition_penalty": 0}, r"repetition_penalty .*got 0"),
+        ({"repetition_penalty": -1.0}, r"repetition_penalty .*-1\.0"),
+        ({"presence_penalty": 2.5}, r"presence_penalty .*2\.5"),
+        ({"frequency_penalty": -3}, r"frequency_penalty .*-3"),
+        ({"logit_bias": {-1: 1.0}}, r"logit_bias .*-1"),
+        ({"logit_bias": {1: float("nan")}}, r"logit_bias .*nan"),
+        ({"allowed_token_ids": []}, r"allowed_token_ids .*\[\]"),
+        ({"allowed_token_ids": [1, -2]}, r"allowed_token_ids .*-2"),
+        ({"bad_words": [""]}, r"bad_words .*''"),
+        ({"min_tokens": -1}, r"min_tokens .*-1"),
+        ({"min_tokens": 17}, r"min_tokens .*max_tokens=16.*17"),
+        ({"n": 0}, r"n must .*got 0"),
     ],
 )
 def test_invalid_values(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         SamplingParams(**kwargs)
+
+
+def test_logits_options():
+    p = SamplingParams()
+    assert not p.uses_penalties and not p.uses_logits_options
+    q = SamplingParams(logit_bias={3: 500, 4: -1e9}, bad_words="no", allowed_token_ids=[2, 1])
+    assert q.logit_bias == {3: 100.0, 4: -100.0}  # clamped as vLLM's server does
+    assert q.bad_words == ("no",) and q.allowed_token_ids == (2, 1)
+    assert q.uses_logits_options and not q.uses_penalties
+    assert SamplingParams(repetition_penalty=1.1).uses_penalties
+    assert SamplingParams(min_tokens=3).uses_logits_options

@@ -75,10 +75,32 @@ SAMPLING_HELP = {
     "stop": "stop string (repeatable; default: none)",
     "stop_token_ids": "stop token id (repeatable; default: none)",
     "ignore_eos": "keep generating past the EOS token (default: off)",
+    "presence_penalty": "in [-2, 2], subtracted once from every token the output holds",
+    "frequency_penalty": "in [-2, 2], subtracted per occurrence in the output",
+    "repetition_penalty": "> 0, 1 = off; divides (multiplies) the positive (negative) logits "
+                          "of tokens in the prompt or the output",
+    "logit_bias": "TOKEN_ID=BIAS added to that token's logit, clamped to [-100, 100] "
+                  "(repeatable; default: none)",
+    "allowed_token_ids": "the only token ids that may be generated (repeatable; default: all)",
+    "bad_words": "a word never to generate (repeatable; default: none)",
+    "min_tokens": "EOS and stop token ids are masked until this many tokens are out",
 }
 # SamplingParams fields with no flag: their results are returned by the Python API and the
 # server (``verispec serve``), and the terminal commands have no place to show them.
-SAMPLING_API_ONLY = ("logprobs",)
+SAMPLING_API_ONLY = ("logprobs", "n")
+# Repeatable flags: SamplingParams field -> the type of one value (None when never given).
+SAMPLING_LISTS = {"stop": str, "stop_token_ids": int, "allowed_token_ids": int,
+                  "bad_words": str}
+
+
+def _logit_bias_item(text: str) -> tuple[int, float]:
+    """``TOKEN_ID=BIAS`` -> (token id, bias)."""
+    token, sep, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--logit-bias takes TOKEN_ID=BIAS, got {text!r}") from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -96,10 +118,12 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = SAMPLING_DEFAULTS.get(f.name, getattr(defaults, f.name))
         help_text = SAMPLING_HELP.get(f.name)
-        if f.name in ("stop", "stop_token_ids"):
-            kind = str if f.name == "stop" else int
-            group.add_argument(flag, dest=f.name, type=kind, action="append", default=[],
-                               help=help_text)
+        if f.name in SAMPLING_LISTS:
+            group.add_argument(flag, dest=f.name, type=SAMPLING_LISTS[f.name], action="append",
+                               default=[] if default is not None else None, help=help_text)
+        elif f.name == "logit_bias":
+            group.add_argument(flag, dest=f.name, type=_logit_bias_item, action="append",
+                               metavar="TOKEN_ID=BIAS", help=help_text)
         elif isinstance(default, bool):
             group.add_argument(flag, dest=f.name, action="store_true", help=help_text)
         elif f.name == "seed":
@@ -188,9 +212,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(**{f.name: getattr(args, f.name)
-                             for f in dataclasses.fields(SamplingParams)
-                             if f.name not in SAMPLING_API_ONLY})
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)
+              if f.name not in SAMPLING_API_ONLY}
+    if fields["logit_bias"] is not None:
+        fields["logit_bias"] = dict(fields["logit_bias"])
+    return SamplingParams(**fields)
 
 
 # ----------------------------------------------------------------------------- generate

@@ -15,6 +15,10 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+LOGIT_BIAS_LIMIT = 100.0
+MAX_N = 128  # samples of one prompt per request (vLLM has no limit; this keeps a typo cheap)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples.
@@ -27,6 +31,18 @@ class SamplingParams:
     probabilities; an integer N returns, for every output token, its log probability under the
     processed distribution and those of the N most likely tokens (vLLM's meaning; 0 = the
     token's alone).
+
+    Logits options (vLLM's names and meanings; docs/design.md §15 for how they stay exact under
+    speculation), applied in this order to the target's logits before temperature:
+    ``allowed_token_ids`` masks every other token; ``bad_words`` (strings, tokenised with and
+    without a leading space) masks the last token of a bad word when the output so far ends
+    with the tokens before it; ``min_tokens`` masks EOS and ``stop_token_ids`` while the output
+    is shorter than it; ``logit_bias`` (token id -> bias, clamped to [-100, 100]) is added;
+    then ``repetition_penalty`` (> 0, 1 = off) divides the positive and multiplies the negative
+    logits of every token in the prompt or the output, ``frequency_penalty`` (in [-2, 2])
+    subtracts the token's count in the output times itself and ``presence_penalty`` (in
+    [-2, 2]) itself once for every token the output holds. ``n`` samples of the prompt are
+    generated (sample j with ``seed + j`` when a seed is given).
     """
 
     temperature: float = 1.0
@@ -39,6 +55,14 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    bad_words: Sequence[str] | None = None
+    min_tokens: int = 0
+    n: int = 1
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or math.isnan(self.temperature) or (
@@ -78,6 +102,51 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+        self._check_options()
+
+    def _check_options(self) -> None:
+        """The logits options and ``n`` (token ids against the vocabulary are checked where the
+        model is known, when the request is added)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not 0.0 < rp < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got "
+                             f"{rp!r}")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or not all(
+                    _is_int(t) and 0 <= t < 2**63 and _is_number(b) and math.isfinite(b)
+                    for t, b in bias.items()):
+                raise ValueError("logit_bias must map token ids (integers >= 0) to finite "
+                                 f"numbers, got {bias!r:.200}")
+            # clamped as vLLM's server does: beyond +-100 a bias only forces or bans a token
+            object.__setattr__(self, "logit_bias", {
+                t: float(min(max(b, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT))
+                for t, b in bias.items()} or None)
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, (list, tuple)) or not allowed or not all(
+                    _is_int(t) and 0 <= t < 2**63 for t in allowed):
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids "
+                                 f"(integers >= 0), got {allowed!r:.200}")
+            object.__setattr__(self, "allowed_token_ids", tuple(allowed))
+        words = self.bad_words
+        if words is not None:
+            if isinstance(words, str):
+                words = (words,)
+            if not isinstance(words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in words):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got "
+                                 f"{self.bad_words!r:.200}")
+            object.__setattr__(self, "bad_words", tuple(words) or None)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}]"
+                             f", got {self.min_tokens!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
 
     @property
     def greedy(self) -> bool:
@@ -94,3 +163,15 @@ class SamplingParams:
     @property
     def uses_min_p(self) -> bool:
         return self.min_p > 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether any penalty reads the request's token counts."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @property
+    def uses_logits_options(self) -> bool:
+        """Whether any option changes the target's logits (penalties, bias, masks)."""
+        return (self.uses_penalties or self.logit_bias is not None or self.min_tokens > 0
+                or self.allowed_token_ids is not None or self.bad_words is not None)

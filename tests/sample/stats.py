@@ -67,3 +67,35 @@ def record(case: str, num_samples: int, p_values: list[float]) -> None:
         with open(path, "a") as f:
             f.write(json.dumps({"case": case, "num_samples": num_samples,
                                 "min_p_value": min(p_values), "p_values": p_values}) + "\n")
+
+
+def reference_option_logits(logits, prompt, output, *, repetition_penalty=1.0,
+                            frequency_penalty=0.0, presence_penalty=0.0, logit_bias=None,
+                            allowed_token_ids=None, bad_words=(), min_tokens=0,
+                            stop_ids=()) -> np.ndarray:
+    """The logits of one row after the sampling options, in float64, written from
+    docs/design.md §15 with numpy only: ``output`` is everything generated before the row
+    (committed tokens and the drafts before it); ``bad_words`` are token-id sequences."""
+    z = np.asarray(logits, dtype=np.float64).copy()
+    vocab = z.shape[0]
+    if allowed_token_ids is not None:
+        keep = np.zeros(vocab, dtype=bool)
+        keep[list(allowed_token_ids)] = True
+        z[~keep] = -np.inf
+    output = list(output)
+    for word in bad_words:
+        before = list(word[:-1])
+        if not before or (len(output) >= len(before) and output[len(output) - len(before):]
+                          == before):
+            z[word[-1]] = -np.inf
+    if len(output) < min_tokens:
+        z[list(stop_ids)] = -np.inf
+    for token, bias in (logit_bias or {}).items():
+        z[token] += bias
+    counts = np.bincount(np.asarray(output, dtype=np.int64), minlength=vocab).astype(np.float64)
+    seen = counts > 0
+    seen[list(prompt)] = True
+    with np.errstate(invalid="ignore"):
+        penalised = np.where(z > 0, z / repetition_penalty, z * repetition_penalty)
+    z = np.where(seen, penalised, z)
+    return z - frequency_penalty * counts - presence_penalty * (counts > 0)

@@ -169,6 +169,26 @@ def test_completions_and_chat_equal_llm_generate(spec_server, oracle):
     assert stream[-1].choices == [] and stream[-1].usage.completion_tokens == 24
 
 
+def test_sampling_options_equal_llm_generate(spec_server, oracle):
+    """OpenAI's penalties and logit_bias (string keys) and vLLM's extras reach the engine as
+    SamplingParams fields: the text is LLM.generate's for the same seed."""
+    api = client(spec_server)
+    banned = oracle.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=1))[0]
+    sampling = dict(temperature=0.7, seed=3, max_tokens=16, presence_penalty=0.5,
+                    frequency_penalty=0.3, logit_bias={banned.token_ids[0]: -100})
+    extra = {"repetition_penalty": 1.2, "min_tokens": 4, "bad_words": [" cat"]}
+    expected = oracle.generate(PROMPT, SamplingParams(**sampling, **extra))[0]
+    assert banned.token_ids[0] not in expected.token_ids
+    result = api.completions.create(model=MODEL_NAME, prompt=PROMPT, extra_body=extra,
+                                    **dict(sampling, logit_bias={str(banned.token_ids[0]): -100}))
+    assert result.choices[0].text == expected.text
+    reply = api.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, extra_body={"allowed_token_ids": [28, 29, 30]},
+        temperature=0.0, max_tokens=5)
+    assert reply.choices[0].message.content == oracle.generate(MESSAGES, SamplingParams(
+        temperature=0.0, max_tokens=5, allowed_token_ids=[28, 29, 30]))[0].text
+
+
 def test_one_token_requests_are_answered_whole(spec_server, oracle):
     """Regression: a request whose only step admitted and finished it (max_tokens=1: the
     engine's answer to the submission and the token come in one message) was answered with no
@@ -279,7 +299,13 @@ def test_bad_requests_are_openai_errors_and_others_run_on(spec_server, oracle):
     expect_error(400, complete(max_tokens=0), "max_tokens", "0")
     expect_error(400, complete(logprobs=50), "logprobs", "50")
     expect_error(400, complete(n=2), "n", "2")
-    expect_error(400, complete(frequency_penalty=0.5), "frequency_penalty", "0.5")
+    expect_error(400, complete(frequency_penalty=2.5), "frequency_penalty", "2.5")
+    expect_error(400, complete(logit_bias={"x": 1}), "logit_bias", "'x'")
+    expect_error(400, complete(logit_bias={"60000": 1}), "logit_bias", "60000")
+    expect_error(400, complete(extra_body={"repetition_penalty": 0}), "repetition_penalty", "0")
+    expect_error(400, complete(max_tokens=4, extra_body={"min_tokens": 5}), "min_tokens", "5")
+    expect_error(400, complete(extra_body={"allowed_token_ids": [49152]}), "allowed_token_ids",
+                 "49152")
     expect_error(400, complete(extra_body={"mirostat_tau": 5}), "mirostat_tau", "5")
     expect_error(400, complete(extra_body={"temperature": "hot"}), "temperature", "'hot'")
     expect_error(400, complete(extra_body={"stop_token_ids": [10 ** 6]}), "stop_token_ids",

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from verispec.sample.options import check_token_ids
 from verispec.sampling_params import SamplingParams
 
 
@@ -190,6 +191,7 @@ class PromptEncoder:
         if outside:
             raise ValueError(f"stop_token_ids {outside[:5]!r} are outside the model's vocabulary "
                              f"[0, {vocab_size})")
+        check_token_ids(params, vocab_size)
         if params.logprobs is not None and params.logprobs > vocab_size:
             raise ValueError(f"logprobs={params.logprobs} exceeds the model's vocabulary size "
                              f"{vocab_size}")

@@ -32,6 +32,7 @@ from verispec.runtime.model_runner import ModelRunner
 from verispec.runtime.prefix_cache import PrefixCache
 from verispec.runtime.state_cache import is_hybrid
 from verispec.sample.logprobs import token_logprobs
+from verispec.sample.options import RequestOptions, SamplingOptions
 from verispec.sample.sampler import Sampler, SamplingTensors, draw_seed
 from verispec.sampling_params import SamplingParams
 
@@ -252,9 +253,10 @@ class LLM:
                                   batch_invariant=batch_invariant, block_size=block_size,
                                   num_blocks=2)
         self.sampler = Sampler()
+        self.options = SamplingOptions(max_num_seqs, config.vocab_size, self.device)
         self.spec = None if speculative_config is None else SpeculativeDecoder(
             speculative_config, self.runner, config.vocab_size, max_num_seqs, max_model_len,
-            tokenizer=self.tokenizer, tp=self._tp,
+            tokenizer=self.tokenizer, tp=self._tp, options=self.options,
         )
         # Longer forwards run in pieces: the memory plan measures a step of this many tokens.
         self.runner.max_forward_tokens = max_num_batched_tokens
@@ -344,6 +346,9 @@ class LLM:
     def _make_request(self, prompt: Any, params: Any) -> Request:
         """A validated request; ValueError naming the cause otherwise."""
         params = inputs.as_sampling_params(params)
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: several samples of one prompt are not supported "
+                             "yet; pass the prompt n times with seeds seed, seed + 1, ...")
         text, ids = self.encoder.encode(prompt)
         self.encoder.check_params(params, len(ids))
         if params.seed is not None:
@@ -351,8 +356,15 @@ class LLM:
         else:
             seed = (draw_seed() if self._seed_rng is None
                     else self._seed_rng.getrandbits(64) - 2**63)
-        request = Request(self._next_request_id, text, ids, params, seed, self.max_model_len)
+        request = self._new_request(self._next_request_id, text, ids, params, seed)
         self._next_request_id += 1
+        return request
+
+    def _new_request(self, request_id: int, text: str | None, ids: Sequence[int],
+                     params: SamplingParams, seed: int) -> Request:
+        request = Request(request_id, text, ids, params, seed, self.max_model_len)
+        request.options = RequestOptions.build(params, self.model_config.vocab_size,
+                                               sorted(self.eos_token_ids), self.tokenizer)
         return request
 
     def _output(self, request: Request) -> RequestOutput:
@@ -438,6 +450,7 @@ class LLM:
         if batch:
             if len(rows) < logits.shape[0]:
                 logits = logits[ops.to_device(rows, logits.device)]
+            logits = self.options.process(logits, batch)
             outputs = [[t] for t in self._sample(batch, logits)]
             finished = self._commit_all(batch, outputs, logits, np.arange(len(batch)))
         if self.spec is not None:
@@ -698,7 +711,7 @@ class LLM:
         kind = command[0]
         if kind == "add":
             _, request_id, prompt, ids, params, seed = command
-            request = Request(request_id, prompt, list(ids), params, seed, self.max_model_len)
+            request = self._new_request(request_id, prompt, list(ids), params, seed)
             self._requests_by_id[request_id] = request
             self.scheduler.add(request)
         elif kind == "abort":

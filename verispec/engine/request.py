@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from verispec.engine.metrics import SpecDecodingStats
+from verispec.sample.options import RequestOptions
 from verispec.sampling_params import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "error")
@@ -109,6 +110,8 @@ class Request:
         self._token_buf[: self.num_prompt_tokens] = prompt_token_ids
         self.num_tokens = self.num_prompt_tokens
         self.max_num_draft_tokens = 0  # set by a speculative engine step
+        # Its logits options as token ids (None: it uses none), set when it is added.
+        self.options: RequestOptions | None = None
         self.spec_stats: SpecDecodingStats | None = None  # set at admission when speculating
         self.admission = 0  # order of its latest admission (the newest is preempted first)
         # Tokens whose KV the cache holds for this request (the prefix-cache hit, then the

@@ -59,6 +59,7 @@ from verispec.models.parallel import SINGLE, TensorParallel
 from verispec.ops import cpu_kernels
 from verispec.proposers import ProposerContext, build_proposer
 from verispec.runtime.model_runner import ModelRunner
+from verispec.sample.options import SamplingOptions
 from verispec.sample.rejection_sampler import RejectionSampler
 from verispec.sample.sampler import Sampler, SamplingTensors
 
@@ -148,6 +149,7 @@ class SpeculativeDecoder:
         tokenizer=None,
         log_interval_s: float = 5.0,
         tp: TensorParallel = SINGLE,
+        options: SamplingOptions | None = None,
     ) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
@@ -171,6 +173,8 @@ class SpeculativeDecoder:
         self.rejection_sampler = RejectionSampler(config, runner.device)
         self.vocab_size = vocab_size
         self.sampler = Sampler()  # steps in which nobody drafted
+        # The requests' logits options, applied to every row before the (rejection) sampler
+        self.options = options or SamplingOptions(max_num_seqs, vocab_size, runner.device)
         self.adaptive = not config.is_synthetic
         # n drafts cost the verify forward plus n of the proposer's own forwards
         draft_cost = self.proposer.draft_cost
@@ -296,6 +300,10 @@ class SpeculativeDecoder:
         target_logits = self.runner.verify([r.slot for r in batch],
                                            [r.last_token_id for r in batch],
                                            proposal.draft_token_ids, num_drafts)
+        # Row i of a request sees its drafts d_1..d_i (penalties, min_tokens, bad_words):
+        # the distribution a plain step would use there (docs/design.md §15).
+        target_logits = self.options.process(target_logits, batch, num_drafts,
+                                             proposal.draft_token_ids)
         first_rows = np.concatenate([[0], np.cumsum(num_drafts + 1)[:-1]])
         self.step_logits = (target_logits, first_rows)
         # Draft i of request r occupies position num_tokens + i (num_tokens counts the prompt).
@@ -345,6 +353,7 @@ class SpeculativeDecoder:
         """Nobody drafted: one decode row per request, sampled as its bonus token would be."""
         proposed = time.perf_counter()
         logits = self.runner.forward([r.slot for r in batch], [[r.last_token_id] for r in batch])
+        logits = self.options.process(logits, batch)
         self.step_logits = (logits, np.arange(len(batch)))
         positions = ops.to_device([r.num_tokens for r in batch], self.runner.device)
         token_ids = self.sampler(logits, sampling, positions).tolist()  # the one host sync

@@ -7,8 +7,9 @@ sampled as the bonus token (that is what exactness means). Its log probability i
 from. In a verify step the row that checks draft i of a request is the row of the position that
 draft occupies, the distribution a plain step would have sampled from there; so logprobs are the
 same with and without speculation (greedy speculation emits the plain greedy tokens,
-docs/design.md §12). Greedy rows (temperature 0) report p computed with temperature 1 and the
-request's masks.
+docs/design.md §12). The rows come after the request's logits options (penalties, bias, masks:
+docs/design.md §15), so those are part of p. Greedy rows (temperature 0) report p computed with
+temperature 1 and the request's masks.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """The OpenAI API surface of the server: request bodies, their sampling parameters, errors.
 
 Request bodies are pydantic models that forbid unknown fields: nothing a client sends is silently
-ignored. A few OpenAI fields that clients send by default are accepted at their neutral value
-only (``n`` 1, ``presence_penalty`` / ``frequency_penalty`` 0, ``logit_bias`` empty, ``echo``
-false, ``best_of`` 1, ``suffix`` empty); ``user`` (an end-user id) is accepted and has no effect
+ignored. The sampling options are OpenAI's (``presence_penalty``, ``frequency_penalty``,
+``logit_bias`` with token ids as string keys) and vLLM's extras (``repetition_penalty``,
+``min_tokens``, ``bad_words``, ``allowed_token_ids``). A few OpenAI fields that clients send by
+default are accepted at their neutral value only (``n`` 1, ``echo`` false, ``best_of`` 1,
+``suffix`` empty); ``user`` (an end-user id) is accepted and has no effect
 on generation, as in OpenAI's API. Scalars are strict: ``"0.5"`` is not a temperature.
 
 Every error is OpenAI's body ``{"error": {"message", "type", "param", "code"}}``; the message
@@ -99,11 +101,15 @@ class _GenerationRequest(_Body):
     stream_options: StreamOptions | None = None
     max_tokens: StrictInt | None = None
     user: StrictStr | None = None
-    # Accepted at their neutral value only (NEUTRAL_VALUES).
-    n: StrictInt | None = None
     presence_penalty: StrictFloat | None = None
     frequency_penalty: StrictFloat | None = None
-    logit_bias: dict[str, StrictFloat] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None  # token id (a string, as JSON keys) -> bias
+    repetition_penalty: StrictFloat | None = None
+    min_tokens: StrictInt | None = None
+    bad_words: list[StrictStr] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    # Accepted at their neutral value only (NEUTRAL_VALUES).
+    n: StrictInt | None = None
 
     def check_text(self) -> None:
         """ApiError naming the field when a string the client sent is not valid Unicode (JSON
@@ -165,8 +171,7 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: StrictInt | None = None
 
 
-NEUTRAL_VALUES = {"n": 1, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                  "logit_bias": {}, "echo": False, "suffix": ""}
+NEUTRAL_VALUES = {"n": 1, "best_of": 1, "echo": False, "suffix": ""}
 
 # Union-typed fields: what a validation error says they must be.
 FIELD_EXPECTS = {
@@ -211,6 +216,20 @@ def check_max_tokens(name: str, value: int | None) -> None:
         raise ApiError(400, f"{name} must be an integer >= 1, got {value}", name)
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as strings) with int keys; a 400 naming the field for
+    a key that is not a token id."""
+    if not bias:
+        return None
+    result = {}
+    for key, value in bias.items():
+        if not key.strip().isdigit():
+            raise ApiError(400, f"logit_bias keys must be token ids (non-negative integers as "
+                           f"strings), got {show(key)}", "logit_bias")
+        result[int(key)] = value
+    return result
+
+
 def sampling_params(request: _GenerationRequest, max_tokens: int,
                     logprobs: int | None) -> SamplingParams:
     """The request's SamplingParams (OpenAI defaults: temperature 1, top_p 1); a ValueError of
@@ -226,6 +245,14 @@ def sampling_params(request: _GenerationRequest, max_tokens: int,
         stop_token_ids=request.stop_token_ids or [],
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if request.repetition_penalty is None
+        else request.repetition_penalty,
+        logit_bias=_logit_bias(request.logit_bias),
+        min_tokens=request.min_tokens or 0,
+        bad_words=request.bad_words or None,
+        allowed_token_ids=request.allowed_token_ids,
     )
     try:
         return SamplingParams(**fields)

@@ -121,7 +121,8 @@ class OpenAIServing:
             self.encoder.check_params(params, len(ids), max_tokens_name)
         except ValueError as e:
             message = str(e)
-            param = next((name for name in ("stop_token_ids", "logprobs", max_tokens_name)
+            param = next((name for name in ("stop_token_ids", "logprobs", "logit_bias",
+                                            "allowed_token_ids", max_tokens_name)
                           if message.startswith(name)), None)
             raise ApiError(400, message, param) from None
 

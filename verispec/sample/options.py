@@ -1,0 +1,260 @@
+"""Sampling options of a batch: each request's options compiled once, the per-slot token counts,
+and the per-row inputs of ``ops.options.apply_options`` built for every step (docs/design.md §15).
+
+Rows. A step hands the op R rows of logits; request b owns ``num_rows[b]`` consecutive rows from
+``first_rows[b]``: one in a plain step, n_b + 1 in a verify step (its n_b verify rows, then its
+bonus row). Row i of request b sees the committed tokens plus the drafts d_1..d_i, exactly what
+one-token-at-a-time decoding would see there, so the processed distribution p of every row is
+the one a plain step would sample from after accepting those drafts. The drafts stay on the
+device; the host knows only how many each request has, which is all the index tensors need.
+
+Token counts. The penalties need, per row, the count of every token of the output (and, for the
+repetition penalty, which tokens the prompt holds). They live in two persistent tensors indexed
+by slot, ``output_counts`` [max_num_seqs, V] int32 and ``prompt_mask`` [max_num_seqs, V] bool,
+allocated when the first request with a penalty arrives. They follow the committed tokens: at
+each step the tokens a request committed since its last step are added (a few per request, one
+``index_put_``), so rejected drafts never enter them; a request found in a slot that another
+request used last is counted afresh from its tokens (a new or a recomputed request). A row adds
+its own drafts d_1..d_i on the device, in a copy of its slot's counts. Requests without any
+option cost nothing: a step where no request uses one skips all of this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from verispec import ops
+from verispec.ops.options import NEG_INF, WILDCARD, OptionTensors, apply_options
+from verispec.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """One request's logits options as token-id arrays (built once, when it is added)."""
+
+    params: SamplingParams
+    bias_ids: np.ndarray  # [nb] int64
+    bias_values: np.ndarray  # [nb] float32
+    allowed_ids: np.ndarray | None  # [na] int64, or None (every token allowed)
+    min_tokens_ids: np.ndarray  # [ns] int64, masked while the output is shorter than min_tokens
+    bad_single_ids: np.ndarray  # [n1] int64, bad words of one token: always masked
+    bad_words: tuple[tuple[int, ...], ...]  # bad words of several tokens, as token ids
+
+    @classmethod
+    def build(cls, params: SamplingParams, vocab_size: int, eos_token_ids: Sequence[int],
+              tokenizer=None) -> RequestOptions | None:
+        """None when ``params`` uses no logits option; ValueError naming the field when one
+        names a token outside ``[0, vocab_size)`` or bad_words cannot be tokenised."""
+        if not params.uses_logits_options:
+            return None
+        check_token_ids(params, vocab_size)
+        bias = params.logit_bias or {}
+        stops = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(eos_token_ids))
+        single, several = [], []
+        for ids in bad_word_token_ids(params.bad_words or (), tokenizer):
+            (single if len(ids) == 1 else several).append(ids)
+        return cls(
+            params=params,
+            bias_ids=np.fromiter(bias.keys(), dtype=np.int64, count=len(bias)),
+            bias_values=np.fromiter(bias.values(), dtype=np.float32, count=len(bias)),
+            allowed_ids=None if params.allowed_token_ids is None
+            else np.unique(np.asarray(params.allowed_token_ids, dtype=np.int64)),
+            min_tokens_ids=np.unique(np.asarray(stops, dtype=np.int64)) if params.min_tokens
+            else np.zeros(0, dtype=np.int64),
+            bad_single_ids=np.unique(np.asarray([ids[0] for ids in single], dtype=np.int64)),
+            bad_words=tuple(dict.fromkeys(several)),
+        )
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """ValueError naming the field for a token id of the options outside the vocabulary."""
+    for name, ids in (("logit_bias", params.logit_bias or ()),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):
+        outside = [t for t in ids if t >= vocab_size]
+        if outside:
+            raise ValueError(f"{name} token ids {outside[:5]!r} are outside the model's "
+                             f"vocabulary [0, {vocab_size})")
+
+
+def bad_word_token_ids(words: Sequence[str], tokenizer) -> list[tuple[int, ...]]:
+    """Each bad word's token ids, as written and with one leading space (how a word is spelled
+    at the start of a text and after another word), distinct spellings only."""
+    if words and tokenizer is None:
+        raise ValueError(f"bad_words={list(words)!r} needs the model's tokenizer, and this model "
+                         "has none")
+    spellings = []
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = tuple(int(t) for t in tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in spellings:
+                spellings.append(ids)
+    return spellings
+
+
+class SamplingOptions:
+    """The engine's side of the logits options: per-slot token counts and the step's inputs."""
+
+    def __init__(self, max_num_seqs: int, vocab_size: int, device: torch.device) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.vocab_size = vocab_size
+        self.device = device
+        self.output_counts: torch.Tensor | None = None  # [max_num_seqs, V] int32, lazily
+        self.prompt_mask: torch.Tensor | None = None  # [max_num_seqs, V] bool, lazily
+        self._owner = np.full(max_num_seqs, -1, dtype=np.int64)  # request id counted per slot
+        self._num_counted = np.zeros(max_num_seqs, dtype=np.int64)  # its output tokens counted
+
+    def process(self, logits: torch.Tensor, batch: Sequence, num_drafts: np.ndarray | None = None,
+                draft_token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits`` [R, V] of a step after each request's options; ``logits`` itself when no
+        request of ``batch`` uses one. ``num_drafts`` [B] (host): request b owns
+        ``num_drafts[b] + 1`` rows (None: one row each, a plain step); ``draft_token_ids``
+        [sum(num_drafts)] on the device, the drafts in batch order."""
+        if not any(r.options is not None for r in batch):
+            return logits
+        if num_drafts is None:
+            num_drafts = np.zeros(len(batch), dtype=np.int64)
+        options = self.build(batch, np.asarray(num_drafts), draft_token_ids)
+        with ops.few_rows_on_one_thread(logits.device, logits.numel()):  # as the sampling ops
+            return apply_options(logits, options)
+
+    def build(self, batch: Sequence, num_drafts: np.ndarray,
+              draft_token_ids: torch.Tensor | None) -> OptionTensors:
+        """The per-row inputs of ``apply_options`` for ``batch`` (see the module docstring)."""
+        rows_per_request = num_drafts + 1
+        first_rows = np.concatenate([[0], np.cumsum(rows_per_request)[:-1]])
+        first_drafts = np.concatenate([[0], np.cumsum(num_drafts)[:-1]])
+        members = [b for b, r in enumerate(batch) if r.options is not None]
+        words = [len(w) - 1 for b in members for w in batch[b].options.bad_words]
+        width = max(words, default=0)  # L: the longest bad-word prefix
+        # token_source = [last `width` output tokens of each member (-1 padded), drafts, -1]
+        tails = np.full((len(members), width), -1, dtype=np.int64)
+        num_drafts_total = int(num_drafts.sum())
+        draft_base = tails.size
+        none_index = draft_base + num_drafts_total
+        add, allowed, allowed_pairs, bad, penalty, draft_pairs = [], [], [], [], [], []
+        num_allowed_rows = num_penalty_rows = 0
+        for m, b in enumerate(members):
+            r, o = batch[b], batch[b].options
+            p, n = o.params, int(num_drafts[b])
+            rows = first_rows[b] + np.arange(n + 1)  # [n + 1]
+            if o.bias_ids.size:
+                add.append((np.repeat(rows, o.bias_ids.size), np.tile(o.bias_ids, n + 1),
+                            np.tile(o.bias_values, n + 1)))
+            if o.min_tokens_ids.size:
+                short = rows[r.num_output_tokens + np.arange(n + 1) < p.min_tokens]
+                add.append(_ban(short, o.min_tokens_ids))
+            if o.bad_single_ids.size:
+                add.append(_ban(rows, o.bad_single_ids))
+            if o.allowed_ids is not None:
+                allowed.append(rows)
+                allowed_pairs.append((np.repeat(num_allowed_rows + np.arange(n + 1),
+                                                o.allowed_ids.size),
+                                      np.tile(o.allowed_ids, n + 1)))
+                num_allowed_rows += n + 1
+            if o.bad_words:
+                out = r.output_token_ids[max(r.num_output_tokens - width, 0):]
+                tails[m, width - len(out):] = out
+                # token_source index of the context of row i: its last `width` tokens are
+                # positions i .. i + width - 1 of [tail, d_1 .. d_n]
+                virtual = np.arange(width + n)
+                source = np.where(virtual < width, m * width + virtual,
+                                  draft_base + first_drafts[b] + virtual - width)
+                context = np.lib.stride_tricks.sliding_window_view(source, width)  # [n+1, L]
+                for word in o.bad_words:
+                    prefix = np.full(width, WILDCARD, dtype=np.int64)
+                    prefix[width - len(word) + 1:] = word[:-1]
+                    bad.append((rows, np.full(n + 1, word[-1]), np.tile(prefix, (n + 1, 1)),
+                                context))
+            if p.uses_penalties:
+                penalty.append((rows, np.full(n + 1, r.slot),
+                                np.full(n + 1, p.repetition_penalty, dtype=np.float32),
+                                np.full(n + 1, p.frequency_penalty, dtype=np.float32),
+                                np.full(n + 1, p.presence_penalty, dtype=np.float32)))
+                i, j = np.tril_indices(n + 1, -1)  # row i counts draft j + 1 for every j < i
+                draft_pairs.append((num_penalty_rows + i, draft_base + first_drafts[b] + j))
+                num_penalty_rows += n + 1
+        if penalty:
+            self._count([batch[b] for b in members if batch[b].options.params.uses_penalties])
+        return self._tensors(tails, draft_token_ids, none_index, add, allowed, allowed_pairs,
+                             bad, penalty, draft_pairs)
+
+    def _tensors(self, tails, draft_token_ids, none_index, add, allowed, allowed_pairs, bad,
+                 penalty, draft_pairs) -> OptionTensors:
+        device = self.device
+
+        def put(array, dtype=torch.int64):
+            return ops.to_device(np.ascontiguousarray(array), device, dtype)
+
+        drafts = (torch.zeros(0, dtype=torch.int64, device=device) if draft_token_ids is None
+                  else draft_token_ids.to(device=device, dtype=torch.int64))
+        source = torch.cat([put(tails.reshape(-1)), drafts,
+                            torch.full((1,), -1, dtype=torch.int64, device=device)])
+        assert source.shape[0] == none_index + 1
+        fields = dict.fromkeys(OptionTensors.__dataclass_fields__)
+        fields["token_source"] = source
+        if add:
+            fields["add_rows"] = put(np.concatenate([a[0] for a in add]))
+            fields["add_ids"] = put(np.concatenate([a[1] for a in add]))
+            fields["add_values"] = put(np.concatenate([a[2] for a in add]), torch.float32)
+        if allowed:
+            fields["allowed_rows"] = put(np.concatenate(allowed))
+            fields["allowed_pair_rows"] = put(np.concatenate([a[0] for a in allowed_pairs]))
+            fields["allowed_ids"] = put(np.concatenate([a[1] for a in allowed_pairs]))
+        if bad:
+            for name, column in zip(("bad_rows", "bad_ids", "bad_prefix", "bad_context"),
+                                    zip(*bad)):
+                fields[name] = put(np.concatenate(column))
+        if penalty:
+            names = ("penalty_rows", "penalty_slots", "repetition", "frequency", "presence")
+            neutral = {"repetition": 1.0, "frequency": 0.0, "presence": 0.0}
+            for name, column in zip(names, zip(*penalty)):
+                column = np.concatenate(column)
+                if name in neutral:  # a penalty no row uses is skipped
+                    if (column != neutral[name]).any():
+                        fields[name] = put(column, torch.float32)
+                else:
+                    fields[name] = put(column)
+            pairs = [np.concatenate(column) for column in zip(*draft_pairs)]
+            if pairs[0].size:
+                fields["draft_count_rows"] = put(pairs[0])
+                fields["draft_count_source"] = put(pairs[1])
+            fields["output_counts"] = self.output_counts
+            fields["prompt_mask"] = self.prompt_mask
+        return OptionTensors(**fields)
+
+    def _count(self, requests: Sequence) -> None:
+        """Bring the per-slot counts of ``requests`` up to their committed tokens."""
+        if self.output_counts is None:
+            shape = (self.max_num_seqs, self.vocab_size)
+            self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        slots, tokens = [], []
+        for r in requests:
+            slot = r.slot
+            if self._owner[slot] != r.request_id:  # new here: count from scratch
+                self._owner[slot] = r.request_id
+                self._num_counted[slot] = 0
+                self.output_counts[slot].zero_()
+                self.prompt_mask[slot].zero_()
+                prompt = np.unique(r.token_ids[: r.num_prompt_tokens])
+                self.prompt_mask[slot, ops.to_device(prompt, self.device)] = True
+            new = r.output_token_ids[self._num_counted[slot]:]
+            if len(new):
+                slots.append(np.full(len(new), slot))
+                tokens.append(new)
+                self._num_counted[slot] = r.num_output_tokens
+        if slots:
+            index = (ops.to_device(np.concatenate(slots), self.device, torch.int64),
+                     ops.to_device(np.concatenate(tokens), self.device, torch.int64))
+            self.output_counts.index_put_(index, torch.ones_like(index[0], dtype=torch.int32),
+                                          accumulate=True)
+
+
+def _ban(rows: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, ids, -inf) pairs masking ``ids`` in every row of ``rows``."""
+    return (np.repeat(rows, ids.size), np.tile(ids, rows.size),
+            np.full(rows.size * ids.size, NEG_INF, dtype=np.float32))
