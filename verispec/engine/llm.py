@@ -222,6 +222,8 @@ class LLM:
                      enforce_eager, batch_invariant, block_size, gpu_memory_utilization,
                      kv_cache_memory, max_num_batched_tokens, enable_prefix_caching,
                      enable_chunked_prefill, load_format) -> None:
+        self._tp = workers.with_peer_all_reduce(
+            self._tp, self.device, parse_dtype("bfloat16" if dtype is None else dtype))
         self.loaded = load_model(model, dtype, self.device, tp=self._tp, load_format=load_format)
         config = self.loaded.config
         self.enable_prefix_caching = _feature("enable_prefix_caching", enable_prefix_caching,
@@ -257,6 +259,7 @@ class LLM:
         self.spec = None if speculative_config is None else SpeculativeDecoder(
             speculative_config, self.runner, config.vocab_size, max_num_seqs, max_model_len,
             tokenizer=self.tokenizer, tp=self._tp, options=self.options,
+            load_format=load_format,
         )
         # Longer forwards run in pieces: the memory plan measures a step of this many tokens.
         self.runner.max_forward_tokens = max_num_batched_tokens

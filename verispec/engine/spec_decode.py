@@ -150,6 +150,7 @@ class SpeculativeDecoder:
         log_interval_s: float = 5.0,
         tp: TensorParallel = SINGLE,
         options: SamplingOptions | None = None,
+        load_format: str = "auto",
     ) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
@@ -168,6 +169,7 @@ class SpeculativeDecoder:
             tokenizer=tokenizer,
             block_tables=runner.kv_cache.block_tables,
             tp=tp,
+            load_format=load_format,
         )
         self.proposer = build_proposer(config, context)
         self.rejection_sampler = RejectionSampler(config, runner.device)

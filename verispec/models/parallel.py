@@ -30,8 +30,51 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed import _symmetric_memory as symm_mem
 
 from verispec.models.config import ModelConfig
+
+
+class PeerAllReduce:
+    """All-reduce of small tensors over NVLink peer-to-peer loads (PyTorch's symmetric memory,
+    one-shot: each rank reads every peer's buffer and adds them in rank order, so every rank
+    gets the same bits). A decode step's all-reduces are a few KiB to a few hundred KiB, where
+    NCCL's latency dominates; larger ones (prefill) go to NCCL. Never multicast (see
+    ``runtime.workers.SAFE_ENV``)."""
+
+    MAX_BYTES = 1 << 20
+
+    def __init__(self, group: Any, device: torch.device, dtype: torch.dtype) -> None:
+        self.group_name = group.group_name
+        self.dtype = dtype
+        self.buffer = symm_mem.empty(self.MAX_BYTES // dtype.itemsize, dtype=dtype,
+                                     device=device)
+        symm_mem.rendezvous(self.buffer, group)
+        self._op = torch.ops.symm_mem.one_shot_all_reduce_out
+
+    @classmethod
+    def create(cls, group: Any, device: torch.device, dtype: torch.dtype
+               ) -> PeerAllReduce | None:
+        """One for ``group`` on ``device``, or None where symmetric memory is unavailable
+        (then every all-reduce is NCCL's)."""
+        try:
+            comm = cls(group, device, dtype)
+            probe = torch.ones(8, dtype=dtype, device=device)
+            comm(probe)
+            torch.cuda.synchronize(device)
+            return comm
+        except Exception:  # noqa: BLE001 - no peer access, an older torch: NCCL only
+            return None
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.dtype and x.numel() * x.element_size() <= self.MAX_BYTES
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (contiguous) replaced by the sum over ranks; returns x."""
+        staged = self.buffer[: x.numel()]
+        staged.copy_(x.view(-1))
+        self._op(staged, "sum", self.group_name, x.view(-1))
+        return x
 
 
 @dataclass(frozen=True)
@@ -41,6 +84,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup; None = the default group
+    peer: PeerAllReduce | None = None  # small all-reduces over peer-to-peer loads (CUDA)
 
     @property
     def enabled(self) -> bool:
@@ -96,6 +140,8 @@ class TensorParallel:
         two partials are added in float32 and rounded once."""
         if not self.enabled:
             return x
+        if self.peer is not None and self.peer.fits(x) and x.is_contiguous():
+            return self.peer(x)
         if x.device.type == "cpu" and x.dtype not in (torch.float32, torch.float64):
             wide = x.float()
             dist.all_reduce(wide, group=self.group)

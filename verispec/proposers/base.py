@@ -110,6 +110,7 @@ class ProposerContext:
     # The target's place in a tensor-parallel group: a draft model or head is split the same
     # way (docs/design.md §14).
     tp: TensorParallel = SINGLE
+    load_format: str = "auto"  # the target's: a draft model's weights are read (or made) alike
 
 
 class Proposer(abc.ABC):

@@ -462,7 +462,8 @@ class DraftModelProposer(ModelProposer):
                 "SpeculativeConfig.model to a local HF directory or .gguf file"
             )
         ctx = self.context
-        self.loaded = load_model(config.model, ctx.dtype, ctx.device, tp=ctx.tp)
+        self.loaded = load_model(config.model, ctx.dtype, ctx.device, tp=ctx.tp,
+                                 load_format=ctx.load_format)
         target_tokenizer = ctx.tokenizer
         if target_tokenizer is None:  # a LoadedModel given as the target
             target_tokenizer = getattr(ctx.target_model, "tokenizer", None)

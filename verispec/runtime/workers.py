@@ -25,6 +25,7 @@ returns); workers exit when rank 0's process goes away.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verispec.models.parallel import SINGLE, TensorParallel
+from verispec.models.parallel import SINGLE, PeerAllReduce, TensorParallel
 
 logger = logging.getLogger("verispec")
 
@@ -116,6 +117,20 @@ def start(size: int, device: torch.device, engine_cls: type, engine_kwargs: dict
         _RUNNING.append(weakref.ref(workers))
     device = _set_device(device, local_rank)
     return TensorParallel(rank, size), device, workers
+
+
+def with_peer_all_reduce(tp: TensorParallel, device: torch.device,
+                         dtype: torch.dtype) -> TensorParallel:
+    """``tp`` with NVLink peer-to-peer all-reduces for small tensors on CUDA (every rank
+    decides the same way: all of them have it or none)."""
+    if not tp.enabled or device.type != "cuda":
+        return tp
+    peer = PeerAllReduce.create(dist.group.WORLD, device, dtype)
+    everyone = tp.min_int(int(peer is not None), device)
+    if not everyone:
+        logger.info("tensor parallelism: NCCL all-reduces (no peer-to-peer symmetric memory)")
+        return tp
+    return dataclasses.replace(tp, peer=peer)
 
 
 # The engine this process spawned workers for (at most one: it owns the default group).
