@@ -214,7 +214,8 @@ class LLM:
         except BaseException as e:
             failure = None if self._workers is None else self._workers.failure
             self.close()
-            if failure is not None and not isinstance(e, ValueError):
+            # a rank that died first is the cause, unless it failed as this rank did
+            if failure is not None and str(e) not in failure:
                 raise workers.WorkerDied(failure) from e
             raise
 

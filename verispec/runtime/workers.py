@@ -289,6 +289,10 @@ def worker_main(rank: int, size: int, port: int, device: str, engine_cls: type,
     """A spawned rank: join the group, build the same engine, then replay rank 0's calls."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    # The engine below finds its rank's device as torchrun's ranks do: LOCAL_RANK GPUs past
+    # rank 0's (given explicitly, so that this process's current device does not shift it).
+    os.environ["LOCAL_RANK"] = str(rank)
+    engine_kwargs = {**engine_kwargs, "device": device}
     try:
         torch_device = _set_device(torch.device(device), rank)
         if torch_device.type == "cpu":  # the ranks share the cores
