@@ -193,6 +193,7 @@ class WorkerGroup:
                 return
             for sentinel in ready:
                 process = sentinels.pop(sentinel)
+                process.join(5.0)  # reap it: its exit code
                 message = self._error_message(process)
                 self.failure = (f"tensor-parallel worker {process.name} (pid {process.pid}) "
                                 f"exited with code {process.exitcode}" + message)
