@@ -123,7 +123,7 @@ def with_peer_all_reduce(tp: TensorParallel, device: torch.device,
                          dtype: torch.dtype) -> TensorParallel:
     """``tp`` with NVLink peer-to-peer all-reduces for small tensors on CUDA (every rank
     decides the same way: all of them have it or none)."""
-    if not tp.enabled or device.type != "cuda":
+    if not tp.enabled or device.type != "cuda" or os.environ.get("VERISPEC_TP_PEER") == "0":
         return tp
     peer = PeerAllReduce.create(dist.group.WORLD, device, dtype)
     everyone = tp.min_int(int(peer is not None), device)
