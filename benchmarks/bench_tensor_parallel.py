@@ -171,8 +171,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--workdir", default="/tmp/bench_tp")
     parser.add_argument("--shapes", default="8b", help="comma list of 8b, 70b")
     parser.add_argument("--tp-sizes", default="1,2")
-    parser.add_argument("--layers-70b", type=int, default=None,
-                        help="layers of the 70B shape (default all 80)")
+    parser.add_argument("--layers-70b", default="auto",
+                        help="layers of the 70B shape (auto: 80 on cards of 100 GB or more, "
+                             "else 60)")
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--batch", type=int, default=64, help="max_num_seqs")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -191,6 +192,10 @@ def main(argv=None) -> dict:
     print(f"device: {torch.cuda.device_count()} x {name}; torch {torch.__version__}; copy "
           f"bandwidth {bandwidth / 1e9:.0f} GB/s per GPU", flush=True)
     os.makedirs(args.workdir, exist_ok=True)
+    if args.layers_70b == "auto":
+        total = torch.cuda.get_device_properties(device).total_memory
+        args.layers_70b = 80 if total >= 100e9 else 60
+    args.layers_70b = int(args.layers_70b)
     draft_dir = write_config(args.workdir, "1b")
     rows: list = []
     reference: dict = {}

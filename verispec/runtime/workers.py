@@ -258,14 +258,25 @@ class WorkerGroup:
 
 
 def _shutdown(processes, conns, closing: threading.Event) -> None:
-    """Ask each worker to exit, then make sure it did (no process outlives the engine); leave
-    the process group."""
+    """Ask each worker to exit and leave the process group with them (NCCL's teardown and
+    symmetric memory's wait for every rank, so rank 0 leaves while they do), then make sure
+    each exited (no process outlives the engine). With a rank already dead the group is
+    aborted instead: a teardown would wait for it forever."""
     closing.set()
     for conn in conns:
         try:
             conn.send(("exit",))
         except (BrokenPipeError, OSError):
             pass
+    if dist.is_initialized():
+        if all(p.is_alive() for p in processes):
+            leave = threading.Thread(target=dist.destroy_process_group, daemon=True)
+            leave.start()
+            leave.join(SHUTDOWN_TIMEOUT_S)
+            if leave.is_alive():
+                logger.warning("tensor parallelism: leaving the process group timed out")
+        else:
+            dist.distributed_c10d._abort_process_group()
     deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
@@ -274,8 +285,6 @@ def _shutdown(processes, conns, closing: threading.Event) -> None:
             process.join()
     for conn in conns:
         conn.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
