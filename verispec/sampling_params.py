@@ -42,7 +42,13 @@ class SamplingParams:
     logits of every token in the prompt or the output, ``frequency_penalty`` (in [-2, 2])
     subtracts the token's count in the output times itself and ``presence_penalty`` (in
     [-2, 2]) itself once for every token the output holds. ``n`` samples of the prompt are
-    generated (sample j with ``seed + j`` when a seed is given).
+    generated (sample j with ``seed + j`` when a seed is given), each a request of its own that
+    reuses the first sample's prompt blocks (``RequestOutput.outputs``).
+
+    ``prompt_logprobs`` N returns, for every prompt token after the first, its log probability
+    given the tokens before it and those of the N most likely tokens there (vLLM's meaning:
+    the model's raw distribution, before any sampling parameter; the first token's entry is
+    None). Such a request computes its whole prompt (no prefix-cache hit).
     """
 
     temperature: float = 1.0
@@ -63,6 +69,7 @@ class SamplingParams:
     bad_words: Sequence[str] | None = None
     min_tokens: int = 0
     n: int = 1
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or math.isnan(self.temperature) or (
@@ -102,6 +109,10 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be an integer >= 0 or None, got "
+                             f"{self.prompt_logprobs!r}")
         self._check_options()
 
     def _check_options(self) -> None:
