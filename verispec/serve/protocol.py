@@ -3,9 +3,12 @@
 Request bodies are pydantic models that forbid unknown fields: nothing a client sends is silently
 ignored. The sampling options are OpenAI's (``presence_penalty``, ``frequency_penalty``,
 ``logit_bias`` with token ids as string keys) and vLLM's extras (``repetition_penalty``,
-``min_tokens``, ``bad_words``, ``allowed_token_ids``). A few OpenAI fields that clients send by
-default are accepted at their neutral value only (``n`` 1, ``echo`` false, ``best_of`` 1,
-``suffix`` empty); ``user`` (an end-user id) is accepted and has no effect
+``min_tokens``, ``bad_words``, ``allowed_token_ids``). ``n`` samples per prompt come back as
+``choices`` with ``index`` = prompt index x n + sample (vLLM's order); ``echo`` puts the prompt
+before the completion (with ``logprobs``, the prompt tokens' logprobs too; with ``max_tokens``
+0 the prompt alone: what lm-evaluation-harness sends for loglikelihood tasks). ``best_of`` and
+``suffix`` are accepted at their neutral value only (1, empty); ``user`` (an end-user id) is
+accepted and has no effect
 on generation, as in OpenAI's API. Scalars are strict: ``"0.5"`` is not a temperature.
 
 Every error is OpenAI's body ``{"error": {"message", "type", "param", "code"}}``; the message
@@ -21,7 +24,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from verispec.engine.inputs import check_unicode
-from verispec.sampling_params import SamplingParams
+from verispec.sampling_params import MAX_N, SamplingParams
 
 # Most top logprobs per token a request may ask for (vLLM's default max_logprobs; OpenAI's chat
 # top_logprobs limit).
@@ -108,7 +111,6 @@ class _GenerationRequest(_Body):
     min_tokens: StrictInt | None = None
     bad_words: list[StrictStr] | None = None
     allowed_token_ids: list[StrictInt] | None = None
-    # Accepted at their neutral value only (NEUTRAL_VALUES).
     n: StrictInt | None = None
 
     def check_text(self) -> None:
@@ -171,7 +173,7 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: StrictInt | None = None
 
 
-NEUTRAL_VALUES = {"n": 1, "best_of": 1, "echo": False, "suffix": ""}
+NEUTRAL_VALUES = {"best_of": 1, "suffix": ""}
 
 # Union-typed fields: what a validation error says they must be.
 FIELD_EXPECTS = {
@@ -211,9 +213,18 @@ def check_logprobs(name: str, value: int | None) -> None:
         raise ApiError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", name)
 
 
-def check_max_tokens(name: str, value: int | None) -> None:
-    if value is not None and value < 1:
-        raise ApiError(400, f"{name} must be an integer >= 1, got {value}", name)
+def check_max_tokens(name: str, value: int | None, zero_with_echo: bool = False) -> None:
+    if value is not None and value < (0 if zero_with_echo else 1):
+        raise ApiError(400, f"{name} must be an integer >= 1 (0 only with echo=true), got "
+                       f"{value}", name)
+
+
+def check_n(value: int | None) -> int:
+    """The number of samples per prompt (``n``), checked."""
+    n = 1 if value is None else value
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be an integer in [1, {MAX_N}], got {n}", "n")
+    return n
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -230,8 +241,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return result
 
 
-def sampling_params(request: _GenerationRequest, max_tokens: int,
-                    logprobs: int | None) -> SamplingParams:
+def sampling_params(request: _GenerationRequest, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's SamplingParams (OpenAI defaults: temperature 1, top_p 1); a ValueError of
     SamplingParams becomes a 400 naming the field (its messages start with the field's name)."""
     fields = dict(
@@ -253,6 +264,7 @@ def sampling_params(request: _GenerationRequest, max_tokens: int,
         min_tokens=request.min_tokens or 0,
         bad_words=request.bad_words or None,
         allowed_token_ids=request.allowed_token_ids,
+        prompt_logprobs=prompt_logprobs,
     )
     try:
         return SamplingParams(**fields)
