@@ -34,6 +34,7 @@ from verispec.runtime.model_runner import ModelRunner
 from verispec.runtime.prefix_cache import PrefixCache
 from verispec.runtime.state_cache import is_hybrid
 from verispec.sample.logprobs import token_logprobs
+from verispec.sample.grammar import LazyCompiler
 from verispec.sample.options import RequestOptions, SamplingOptions
 from verispec.sample.sampler import Sampler, SamplingTensors, draw_seed
 from verispec.sampling_params import SamplingParams
@@ -297,6 +298,7 @@ class LLM:
                           else random.Random(self._tp.broadcast_object(draw_seed())))
         self._requests_by_id: dict[int, Request] = {}  # a spawned rank's requests (apply_command)
         self._held = HeldSamples()  # samples 1.. of a prompt, until sample 0 has prefilled
+        self._grammars: LazyCompiler | None = None  # structured outputs' compiler
         self.num_steps = 0  # engine steps run (prefill and decode)
         self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
 
@@ -372,8 +374,11 @@ class LLM:
     def _new_request(self, request_id: int, text: str | None, ids: Sequence[int],
                      params: SamplingParams, seed: int) -> Request:
         request = Request(request_id, text, ids, params, seed, self.max_model_len)
+        if self._grammars is None or self._grammars.tokenizer is not self.tokenizer:
+            self._grammars = LazyCompiler(self.tokenizer, self.model_config.vocab_size)
         request.options = RequestOptions.build(params, self.model_config.vocab_size,
-                                               sorted(self.eos_token_ids), self.tokenizer)
+                                               sorted(self.eos_token_ids), self.tokenizer,
+                                               self._grammars)
         return request
 
     def _output(self, request: Request) -> RequestOutput:
