@@ -33,8 +33,8 @@ from verispec.runtime.kv_cache import DEFAULT_BLOCK_SIZE
 from verispec.runtime.model_runner import ModelRunner
 from verispec.runtime.prefix_cache import PrefixCache
 from verispec.runtime.state_cache import is_hybrid
-from verispec.sample.logprobs import token_logprobs
 from verispec.sample.grammar import LazyCompiler
+from verispec.sample.logprobs import token_logprobs
 from verispec.sample.options import RequestOptions, SamplingOptions
 from verispec.sample.sampler import Sampler, SamplingTensors, draw_seed
 from verispec.sampling_params import SamplingParams
