@@ -80,9 +80,9 @@ def _grammar(params: StructuredOutputsParams) -> tuple[str, str]:
     try:
         if params.json is not None:
             schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-            return "json", llguidance.grammar_from("json_schema", schema)
+            return "json", _json_grammar(schema)
         if params.json_object:
-            return "json_object", llguidance.grammar_from("json_schema", '{"type": "object"}')
+            return "json_object", _json_grammar('{"type": "object"}')
         if params.regex is not None:
             return "regex", llguidance.grammar_from("regex", params.regex)
         if params.choice is not None:
@@ -92,6 +92,13 @@ def _grammar(params: StructuredOutputsParams) -> tuple[str, str]:
         name = next(n for n in ("json", "json_object", "regex", "choice", "grammar")
                     if getattr(params, n) not in (None, False))
         raise ValueError(f"structured_outputs.{name} cannot be compiled: {e}"[:600]) from None
+
+
+def _json_grammar(schema: str) -> str:
+    """JSON of the schema without free whitespace between tokens: a model may otherwise emit
+    whitespace forever, and the compact form is what a parser reads the same."""
+    return llguidance.LLMatcher.grammar_from_json_schema(
+        schema, defaults={"whitespace_flexible": False})
 
 
 class GrammarMatcher:
