@@ -1,6 +1,9 @@
 """The server's ``n``, ``echo`` and prompt logprobs, through the official ``openai`` client.
 
 Strategy: the tiny random Llama of ``test_server`` served with n-gram speculation and without.
+- ``response_format`` (json_schema, json_object) and ``structured_outputs`` (choice, regex):
+  the JSON parses and validates against the schema, for each of n choices; a schema the engine
+  cannot compile is a 400 naming the field.
 - ``n`` samples come back as ``choices`` with ``index`` 0..n-1 per prompt (prompt i's at
   i n + j), sample j equal to ``LLM.generate`` with ``seed + j``, streamed and not.
 - The request lm-evaluation-harness sends for a loglikelihood task (``--model
@@ -12,9 +15,12 @@ Strategy: the tiny random Llama of ``test_server`` served with n-gram speculatio
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import httpx
+import jsonschema
 import pytest
 import torch
 
@@ -136,3 +142,42 @@ def test_echo_logprobs_as_lm_eval_sends_them(spec_server, plain_server, oracle, 
     plain_text = api.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3,
                                         temperature=0).choices[0].text
     assert streamed == PROMPT + plain_text
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"enum": ["Ann", "Bob"]},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+
+
+def test_response_format_and_structured_outputs(spec_server):
+    api = client(spec_server)
+    chat = api.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, n=3, max_tokens=40, seed=5,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}})
+    for choice in chat.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    stream = api.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=40,
+                                         response_format={"type": "json_object"}, stream=True,
+                                         temperature=0)
+    text = "".join(c.choices[0].delta.content or "" for c in stream)
+    assert text.startswith("{")
+    done = api.completions.create(model=MODEL_NAME, prompt="Pick:", max_tokens=10,
+                                  extra_body={"structured_outputs": {"choice": ["red", "blue"]}})
+    assert done.choices[0].text in ("red", "blue")
+    done = api.completions.create(model=MODEL_NAME, prompt="Code:", max_tokens=10,
+                                  extra_body={"structured_outputs": {"regex": "[A-Z]{2}[0-9]"}})
+    assert re.fullmatch("[A-Z]{2}[0-9]", done.choices[0].text)
+    bad = [({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, "response_format", "nonsense"),
+        ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "a(b"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
+        ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+         "response_format", "give one")]
+    for fields, param, text in bad:
+        response = httpx.post(spec_server.url + "/v1/chat/completions", timeout=60,
+                              json=dict(model=MODEL_NAME, messages=MESSAGES, **fields))
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and text in error["message"], error

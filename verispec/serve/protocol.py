@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from verispec.engine.inputs import check_unicode
-from verispec.sampling_params import MAX_N, SamplingParams
+from verispec.sampling_params import MAX_N, SamplingParams, StructuredOutputsParams
 
 # Most top logprobs per token a request may ask for (vLLM's default max_logprobs; OpenAI's chat
 # top_logprobs limit).
@@ -88,6 +88,23 @@ class ChatMessage(_Body):
         return {"role": self.role, "content": content}
 
 
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
+    object) or ``json_schema`` (JSON matching ``json_schema.schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _GenerationRequest(_Body):
     """The fields both endpoints share."""
 
@@ -112,6 +129,37 @@ class _GenerationRequest(_Body):
     bad_words: list[StrictStr] | None = None
     allowed_token_ids: list[StrictInt] | None = None
     n: StrictInt | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams fields
+
+    @property
+    def grammar_param(self) -> str:
+        """The field that set the request's structured output (what its errors name)."""
+        return "response_format" if self.response_format is not None else "structured_outputs"
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's structured output; ApiError naming the field when it is malformed."""
+        fmt, fields = self.response_format, self.structured_outputs
+        if fmt is not None and fields is not None:
+            raise ApiError(400, "response_format and structured_outputs both constrain the "
+                           "output; give one", "response_format")
+        if fmt is not None:
+            if fmt.type == "text":
+                return None
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ApiError(400, "response_format.json_schema.schema is required with type "
+                               "'json_schema'", "response_format")
+            return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        if fields is None:
+            return None
+        try:
+            return StructuredOutputsParams(**fields)
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, f"structured_outputs: {e}".replace(
+                "structured_outputs: structured_outputs", "structured_outputs"),
+                "structured_outputs") from None
 
     def check_text(self) -> None:
         """ApiError naming the field when a string the client sent is not valid Unicode (JSON
@@ -265,6 +313,7 @@ def sampling_params(request: _GenerationRequest, max_tokens: int, logprobs: int 
         bad_words=request.bad_words or None,
         allowed_token_ids=request.allowed_token_ids,
         prompt_logprobs=prompt_logprobs,
+        structured_outputs=request.structured(),
     )
     try:
         return SamplingParams(**fields)

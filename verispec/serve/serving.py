@@ -161,7 +161,8 @@ class OpenAIServing:
                 inputs.decode_output, self.tokenizer, t) for t in texts]
         return await self._respond(raw, "text_completion", prompts, params, n, body.stream,
                                    body.stream_options, "prompt",
-                                   Echo(echo_texts, max_tokens == 0) if echo else None)
+                                   Echo(echo_texts, max_tokens == 0) if echo else None,
+                                   body.grammar_param)
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         body.check_text()
@@ -187,11 +188,13 @@ class OpenAIServing:
         n = check_n(body.n)
         self.check_params(ids, params, param)
         return await self._respond(raw, "chat.completion", [ids], params, n, body.stream,
-                                   body.stream_options, "messages")
+                                   body.stream_options, "messages",
+                                   grammar_param=body.grammar_param)
 
     async def _respond(self, raw: Request, kind: str, prompts: list[list[int]],
                        params: SamplingParams, n: int, stream: bool, stream_options,
-                       prompt_param: str, echo: Echo | None = None) -> Response:
+                       prompt_param: str, echo: Echo | None = None,
+                       grammar_param: str = "structured_outputs") -> Response:
         # one engine request per choice: prompt i's samples are choices i n .. i n + n - 1
         samples = sample_params(dataclasses.replace(params, n=n))
         choice_prompts = [p for p in prompts for _ in range(n)]
@@ -199,7 +202,13 @@ class OpenAIServing:
         try:
             submission = await self.engine.submit(choice_prompts, choice_params, stream)
         except ValueError as e:  # refused by the engine (the checks above catch most first)
-            raise ApiError(400, str(e), prompt_param) from None
+            message = str(e)
+            if message.startswith("structured_outputs"):  # a grammar that does not compile
+                if grammar_param == "response_format":
+                    message = message.replace("structured_outputs.json",
+                                              "response_format.json_schema.schema", 1)
+                raise ApiError(400, message, grammar_param) from None
+            raise ApiError(400, message, prompt_param) from None
         except EngineError as e:
             raise ApiError(503, str(e)) from None
         response_id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
