@@ -12,16 +12,18 @@ from verispec.config import (  # noqa: E402
     acceptance_length_to_rates,
     unconditional_to_conditional_rates,
 )
-from verispec.engine import LLM, RequestOutput  # noqa: E402
-from verispec.sampling_params import SamplingParams  # noqa: E402
+from verispec.engine import LLM, CompletionOutput, RequestOutput  # noqa: E402
+from verispec.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "CompletionOutput",
     "RequestOutput",
     "SamplingParams",
     "SpeculativeConfig",
+    "StructuredOutputsParams",
     "acceptance_length_to_rates",
     "unconditional_to_conditional_rates",
 ]

@@ -15,6 +15,45 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's ``StructuredOutputsParams``): exactly one of ``json``
+    (a JSON schema, as a dict or its text), ``json_object`` (any JSON object), ``regex``,
+    ``choice`` (one of these strings) or ``grammar`` (an EBNF grammar: Lark syntax, or GBNF as
+    llama.cpp writes it). Compiled when the request is added (docs/design.md §15); a grammar
+    the engine cannot compile is a ValueError naming the field."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or its "
+                             f"text), got {self.json!r:.200}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got "
+                                 f"{value!r:.200}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of "
+                                 f"non-empty strings, got {self.choice!r:.200}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got "
+                             f"{self.json_object!r}")
+
+
 LOGIT_BIAS_LIMIT = 100.0
 MAX_N = 128  # samples of one prompt per request (vLLM has no limit; this keeps a typo cheap)
 
@@ -42,7 +81,16 @@ class SamplingParams:
     logits of every token in the prompt or the output, ``frequency_penalty`` (in [-2, 2])
     subtracts the token's count in the output times itself and ``presence_penalty`` (in
     [-2, 2]) itself once for every token the output holds. ``n`` samples of the prompt are
-    generated (sample j with ``seed + j`` when a seed is given).
+    generated (sample j with ``seed + j`` when a seed is given), each a request of its own that
+    reuses the first sample's prompt blocks (``RequestOutput.outputs``).
+
+    ``prompt_logprobs`` N returns, for every prompt token after the first, its log probability
+    given the tokens before it and those of the N most likely tokens there (vLLM's meaning:
+    the model's raw distribution, before any sampling parameter; the first token's entry is
+    None). Such a request computes its whole prompt (no prefix-cache hit).
+
+    ``structured_outputs`` (a ``StructuredOutputsParams`` or a dict of its fields) masks every
+    token that would take the output out of a JSON schema, regex, choice list or grammar.
     """
 
     temperature: float = 1.0
@@ -63,6 +111,8 @@ class SamplingParams:
     bad_words: Sequence[str] | None = None
     min_tokens: int = 0
     n: int = 1
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or math.isnan(self.temperature) or (
@@ -102,6 +152,10 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be an integer >= 0 or None, got "
+                             f"{self.prompt_logprobs!r}")
         self._check_options()
 
     def _check_options(self) -> None:
@@ -145,6 +199,16 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}]"
                              f", got {self.min_tokens!r}")
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            try:
+                so = StructuredOutputsParams(**so)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+            object.__setattr__(self, "structured_outputs", so)
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict, "
+                             f"got {so!r:.200}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
 
@@ -174,4 +238,5 @@ class SamplingParams:
     def uses_logits_options(self) -> bool:
         """Whether any option changes the target's logits (penalties, bias, masks)."""
         return (self.uses_penalties or self.logit_bias is not None or self.min_tokens > 0
-                or self.allowed_token_ids is not None or self.bad_words is not None)
+                or self.allowed_token_ids is not None or self.bad_words is not None
+                or self.structured_outputs is not None)

@@ -298,7 +298,7 @@ def test_bad_requests_are_openai_errors_and_others_run_on(spec_server, oracle):
     expect_error(400, complete(extra_body={"top_k": -5}), "top_k", "-5")
     expect_error(400, complete(max_tokens=0), "max_tokens", "0")
     expect_error(400, complete(logprobs=50), "logprobs", "50")
-    expect_error(400, complete(n=2), "n", "2")
+    expect_error(400, complete(n=0), "n", "0")
     expect_error(400, complete(frequency_penalty=2.5), "frequency_penalty", "2.5")
     expect_error(400, complete(logit_bias={"x": 1}), "logit_bias", "'x'")
     expect_error(400, complete(logit_bias={"60000": 1}), "logit_bias", "60000")

@@ -192,9 +192,11 @@ class PromptEncoder:
             raise ValueError(f"stop_token_ids {outside[:5]!r} are outside the model's vocabulary "
                              f"[0, {vocab_size})")
         check_token_ids(params, vocab_size)
-        if params.logprobs is not None and params.logprobs > vocab_size:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the model's vocabulary size "
-                             f"{vocab_size}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab_size:
+                raise ValueError(f"{name}={value} exceeds the model's vocabulary size "
+                                 f"{vocab_size}")
         if num_prompt_tokens + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"{max_tokens_name}={params.max_tokens} and the prompt's {num_prompt_tokens} "

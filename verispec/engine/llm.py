@@ -7,6 +7,7 @@ tokens per request through the same ``_commit`` (stop conditions checked token b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import random
@@ -20,7 +21,8 @@ import torch
 from verispec import ops
 from verispec.config import SpeculativeConfig
 from verispec.engine import inputs
-from verispec.engine.request import Request, RequestOutput
+from verispec.engine.request import CompletionOutput, Request, RequestOutput
+from verispec.engine.samples import HeldSamples, fill_prompt_logprobs, sample_params
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.spec_decode import SpeculativeDecoder
 from verispec.log import warn_once
@@ -31,6 +33,7 @@ from verispec.runtime.kv_cache import DEFAULT_BLOCK_SIZE
 from verispec.runtime.model_runner import ModelRunner
 from verispec.runtime.prefix_cache import PrefixCache
 from verispec.runtime.state_cache import is_hybrid
+from verispec.sample.grammar import LazyCompiler
 from verispec.sample.logprobs import token_logprobs
 from verispec.sample.options import RequestOptions, SamplingOptions
 from verispec.sample.sampler import Sampler, SamplingTensors, draw_seed
@@ -298,6 +301,8 @@ class LLM:
         self._seed_rng = (None if not self._tp.enabled
                           else random.Random(self._tp.broadcast_object(draw_seed())))
         self._requests_by_id: dict[int, Request] = {}  # a spawned rank's requests (apply_command)
+        self._held = HeldSamples()  # samples 1.. of a prompt, until sample 0 has prefilled
+        self._grammars: LazyCompiler | None = None  # structured outputs' compiler
         self.num_steps = 0  # engine steps run (prefill and decode)
         self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
 
@@ -347,28 +352,37 @@ class LLM:
 
     # ----------------------------------------------------------------- requests in and out
 
-    def _make_request(self, prompt: Any, params: Any) -> Request:
-        """A validated request; ValueError naming the cause otherwise."""
+    def _make_request(self, prompt: Any, params: Any, several: bool = False) -> Request:
+        """A validated request; ValueError naming the cause otherwise. With ``n`` > 1 (only
+        where ``several``) it is sample 0 and ``request.samples`` lists all n
+        (``engine.samples``)."""
         params = inputs.as_sampling_params(params)
-        if params.n != 1:
-            raise ValueError(f"n={params.n}: several samples of one prompt are not supported "
-                             "yet; pass the prompt n times with seeds seed, seed + 1, ...")
+        if params.n != 1 and not several:
+            raise ValueError(f"n={params.n}: this call makes one request; use generate, or add "
+                             "one request per sample")
         text, ids = self.encoder.encode(prompt)
         self.encoder.check_params(params, len(ids))
-        if params.seed is not None:
-            seed = params.seed
-        else:
-            seed = (draw_seed() if self._seed_rng is None
-                    else self._seed_rng.getrandbits(64) - 2**63)
-        request = self._new_request(self._next_request_id, text, ids, params, seed)
-        self._next_request_id += 1
-        return request
+        requests = []
+        for p in sample_params(params):
+            if p.seed is not None:
+                seed = p.seed
+            else:
+                seed = (draw_seed() if self._seed_rng is None
+                        else self._seed_rng.getrandbits(64) - 2**63)
+            requests.append(self._new_request(self._next_request_id, text, ids, p, seed))
+            self._next_request_id += 1
+        if len(requests) > 1:
+            requests[0].samples = requests
+        return requests[0]
 
     def _new_request(self, request_id: int, text: str | None, ids: Sequence[int],
                      params: SamplingParams, seed: int) -> Request:
         request = Request(request_id, text, ids, params, seed, self.max_model_len)
+        if self._grammars is None or self._grammars.tokenizer is not self.tokenizer:
+            self._grammars = LazyCompiler(self.tokenizer, self.model_config.vocab_size)
         request.options = RequestOptions.build(params, self.model_config.vocab_size,
-                                               sorted(self.eos_token_ids), self.tokenizer)
+                                               sorted(self.eos_token_ids), self.tokenizer,
+                                               self._grammars)
         return request
 
     def _output(self, request: Request) -> RequestOutput:
@@ -382,17 +396,28 @@ class LLM:
         elif not request.finished:
             text = inputs.streamable_text(text, request.params.stop)
         request.metrics.num_generated_tokens = len(ids)
+        logprobs = None if request.logprobs is None else list(request.logprobs)
+        outputs = [CompletionOutput(0, text, ids, request.finish_reason, logprobs)]
+        finish_reason = request.finish_reason
+        if request.samples is not None:
+            outputs = [dataclasses.replace(self._output(r).outputs[0], index=j) if j else
+                       outputs[0] for j, r in enumerate(request.samples)]
+            if not all(o.finished for o in outputs):
+                finish_reason = None
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             text=text,
             token_ids=ids,
-            finish_reason=request.finish_reason,
+            finish_reason=finish_reason,
             metrics=request.metrics,
             spec_stats=request.spec_stats,
-            logprobs=None if request.logprobs is None else list(request.logprobs),
+            logprobs=logprobs,
             num_cached_tokens=request.num_cached_tokens,
+            outputs=outputs,
+            prompt_logprobs=(None if request.prompt_logprobs is None
+                             else list(request.prompt_logprobs)),
         )
 
     # ----------------------------------------------------------------- the step loop
@@ -405,6 +430,8 @@ class LLM:
         captured graph on CUDA), then the prefill chunks in a forward of their own; without,
         decodes and prefill chunks share one forward (only a step of decodes alone replays
         the captured decode graph)."""
+        for request in self._held.release():
+            self._queue(request)
         if not self.scheduler.has_unfinished:
             return []
         if self._workers is None:
@@ -440,8 +467,16 @@ class LLM:
         token, which that step feeds, so its cache and that step are those it had)."""
         chunks = [r.token_ids[r.num_computed_tokens:r.num_computed_tokens + n].tolist()
                   for r, n in prefills]
+        # a chunk of a request asking for prompt logprobs needs the logits of every position
+        every = any(r.needs_prompt_logprobs for r, _ in prefills)
         logits = self.runner.forward([r.slot for r in decodes] + [r.slot for r, _ in prefills],
-                                     [[r.last_token_id] for r in decodes] + chunks)
+                                     [[r.last_token_id] for r in decodes] + chunks,
+                                     logits="all" if every else "last")
+        if every:
+            ends = len(decodes) + np.cumsum([n for _, n in prefills])  # [P] row after chunk i
+            fill_prompt_logprobs(prefills, logits, ends - [n for _, n in prefills])
+            last = np.concatenate([np.arange(len(decodes)), ends - 1])
+            logits = logits[ops.to_device(last, logits.device)]
         for r, n in prefills:
             r.num_computed_tokens += n
         rows = list(range(len(decodes)))
@@ -608,7 +643,7 @@ class LLM:
         requests: list[tuple[int, Request]] = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             try:
-                requests.append((i, self._make_request(prompt, params)))
+                requests.append((i, self._make_request(prompt, params, several=True)))
             except ValueError as e:
                 if single:
                     raise
@@ -617,12 +652,12 @@ class LLM:
                     prompt_token_ids=[], finish_reason="error", error=f"prompt {i}: {e}",
                 )
         for _, request in requests:
-            self._queue(request)
+            self._queue_samples(request)
         try:
-            while self.scheduler.has_unfinished:
+            while self.has_unfinished_requests:
                 self.step()
         except BaseException:  # e.g. KeyboardInterrupt: leave the engine clean for the next call
-            self._abort([r for _, r in requests])
+            self._abort([s for _, r in requests for s in r.samples or [r]])
             raise
         for i, request in requests:
             outputs[i] = self._output(request)
@@ -652,12 +687,18 @@ class LLM:
     # For a caller that runs the step loop itself (the server: one engine thread adds requests,
     # steps, and aborts between steps). Not thread-safe: call from one thread only.
 
-    def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None) -> Request:
+    def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None,
+                    after: Request | None = None) -> Request:
         """Validate and queue one request (ValueError naming the cause on bad input); it joins
         the batch at the next ``step`` with a free slot and KV blocks for it. Read it with
-        ``get_output``."""
+        ``get_output``. ``after``: a request of the same prompt; with the prefix cache on this
+        one waits until ``after`` has computed the prompt, then reuses its blocks (the samples
+        of one prompt, ``engine.samples``)."""
         request = self._make_request(prompt, sampling_params or SamplingParams())
-        self._queue(request)
+        if after is not None and self.scheduler.prefix_cache is not None:
+            self._held.hold(after, request)
+        else:
+            self._queue(request)
         return request
 
     def abort_request(self, request: Request) -> None:
@@ -671,7 +712,7 @@ class LLM:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._held)
 
     def generate_stream(
         self, prompt: Any, sampling_params: SamplingParams | None = None
@@ -701,6 +742,16 @@ class LLM:
                     yield output
         finally:  # the consumer may stop early: release the request's slot
             self._abort([request])
+
+    def _queue_samples(self, request: Request) -> None:
+        """Queue a request, and its other samples when it has several (held back until it has
+        computed the prompt when the prefix cache can share it: ``engine.samples``)."""
+        self._queue(request)
+        for sample in (request.samples or [request])[1:]:
+            if self.scheduler.prefix_cache is not None:
+                self._held.hold(request, sample)
+            else:
+                self._queue(sample)
 
     def _queue(self, request: Request) -> None:
         """Queue a validated request (and send it to the spawned ranks with the next step)."""

@@ -51,6 +51,21 @@ class RequestMetrics:
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a prompt (vLLM's ``CompletionOutput``): sample ``index`` of the ``n``."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
 class RequestOutput:
     """The result of one request, in the order of the prompts given to ``generate``.
 
@@ -59,6 +74,11 @@ class RequestOutput:
     tokens stay in ``token_ids``). ``finish_reason`` is ``"stop"`` (EOS, stop token, stop
     string), ``"length"`` (``max_tokens`` reached), ``"abort"`` (``LLM.abort_request``) or
     ``"error"`` (the request was invalid: ``error`` says why; text and token_ids are empty).
+
+    ``outputs`` holds the samples of the prompt as vLLM's ``RequestOutput.outputs`` does: one
+    ``CompletionOutput`` per sample (``SamplingParams.n``), in order; ``text``, ``token_ids``,
+    ``finish_reason``, ``logprobs`` and the counters are those of sample 0 (so code written for
+    n = 1 reads them directly), and ``finish_reason`` is set once every sample has finished.
     """
 
     request_id: int
@@ -77,6 +97,11 @@ class RequestOutput:
     # Prompt tokens whose KV came from the prefix cache instead of being computed (vLLM's
     # ``num_cached_tokens``; the server's ``usage.prompt_tokens_details.cached_tokens``).
     num_cached_tokens: int = 0
+    # Every sample of the prompt (one when n = 1; empty for an invalid request).
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs set: None for the first prompt token, then one dict per
+    # prompt token (token id -> raw log probability given the tokens before it).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -128,6 +153,12 @@ class Request:
         self.stop_text_len: int | None = None  # text cut before a stop string
         # One dict per output token when the request asked for logprobs (RequestOutput.logprobs)
         self.logprobs: list[dict[int, float]] | None = None if params.logprobs is None else []
+        # [None, then one dict per prompt token] when it asked for prompt logprobs (filled
+        # during its prefill, docs/design.md §15)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            None if params.prompt_logprobs is None else [None])
+        # The samples of its prompt when SamplingParams.n > 1 (itself first), else None.
+        self.samples: list[Request] | None = None
         self.metrics = RequestMetrics(time.perf_counter() if arrival_time is None
                                       else arrival_time)
 
@@ -160,6 +191,13 @@ class Request:
     def is_prefilling(self) -> bool:
         """Admitted, and its prefill has chunks left to run."""
         return self.num_computed_tokens < self.prefill_end
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some are still to compute (its prefill computes
+        every prompt token then: no prefix-cache hit)."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens)
 
     def append(self, token_id: int) -> None:
         self._token_buf[self.num_tokens] = token_id

@@ -14,7 +14,7 @@ verify of k + 1 with speculation) and the *prefill chunks* (requests computing t
 - **Admission** takes waiting requests in order while a slot is free, budget is left and the
   pool has the blocks. With a prefix cache the request first takes the longest run of
   published blocks that hold its first tokens (``runtime.prefix_cache``): its prefill starts
-  after them.
+  after them (not a request that asks for prompt logprobs: it computes its whole prompt).
 - **Reservation**: before a step every running request holds blocks for what the step writes:
   a decode its committed tokens plus ``lookahead`` (k + 1 with speculation: the verify rows, and
   a proposer's drafting rows, which share the target's block tables), a prefill chunk its
@@ -178,7 +178,7 @@ class Scheduler:
             # A recomputed request stops before its last token, which its next step feeds.
             prefill_end = request.num_tokens - (1 if request.num_output_tokens else 0)
             hit = []
-            if self.prefix_cache is not None:
+            if self.prefix_cache is not None and not request.needs_prompt_logprobs:
                 hit = self.prefix_cache.lookup(request, prefill_end)
             computed = len(hit) * (tables.block_size if tables is not None else 0)
             n = prefill_end - computed

@@ -8,6 +8,7 @@ the per-row inputs (``OptionTensors``, ``verispec.sample.options``); the drafts 
 on the device and are read through index tensors, so the op needs no host sync. In order
 (vLLM's):
 
+    structured output   z_v = -inf for every v the row's grammar mask does not allow
     allowed_token_ids   z_v = -inf for every v outside the row's allowed set
     bad_words           z_t = -inf where the row's context ends with the bad word's prefix
     min_tokens, bias    z_v += b_v  (b = -inf for EOS / stop tokens while the output, drafts
@@ -42,6 +43,9 @@ class OptionTensors:
     """
 
     token_source: torch.Tensor  # [num_source] int64
+    # structured output: rows with a grammar and their masks (bit v % 32 of word v // 32)
+    grammar_rows: torch.Tensor | None  # [G] int64, rows of the logits
+    grammar_bitmask: torch.Tensor | None  # [G, ceil(V / 32)] int32
     # additive pieces: logit_bias, and -inf for min_tokens and one-token bad words
     add_rows: torch.Tensor | None  # [A] int64, rows of the logits
     add_ids: torch.Tensor | None  # [A] int64, token ids
@@ -83,6 +87,11 @@ def apply_options(logits: torch.Tensor, options: OptionTensors) -> torch.Tensor:
         raise ValueError(f"logits must be [R, V], got {list(logits.shape)}")
     out = logits.to(torch.float32, copy=True)
     o = options
+    if o.grammar_rows is not None:
+        vocab = torch.arange(out.shape[1], device=out.device)
+        words = o.grammar_bitmask[:, vocab >> 5]  # [G, V] int32
+        allowed = ((words >> (vocab & 31)) & 1).bool()  # [G, V]
+        out[o.grammar_rows] = out[o.grammar_rows].masked_fill(~allowed, NEG_INF)
     if o.allowed_rows is not None:
         blocked = torch.ones((o.allowed_rows.shape[0], out.shape[1]), dtype=torch.bool,
                              device=out.device)

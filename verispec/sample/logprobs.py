@@ -53,3 +53,31 @@ def token_logprobs(
         entry.setdefault(token_id, value)
         entries.append(entry)
     return entries
+
+
+def raw_logprobs(
+    logits: torch.Tensor,  # [R, V] target logits
+    token_ids: torch.Tensor,  # [R] int64, the token each row scores
+    num_top: Sequence[int],  # [R] host ints, how many most likely tokens each row reports
+) -> list[dict[int, float]]:
+    """``token_logprobs`` under the model's raw distribution ``log_softmax(logits)`` (no sampling
+    parameter applies): what ``prompt_logprobs`` reports for each prompt token, as vLLM does.
+
+    Returns
+    -------
+    One dict per row, as ``token_logprobs``.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [R, V] float32
+    chosen = logp.gather(1, token_ids.to(logp.device).long()[:, None])[:, 0].tolist()  # [R]
+    max_top = min(max(num_top, default=0), logp.shape[1])
+    if max_top:
+        top_values, top_ids = torch.topk(logp, max_top, dim=-1)  # [R, max_top]
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    entries = []
+    for r, (token_id, value) in enumerate(zip(token_ids.tolist(), chosen)):
+        entry = {}
+        if max_top and num_top[r]:
+            entry = dict(zip(top_ids[r][: num_top[r]], top_values[r][: num_top[r]]))
+        entry.setdefault(token_id, value)
+        entries.append(entry)
+    return entries

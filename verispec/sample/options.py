@@ -21,7 +21,7 @@ option cost nothing: a step where no request uses one skips all of this.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +29,7 @@ import torch
 
 from verispec import ops
 from verispec.ops.options import NEG_INF, WILDCARD, OptionTensors, apply_options
+from verispec.sample.grammar import GrammarCompiler, GrammarMatcher
 from verispec.sampling_params import SamplingParams
 
 
@@ -43,14 +44,22 @@ class RequestOptions:
     min_tokens_ids: np.ndarray  # [ns] int64, masked while the output is shorter than min_tokens
     bad_single_ids: np.ndarray  # [n1] int64, bad words of one token: always masked
     bad_words: tuple[tuple[int, ...], ...]  # bad words of several tokens, as token ids
+    grammar: GrammarMatcher | None = None  # structured_outputs: its (mutable) matcher
 
     @classmethod
     def build(cls, params: SamplingParams, vocab_size: int, eos_token_ids: Sequence[int],
-              tokenizer=None) -> RequestOptions | None:
+              tokenizer=None,
+              grammars: Callable[[], GrammarCompiler] | None = None) -> RequestOptions | None:
         """None when ``params`` uses no logits option; ValueError naming the field when one
-        names a token outside ``[0, vocab_size)`` or bad_words cannot be tokenised."""
+        names a token outside ``[0, vocab_size)``, bad_words cannot be tokenised or the
+        structured output cannot be compiled (``grammars()`` gives the compiler)."""
         if not params.uses_logits_options:
             return None
+        grammar = None
+        if params.structured_outputs is not None:
+            if grammars is None:
+                raise ValueError("structured_outputs needs the model's tokenizer")
+            grammar = grammars().matcher(params.structured_outputs)
         check_token_ids(params, vocab_size)
         bias = params.logit_bias or {}
         stops = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(eos_token_ids))
@@ -67,6 +76,7 @@ class RequestOptions:
             else np.zeros(0, dtype=np.int64),
             bad_single_ids=np.unique(np.asarray([ids[0] for ids in single], dtype=np.int64)),
             bad_words=tuple(dict.fromkeys(several)),
+            grammar=grammar,
         )
 
 
@@ -136,7 +146,12 @@ class SamplingOptions:
         draft_base = tails.size
         none_index = draft_base + num_drafts_total
         add, allowed, allowed_pairs, bad, penalty, draft_pairs = [], [], [], [], [], []
+        grammar_rows, grammar_masks = [], []
         num_allowed_rows = num_penalty_rows = 0
+        drafts_cpu = None
+        if draft_token_ids is not None and any(
+                batch[b].options.grammar is not None for b in members):
+            drafts_cpu = draft_token_ids.tolist()  # the matchers run on the host: one sync
         for m, b in enumerate(members):
             r, o = batch[b], batch[b].options
             p, n = o.params, int(num_drafts[b])
@@ -149,6 +164,12 @@ class SamplingOptions:
                 add.append(_ban(short, o.min_tokens_ids))
             if o.bad_single_ids.size:
                 add.append(_ban(rows, o.bad_single_ids))
+            if o.grammar is not None:
+                o.grammar.sync(r.output_token_ids)
+                drafts = [] if drafts_cpu is None else drafts_cpu[
+                    first_drafts[b]:first_drafts[b] + n]
+                grammar_rows.append(rows)
+                grammar_masks.append(o.grammar.masks(drafts))
             if o.allowed_ids is not None:
                 allowed.append(rows)
                 allowed_pairs.append((np.repeat(num_allowed_rows + np.arange(n + 1),
@@ -179,11 +200,13 @@ class SamplingOptions:
                 num_penalty_rows += n + 1
         if penalty:
             self._count([batch[b] for b in members if batch[b].options.params.uses_penalties])
+        grammar = None if not grammar_rows else (np.concatenate(grammar_rows),
+                                                 np.concatenate(grammar_masks))
         return self._tensors(tails, draft_token_ids, none_index, add, allowed, allowed_pairs,
-                             bad, penalty, draft_pairs)
+                             bad, penalty, draft_pairs, grammar)
 
     def _tensors(self, tails, draft_token_ids, none_index, add, allowed, allowed_pairs, bad,
-                 penalty, draft_pairs) -> OptionTensors:
+                 penalty, draft_pairs, grammar) -> OptionTensors:
         device = self.device
 
         def put(array, dtype=torch.int64):
@@ -196,6 +219,9 @@ class SamplingOptions:
         assert source.shape[0] == none_index + 1
         fields = dict.fromkeys(OptionTensors.__dataclass_fields__)
         fields["token_source"] = source
+        if grammar is not None:
+            fields["grammar_rows"] = put(grammar[0])
+            fields["grammar_bitmask"] = put(grammar[1], torch.int32)
         if add:
             fields["add_rows"] = put(np.concatenate([a[0] for a in add]))
             fields["add_ids"] = put(np.concatenate([a[1] for a in add]))

@@ -347,7 +347,8 @@ class AsyncEngine:
                     self._requests.pop(state.request_id, None)
                 submission.fail(ValueError(message) if error_type == "ValueError" else
                                 EngineError(f"the engine failed: {error_type}: {message}"))
-        for request_id, token_ids, logprobs, finish_reason, num_cached in outputs.deltas:
+        for request_id, token_ids, logprobs, finish_reason, num_cached, prompt_logprobs in (
+                outputs.deltas):
             entry = self._requests.get(request_id)
             if entry is None:  # aborted, or stopped here on a stop string
                 continue
@@ -358,6 +359,8 @@ class AsyncEngine:
                 else:
                     metrics.inter_token_latency.observe(now - state.last_token_time)
                 state.last_token_time = now
+            if prompt_logprobs is not None:
+                state.prompt_logprobs = prompt_logprobs
             num_new = state.receive(token_ids, logprobs, finish_reason, num_cached)
             self.committed(state, submission, num_new, now)
             if finish_reason is not None:

@@ -88,8 +88,11 @@ class EngineStartFailed(NamedTuple):
 #    token_ids,          output tokens new since the last delta (several with speculation)
 #    logprobs,           one dict per new token (token id -> logprob), or None if not asked
 #    finish_reason,      "stop" (EOS or a stop token id: the last token), "length" or None
-#    num_cached_tokens)  prompt tokens served from the prefix cache
-RequestDelta = tuple[int, list[int], "list[dict[int, float]] | None", "str | None", int]
+#    num_cached_tokens,  prompt tokens served from the prefix cache
+#    prompt_logprobs)    with the first delta of a request that asked for them (None first,
+#                        then one dict per prompt token), else None
+RequestDelta = tuple[int, list[int], "list[dict[int, float]] | None", "str | None", int,
+                     "list[dict[int, float] | None] | None"]
 
 
 class SchedulerStats(NamedTuple):

@@ -102,6 +102,8 @@ class RequestState:
         self.logprobs: list[dict[int, float]] | None = (
             None if params.logprobs is None else [])
         self.num_tokens = 0
+        # prompt logprobs (None first, then one dict per prompt token), with the first delta
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.engine_finish_reason: str | None = None
         self.finish_reason: str | None = None
         self.stop_text_len: int | None = None  # text cut before a stop string

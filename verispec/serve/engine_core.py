@@ -109,9 +109,16 @@ class EngineCore:
         """All the requests of one API call, or none (the error's type and message go back)."""
         added: list[tuple[int, Request]] = []
         try:
+            first, first_prompt = None, None
             for request_id, prompt, params in zip(command.request_ids, command.prompts,
                                                   command.params):
-                added.append((request_id, self.llm.add_request(prompt, params)))
+                # the samples of one prompt (n > 1) follow each other: the later ones reuse
+                # the first one's prompt blocks
+                if prompt != first_prompt:
+                    first, first_prompt = None, prompt
+                request = self.llm.add_request(prompt, params, after=first)
+                first = first or request
+                added.append((request_id, request))
         except Exception as e:  # ValueError: bad input; anything else is a bug, logged here
             if not isinstance(e, ValueError):
                 logger.exception("adding requests failed")
@@ -150,8 +157,9 @@ class EngineCore:
             token_ids = ([request.last_token_id] if num_tokens == start + 1
                          else request.output_token_ids[start:num_tokens].tolist())
             logprobs = None if request.logprobs is None else request.logprobs[start:num_tokens]
+            prompt_logprobs = None if start else request.prompt_logprobs
             deltas.append((request_id, token_ids, logprobs, request.finish_reason,
-                           request.num_cached_tokens))
+                           request.num_cached_tokens, prompt_logprobs))
             tracked.num_sent = num_tokens
             if request.finished:
                 del self.tracked[request_id]

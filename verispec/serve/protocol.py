@@ -3,9 +3,12 @@
 Request bodies are pydantic models that forbid unknown fields: nothing a client sends is silently
 ignored. The sampling options are OpenAI's (``presence_penalty``, ``frequency_penalty``,
 ``logit_bias`` with token ids as string keys) and vLLM's extras (``repetition_penalty``,
-``min_tokens``, ``bad_words``, ``allowed_token_ids``). A few OpenAI fields that clients send by
-default are accepted at their neutral value only (``n`` 1, ``echo`` false, ``best_of`` 1,
-``suffix`` empty); ``user`` (an end-user id) is accepted and has no effect
+``min_tokens``, ``bad_words``, ``allowed_token_ids``). ``n`` samples per prompt come back as
+``choices`` with ``index`` = prompt index x n + sample (vLLM's order); ``echo`` puts the prompt
+before the completion (with ``logprobs``, the prompt tokens' logprobs too; with ``max_tokens``
+0 the prompt alone: what lm-evaluation-harness sends for loglikelihood tasks). ``best_of`` and
+``suffix`` are accepted at their neutral value only (1, empty); ``user`` (an end-user id) is
+accepted and has no effect
 on generation, as in OpenAI's API. Scalars are strict: ``"0.5"`` is not a temperature.
 
 Every error is OpenAI's body ``{"error": {"message", "type", "param", "code"}}``; the message
@@ -21,7 +24,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from verispec.engine.inputs import check_unicode
-from verispec.sampling_params import SamplingParams
+from verispec.sampling_params import MAX_N, SamplingParams, StructuredOutputsParams
 
 # Most top logprobs per token a request may ask for (vLLM's default max_logprobs; OpenAI's chat
 # top_logprobs limit).
@@ -85,6 +88,23 @@ class ChatMessage(_Body):
         return {"role": self.role, "content": content}
 
 
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
+    object) or ``json_schema`` (JSON matching ``json_schema.schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _GenerationRequest(_Body):
     """The fields both endpoints share."""
 
@@ -108,8 +128,38 @@ class _GenerationRequest(_Body):
     min_tokens: StrictInt | None = None
     bad_words: list[StrictStr] | None = None
     allowed_token_ids: list[StrictInt] | None = None
-    # Accepted at their neutral value only (NEUTRAL_VALUES).
     n: StrictInt | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams fields
+
+    @property
+    def grammar_param(self) -> str:
+        """The field that set the request's structured output (what its errors name)."""
+        return "response_format" if self.response_format is not None else "structured_outputs"
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's structured output; ApiError naming the field when it is malformed."""
+        fmt, fields = self.response_format, self.structured_outputs
+        if fmt is not None and fields is not None:
+            raise ApiError(400, "response_format and structured_outputs both constrain the "
+                           "output; give one", "response_format")
+        if fmt is not None:
+            if fmt.type == "text":
+                return None
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ApiError(400, "response_format.json_schema.schema is required with type "
+                               "'json_schema'", "response_format")
+            return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        if fields is None:
+            return None
+        try:
+            return StructuredOutputsParams(**fields)
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, f"structured_outputs: {e}".replace(
+                "structured_outputs: structured_outputs", "structured_outputs"),
+                "structured_outputs") from None
 
     def check_text(self) -> None:
         """ApiError naming the field when a string the client sent is not valid Unicode (JSON
@@ -171,7 +221,7 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: StrictInt | None = None
 
 
-NEUTRAL_VALUES = {"n": 1, "best_of": 1, "echo": False, "suffix": ""}
+NEUTRAL_VALUES = {"best_of": 1, "suffix": ""}
 
 # Union-typed fields: what a validation error says they must be.
 FIELD_EXPECTS = {
@@ -211,9 +261,18 @@ def check_logprobs(name: str, value: int | None) -> None:
         raise ApiError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", name)
 
 
-def check_max_tokens(name: str, value: int | None) -> None:
-    if value is not None and value < 1:
-        raise ApiError(400, f"{name} must be an integer >= 1, got {value}", name)
+def check_max_tokens(name: str, value: int | None, zero_with_echo: bool = False) -> None:
+    if value is not None and value < (0 if zero_with_echo else 1):
+        raise ApiError(400, f"{name} must be an integer >= 1 (0 only with echo=true), got "
+                       f"{value}", name)
+
+
+def check_n(value: int | None) -> int:
+    """The number of samples per prompt (``n``), checked."""
+    n = 1 if value is None else value
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be an integer in [1, {MAX_N}], got {n}", "n")
+    return n
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -230,8 +289,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return result
 
 
-def sampling_params(request: _GenerationRequest, max_tokens: int,
-                    logprobs: int | None) -> SamplingParams:
+def sampling_params(request: _GenerationRequest, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's SamplingParams (OpenAI defaults: temperature 1, top_p 1); a ValueError of
     SamplingParams becomes a 400 naming the field (its messages start with the field's name)."""
     fields = dict(
@@ -253,6 +312,8 @@ def sampling_params(request: _GenerationRequest, max_tokens: int,
         min_tokens=request.min_tokens or 0,
         bad_words=request.bad_words or None,
         allowed_token_ids=request.allowed_token_ids,
+        prompt_logprobs=prompt_logprobs,
+        structured_outputs=request.structured(),
     )
     try:
         return SamplingParams(**fields)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 import json
 import logging
@@ -35,6 +36,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from verispec.engine import inputs
+from verispec.engine.samples import sample_params
 from verispec.sampling_params import SamplingParams
 from verispec.serve.async_engine import AsyncEngine, EngineError, Submission
 from verispec.serve.detokenizer import Output, RequestState
@@ -45,10 +47,20 @@ from verispec.serve.protocol import (
     CompletionRequest,
     check_logprobs,
     check_max_tokens,
+    check_n,
     sampling_params,
 )
 
 logger = logging.getLogger("verispec.serve")
+
+
+@dataclass(frozen=True)
+class Echo:
+    """``echo``: each prompt's text, shown before its choices' text; ``only``: max_tokens 0
+    (the prompt alone, no generated token)."""
+
+    texts: list[str]
+    only: bool
 
 
 @dataclass
@@ -62,6 +74,7 @@ class _Choice:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)
+    echoed: bool = False  # its prompt (echo) was sent
 
 
 class OpenAIServing:
@@ -131,14 +144,25 @@ class OpenAIServing:
         self.check_model(body.model)
         body.check_neutral_fields()
         check_logprobs("logprobs", body.logprobs)
-        check_max_tokens("max_tokens", body.max_tokens)
+        echo = bool(body.echo)
+        check_max_tokens("max_tokens", body.max_tokens, zero_with_echo=echo)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
-        params = sampling_params(body, max_tokens, body.logprobs)
-        prompts = await self.encode(body.prompts(), "prompt")
+        # echo with max_tokens 0: the prompt alone (one token is generated and not shown)
+        params = sampling_params(body, max(max_tokens, 1), body.logprobs,
+                                 body.logprobs if echo else None)
+        n = check_n(body.n)
+        texts = body.prompts()
+        prompts = await self.encode(texts, "prompt")
         for ids in prompts:
             self.check_params(ids, params, "max_tokens")
-        return await self._respond(raw, "text_completion", prompts, [params] * len(prompts),
-                                   body.stream, body.stream_options, "prompt")
+        echo_texts = None
+        if echo:
+            echo_texts = [t if isinstance(t, str) else await self.in_tokenizer_thread(
+                inputs.decode_output, self.tokenizer, t) for t in texts]
+        return await self._respond(raw, "text_completion", prompts, params, n, body.stream,
+                                   body.stream_options, "prompt",
+                                   Echo(echo_texts, max_tokens == 0) if echo else None,
+                                   body.grammar_param)
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         body.check_text()
@@ -161,21 +185,34 @@ class OpenAIServing:
         if max_tokens is None:  # as vLLM: whatever max_model_len leaves
             max_tokens = self.max_model_len - len(ids)
         params = sampling_params(body, max_tokens, num_top)
+        n = check_n(body.n)
         self.check_params(ids, params, param)
-        return await self._respond(raw, "chat.completion", [ids], [params], body.stream,
-                                   body.stream_options, "messages")
+        return await self._respond(raw, "chat.completion", [ids], params, n, body.stream,
+                                   body.stream_options, "messages",
+                                   grammar_param=body.grammar_param)
 
     async def _respond(self, raw: Request, kind: str, prompts: list[list[int]],
-                       params: list[SamplingParams], stream: bool, stream_options,
-                       prompt_param: str) -> Response:
+                       params: SamplingParams, n: int, stream: bool, stream_options,
+                       prompt_param: str, echo: Echo | None = None,
+                       grammar_param: str = "structured_outputs") -> Response:
+        # one engine request per choice: prompt i's samples are choices i n .. i n + n - 1
+        samples = sample_params(dataclasses.replace(params, n=n))
+        choice_prompts = [p for p in prompts for _ in range(n)]
+        choice_params = samples * len(prompts)
         try:
-            submission = await self.engine.submit(prompts, params, stream)
+            submission = await self.engine.submit(choice_prompts, choice_params, stream)
         except ValueError as e:  # refused by the engine (the checks above catch most first)
-            raise ApiError(400, str(e), prompt_param) from None
+            message = str(e)
+            if message.startswith("structured_outputs"):  # a grammar that does not compile
+                if grammar_param == "response_format":
+                    message = message.replace("structured_outputs.json",
+                                              "response_format.json_schema.schema", 1)
+                raise ApiError(400, message, grammar_param) from None
+            raise ApiError(400, message, prompt_param) from None
         except EngineError as e:
             raise ApiError(503, str(e)) from None
         response_id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
-        response = _Response(self, kind, response_id, prompts, params)
+        response = _Response(self, kind, response_id, prompts, choice_params, n, echo)
         if stream:
             include_usage = stream_options is not None and stream_options.include_usage
             return StreamingResponse(response.stream(submission, include_usage),
@@ -218,15 +255,56 @@ class _Response:
     """One API response being built from the outputs of its submission."""
 
     def __init__(self, serving: OpenAIServing, kind: str, response_id: str,
-                 prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> None:
+                 prompts: Sequence[list[int]], params: Sequence[SamplingParams], n: int,
+                 echo: Echo | None) -> None:
         self.serving = serving
         self.chat = kind == "chat.completion"
         self.kind = kind
         self.id = response_id
         self.created = int(time.time())
-        self.params = params
+        self.params = params  # one per choice
+        self.prompts = prompts
+        self.n = n
+        self.echo = echo
         self.num_prompt_tokens = sum(len(p) for p in prompts)
-        self.choices = [_Choice() for _ in prompts]
+        self.choices = [_Choice() for _ in params]
+        if echo is not None:  # the completion's text offsets follow the prompt's text
+            for index, choice in enumerate(self.choices):
+                choice.text_offset = len(echo.texts[index // n])
+
+    async def _echoed(self, index: int, submission: Submission, delta: str,
+                      logprobs: list | None, finish_reason: str | None):
+        """With ``echo``: the prompt's text (and logprobs) before the choice's first delta;
+        with max_tokens 0 nothing of the generated token. Returns (delta, logprobs,
+        finish_reason)."""
+        choice, echo = self.choices[index], self.echo
+        if echo.only:
+            delta, logprobs = "", None if logprobs is None else []
+            choice.num_tokens = 0
+            finish_reason = finish_reason and "length"
+        if choice.echoed:
+            return delta, logprobs, finish_reason
+        choice.echoed = True
+        prefix = echo.texts[index // self.n]
+        if logprobs is None:
+            return prefix + delta, None, finish_reason
+        # the prompt logprobs came with the first sample of the prompt
+        first = submission.states[index - index % self.n]
+        items = await self.serving.in_tokenizer_thread(
+            self._prompt_logprobs, self.prompts[index // self.n], first.prompt_logprobs)
+        return prefix + delta, items + logprobs, finish_reason
+
+    def _prompt_logprobs(self, prompt: list[int], entries: list | None) -> list:
+        """Completions-format logprob items of the prompt's tokens (the first has none)."""
+        text = self.serving.token_text
+        items, offset = [], 0
+        for t, token_id in enumerate(prompt):
+            entry = None if entries is None or t >= len(entries) else entries[t]
+            items.append((text(token_id), None if entry is None else _clamp(entry[token_id]),
+                          None if entry is None else {text(k): _clamp(v)
+                                                      for k, v in entry.items()}, offset))
+            offset += len(text(token_id))
+        return items
 
     def _advance(self, index: int, state: RequestState,
                  output: Output) -> tuple[str, list | None]:
@@ -308,8 +386,15 @@ class _Response:
             raise ApiError(500, str(e)) from None
         finally:
             submission.abort()
-        choices = [self._choice_json(i, c.text, logprobs[i], c.finish_reason, False)
-                   for i, c in enumerate(self.choices)]
+        choices = []
+        for i, c in enumerate(self.choices):
+            text, new, finish_reason = c.text, logprobs[i], c.finish_reason
+            if self.echo is not None:
+                if new is None and self.params[i].logprobs is not None:
+                    new = []
+                text, new, finish_reason = await self._echoed(i, submission, text, new,
+                                                              finish_reason)
+            choices.append(self._choice_json(i, text, new, finish_reason, False))
         return JSONResponse(dict(self._envelope(choices, False), usage=self._usage()))
 
     async def stream(self, submission: Submission, include_usage: bool) -> AsyncIterator[str]:
@@ -327,8 +412,12 @@ class _Response:
             async for batch in submission.outputs():
                 for index, state, output in batch:
                     delta, logprobs = await self._advance_off_loop(index, state, output)
-                    if delta or logprobs or output.finished:
-                        choice = self._choice_json(index, delta, logprobs, output.finish_reason,
+                    finish_reason = output.finish_reason
+                    if self.echo is not None:
+                        delta, logprobs, finish_reason = await self._echoed(
+                            index, submission, delta, logprobs, finish_reason)
+                    if delta or logprobs or finish_reason:
+                        choice = self._choice_json(index, delta, logprobs, finish_reason,
                                                    True)
                         yield head + json.dumps(choice, ensure_ascii=False) + tail
             if include_usage:

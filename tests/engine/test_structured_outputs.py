@@ -1,0 +1,139 @@
+"""Structured output through the whole engine (docs/design.md §15).
+
+Strategy: a tiny random Llama with the bundled model's tokenizer (vocabulary 49152), so the
+grammar engine sees a real vocabulary while the model is fast.
+- The output follows the request: JSON that parses and validates against the schema, a string
+  the regex matches in full, one of the choices, a sentence of the grammar.
+- Greedy speculation with a grammar (n-gram; a draft model with probabilistic and with greedy
+  drafts) emits exactly the plain greedy tokens: verify row i is masked by the matcher advanced
+  along d_1..d_i, so it is the row a plain step uses, and the matcher rolls back to what was
+  accepted.
+- A grammar the engine cannot compile is a ValueError naming the field, and fails its own
+  request only in a batch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from tests.models.utils import copy_bundled_tokenizer, requires_bundled, save_tiny_model
+from verispec import LLM, SamplingParams, StructuredOutputsParams
+
+pytestmark = requires_bundled
+
+MAX_MODEL_LEN = 256
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "count"],
+          "properties": {"answer": {"enum": ["yes", "no", "maybe"]},
+                         "count": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "tags": {"type": "array", "maxItems": 2,
+                                  "items": {"type": "string", "maxLength": 5}}}}
+REGEX = r"[0-9]{3}-(red|green|blue)"
+CHOICES = ["alpha", "beta", "gamma delta"]
+GBNF = 'root ::= "(" item ("," item)? ")"\nitem ::= "x" | "yy" | "z"'
+CASES = {
+    "json": StructuredOutputsParams(json=SCHEMA),
+    "regex": StructuredOutputsParams(regex=REGEX),
+    "choice": StructuredOutputsParams(choice=CHOICES),
+    "grammar": StructuredOutputsParams(grammar=GBNF),
+}
+PROMPTS = ['{"answer": "yes", "count": 12} {"answer": "yes", "count": 12} {"answer":',
+           "123-red 456-blue 123-red 456-", "alpha beta gamma delta alpha beta", "(x,yy) (x,"]
+
+
+def check(name: str, text: str) -> None:
+    if name == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif name == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif name == "choice":
+        assert text in CHOICES, text
+    else:
+        assert re.fullmatch(r"\((x|yy|z)(,(x|yy|z))?\)", text), text
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama_grammar")
+    save_tiny_model(path, "LlamaForCausalLM", vocab_size=49152,
+                    max_position_embeddings=MAX_MODEL_LEN)
+    copy_bundled_tokenizer(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama_grammar_draft")
+    save_tiny_model(path, "LlamaForCausalLM", vocab_size=49152, num_hidden_layers=1,
+                    max_position_embeddings=MAX_MODEL_LEN)
+    copy_bundled_tokenizer(str(path))
+    return str(path)
+
+
+def engine(model_dir, spec=None):
+    return LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+               speculative_config=spec)
+
+
+def params(name, **kwargs):
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": 60, "seed": 1,
+                             "structured_outputs": CASES[name], **kwargs})
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(model_dir):
+    llm = engine(model_dir)
+    result = {}
+    for name in CASES:
+        outputs = llm.generate(PROMPTS, params(name))
+        for o in outputs:
+            assert o.finish_reason == "stop", (name, o.text)
+            check(name, o.text)
+        result[name] = [o.token_ids for o in outputs]
+    return result
+
+
+def test_outputs_follow_the_grammar_when_sampled(model_dir):
+    llm = engine(model_dir)
+    for name in CASES:
+        outputs = llm.generate(PROMPTS, params(name, temperature=1.0, n=2))
+        for o in outputs:
+            for sample in o.outputs:
+                assert sample.finish_reason == "stop", (name, sample.text)
+                check(name, sample.text)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_model_greedy"])
+def test_greedy_speculation_with_a_grammar_equals_plain(method, model_dir, draft_dir,
+                                                       plain_tokens):
+    spec = {"method": method.removesuffix("_greedy"), "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    else:
+        spec.update(model=draft_dir, draft_sample_method="greedy" if "greedy" in method
+                    else "probabilistic")
+    llm = engine(model_dir, spec)
+    if method != "ngram":  # the tiny draft costs about what the target does: draft anyway
+        llm.spec.costs = tuple(1.0 + 1e-3 * n for n in range(len(llm.spec.costs)))
+    for name in CASES:
+        outputs = llm.generate(PROMPTS, params(name))
+        assert [o.token_ids for o in outputs] == plain_tokens[name], name
+    metrics = llm.get_metrics()["spec_decoding"]
+    assert metrics["num_drafts"] > 0
+    if method == "ngram":  # the random draft model's drafts (and the grammar) reject nearly all
+        assert metrics["num_accepted_tokens"] > 0
+
+
+def test_bad_grammars_name_the_field(model_dir):
+    llm = engine(model_dir)
+    bad = {"json": {"type": "nonsense"}, "regex": "a(b", "grammar": 'root ::= "a'}
+    outputs = llm.generate(["hi"] * 4, [params("choice")] + [
+        SamplingParams(structured_outputs={name: value}) for name, value in bad.items()])
+    assert outputs[0].text in CHOICES
+    for o, name in zip(outputs[1:], bad):
+        assert o.finish_reason == "error" and f"structured_outputs.{name}" in o.error, o.error
+    with pytest.raises(ValueError, match="exactly one"):
+        SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]})

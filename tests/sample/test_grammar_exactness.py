@@ -1,0 +1,203 @@
+"""Structured output stays exact under speculation (docs/design.md §15).
+
+Strategy: as tests/sample/test_options_exactness.py, with a grammar as the option. A vocabulary
+of 29 tokens (0 = EOS, 1..26 = the letters a..z, 27 = "ab", 28 = "yz", so that one string has
+several tokenisations) and a branching regex whose mask changes with the position and the
+prefix (``[a-f]{1,3}(x|yz)e*``: letters, then a choice, then a tail, EOS only once it can end).
+Each case runs many independently seeded copies of one request through the real draft sampler
+(or greedy drafts under the one-hot rule), the real options processing (the matcher advanced
+along d_1..d_i on the host, the masks applied on the device) and the real ``rejection_sample``.
+Output column i given the accepted drafts before it must follow the one-token-at-a-time
+distribution: the target row masked by a fresh matcher that consumed output + prefix. Every
+(column, prefix) group with enough samples gets a chi-square test (p >= 1e-6); a token outside
+the grammar must never appear. The draft rows push tokens the grammar refuses at some positions
+(z, x too early, EOS), so drafts leave the grammar and are rejected. Greedy targets must emit the
+masked argmax.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import llguidance
+import numpy as np
+import pytest
+import torch
+
+from tests.sample.stats import (
+    P_VALUE_THRESHOLD,
+    chi_square_p_value,
+    record,
+    reference_probs,
+)
+from verispec import ops
+from verispec.engine.request import Request
+from verispec.ops.backend import load_backend
+from verispec.sample.grammar import GrammarCompiler
+from verispec.sample.options import RequestOptions, SamplingOptions
+from verispec.sampling_params import SamplingParams, StructuredOutputsParams
+
+V = 29
+K = 3
+EOS = 0
+TOKENS = [b"</s>"] + [bytes([96 + i]) for i in range(1, 27)] + [b"ab", b"yz"]
+PROMPT = [1, 2, 3]
+OUTPUT = [1]  # "a"
+REGEX = "[a-f]{1,3}(x|yz)e*"
+NUM_REQUESTS = 30_000
+CHUNK = 10_000
+MIN_GROUP = 100
+FAVOURED = (EOS, 2, 24, 25, 26, 27, 28, 5)  # EOS, b, x, y, z, "ab", "yz", e
+GREEDY_DRAFTS = {"valid": [27, 24, 5],  # "ab", "x", "e": all inside the grammar
+                 "invalid": [2, 26, 5]}  # "b", then "z": outside, rejected at row 1
+
+
+class TinyTokenizer:
+    """llguidance's view of the 29 tokens (longest match first)."""
+
+    eos_token_id = EOS
+    bos_token_id = None
+    tokens = TOKENS
+    special_token_ids = [EOS]
+
+    def __call__(self, text: bytes) -> list[int]:
+        ids, i = [], 0
+        while i < len(text):
+            for n in (2, 1):
+                piece = bytes(text[i:i + n])
+                if piece in TOKENS[1:]:
+                    ids.append(TOKENS.index(piece))
+                    i += n
+                    break
+            else:
+                raise ValueError(text)
+        return ids
+
+
+def compiler() -> GrammarCompiler:
+    ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(TinyTokenizer()))
+    return GrammarCompiler(ll, V)
+
+
+COMPILER = compiler()
+
+
+def make_request(temperature: float) -> Request:
+    params = SamplingParams(max_tokens=40, temperature=temperature,
+                            structured_outputs=StructuredOutputsParams(regex=REGEX))
+    r = Request(0, None, PROMPT, params, seed=0, max_model_len=100)
+    for t in OUTPUT:
+        r.append(t)
+    r.slot = 0
+    r.options = RequestOptions.build(params, V, [EOS], None, lambda: COMPILER)
+    return r
+
+
+def allowed(tokens: list[int]) -> np.ndarray:
+    """[V] bool: the tokens a fresh matcher allows after ``tokens`` (the reference)."""
+    matcher = llguidance.LLMatcher(COMPILER.ll_tokenizer,
+                                   llguidance.grammar_from("regex", REGEX), log_level=0)
+    assert matcher.consume_tokens(tokens), tokens
+    mask = np.zeros((V + 31) // 32, dtype=np.int32)
+    matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+    return np.array([(mask[v >> 5] >> (v & 31)) & 1 for v in range(V)], dtype=bool)
+
+
+def target_and_draft_logits(drafts: str) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    target = rng.normal(size=(K + 1, V)) * 1.5
+    target[:, list(FAVOURED)] += 1.5
+    draft = target[:K] + rng.normal(size=(K, V)) * 0.8
+    if drafts == "sampled":
+        draft[:, list(FAVOURED)] += 1.0
+    else:
+        draft[np.arange(K), GREEDY_DRAFTS[drafts]] += 20.0
+        target[np.arange(K), GREEDY_DRAFTS[drafts]] += 3.0
+    return target, draft
+
+
+def run(drafts: str, num_requests: int, temperature: float = 1.0,
+        backend: str = "torch") -> np.ndarray:
+    """[num_requests, K + 1] output tokens (-1 padded)."""
+    request = make_request(temperature)
+    target, draft = (torch.tensor(x, dtype=torch.float32)
+                     for x in target_and_draft_logits(drafts))
+    options = SamplingOptions(1, V, torch.device("cpu"))
+    rejection_sample = load_backend(backend).rejection_sample
+    outputs = []
+    for start in range(0, num_requests, CHUNK):
+        batch = min(CHUNK, num_requests - start)
+        seeds = torch.arange(start, start + batch, dtype=torch.int64) * 7919 + 3
+        positions = torch.full((batch,), len(PROMPT) + len(OUTPUT), dtype=torch.int64)
+        if drafts == "sampled":
+            draft_ids, q = ops.sample_draft(
+                draft.repeat(batch, 1), torch.full((batch * K,), max(temperature, 1e-3)),
+                seeds.repeat_interleave(K), (positions[:, None] + torch.arange(K)).reshape(-1))
+        else:
+            draft_ids, q = draft.argmax(-1).repeat(batch), None
+        logits = options.process(target.repeat(batch, 1), [request] * batch,
+                                 np.full(batch, K), draft_ids)
+        outputs.append(rejection_sample(
+            logits, draft_ids, torch.arange(batch + 1, dtype=torch.int32) * K, q,
+            torch.full((batch,), temperature), None, None, None, seeds, positions, K).numpy())
+    return np.concatenate(outputs)
+
+
+def reference(drafts: str, column: int, prefix: tuple[int, ...]) -> np.ndarray:
+    target, _ = target_and_draft_logits(drafts)
+    z = np.where(allowed(OUTPUT + list(prefix)), target[column], -np.inf)
+    return reference_probs(z)
+
+
+@pytest.mark.parametrize("drafts", ["sampled", "valid", "invalid"])
+def test_each_position_follows_one_token_at_a_time(drafts):
+    out = run(drafts, NUM_REQUESTS)
+    groups = defaultdict(list)
+    for column in range(K + 1):
+        for row in out[out[:, column] >= 0, : column + 1]:
+            groups[(column, tuple(row[:column].tolist()))].append(row[column])
+    results = {}
+    for (column, prefix), tokens in groups.items():
+        counts = np.bincount(tokens, minlength=V)
+        probs = reference(drafts, column, prefix)
+        assert not counts[probs == 0].any(), (column, prefix, np.flatnonzero(counts * (
+            probs == 0)))
+        if len(tokens) >= MIN_GROUP:
+            results[(column, prefix)] = (len(tokens), chi_square_p_value(counts, probs))
+    # drafts are accepted (the test reaches past the first position) unless they leave it
+    assert any(column >= (1 if drafts == "invalid" else 2) for column, _ in results)
+    if drafts == "invalid":  # "z" after "b" is outside: never accepted
+        assert not (out[:, 2] >= 0).any()
+    record(f"grammar_{drafts}", NUM_REQUESTS, [p for _, p in results.values()])
+    for (column, prefix), (n, p) in results.items():
+        assert p >= P_VALUE_THRESHOLD, f"{drafts}: position {column} after {prefix} ({n}): {p}"
+
+
+def test_greedy_target_emits_the_masked_argmax():
+    for drafts in ("sampled", "valid", "invalid"):
+        out = run(drafts, 300, temperature=0.0)
+        for column in range(K + 1):
+            for row in out[out[:, column] >= 0]:
+                want = reference(drafts, column, tuple(row[:column].tolist()))
+                assert row[column] == int(np.argmax(want)), (drafts, column)
+
+
+def test_matcher_follows_the_committed_tokens_only():
+    """Masks for drafts leave the matcher where the committed output put it."""
+    request = make_request(1.0)
+    grammar = request.options.grammar
+    grammar.sync(request.output_token_ids)
+    before = grammar.masks([]).copy()
+    grammar.masks([27, 24, 5])  # consumed, then rolled back
+    grammar.masks([2, 26, 5])  # "z" refused: consumed up to "b" only
+    assert np.array_equal(grammar.masks([]), before)
+    request.append(27)
+    grammar.sync(request.output_token_ids)
+    bits = grammar.masks([])[0]
+    assert [v for v in range(V) if (bits[v >> 5] >> (v & 31)) & 1] == np.flatnonzero(
+        allowed([1, 27])).tolist()
+
+
+def test_triton_backend_gives_the_same_tokens():
+    for drafts in ("sampled", "invalid"):
+        assert np.array_equal(run(drafts, 32, backend="triton"), run(drafts, 32))

@@ -1,0 +1,145 @@
+"""Structured output: a request's grammar as a token mask at every row of a step
+(docs/design.md §15).
+
+The grammar engine is llguidance (PyPI ``llguidance``): one abi3 wheel with no dependencies
+(xgrammar, the other well-kept choice, pulls Triton and a TVM runtime into a CPU install), a
+mask in tens of microseconds computed lazily from the parser state (no per-grammar
+precompilation, so a new JSON schema costs about a millisecond), JSON schema, regex, choice
+lists and Lark / GBNF grammars from one compiler, and ``validate_tokens`` / ``rollback``,
+which are what speculation needs.
+
+Speculation. A request's ``GrammarMatcher`` follows its committed output (``sync`` consumes the
+tokens committed since its last step, so rejected drafts never enter it). For a verify step with
+drafts d_1..d_n, ``masks`` gives row i the mask of the matcher advanced along d_1..d_i, exactly
+the mask one-token-at-a-time decoding uses there; it advances only along the drafts the grammar
+accepts (``validate_tokens``): where d_j is outside the grammar, row j - 1 gives it p = 0 and it
+is rejected, so the rows after it are never reached (they repeat row j - 1's mask). It then
+rolls the drafts back. The drafts are read on the host, once per step that has a grammar.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+
+import llguidance
+import llguidance.hf
+import numpy as np
+
+from verispec.sampling_params import StructuredOutputsParams
+
+
+class LazyCompiler:
+    """The compiler of a tokenizer, built at the first call (building llguidance's view of a
+    vocabulary of 50k tokens takes about a second: only engines that see a grammar pay it)."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._compiler: GrammarCompiler | None = None
+
+    def __call__(self) -> GrammarCompiler:
+        if self._compiler is None:
+            self._compiler = GrammarCompiler.from_tokenizer(self.tokenizer, self.vocab_size)
+        return self._compiler
+
+
+class GrammarCompiler:
+    """Compiles ``StructuredOutputsParams`` for one tokenizer (the model's vocabulary)."""
+
+    def __init__(self, ll_tokenizer: llguidance.LLTokenizer, vocab_size: int) -> None:
+        self.ll_tokenizer = ll_tokenizer
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, vocab_size: int) -> GrammarCompiler:
+        """From a Hugging Face tokenizer; the masks cover ``vocab_size`` token ids (tokens past
+        the tokenizer's are always masked)."""
+        if tokenizer is None:
+            raise ValueError("structured_outputs needs the model's tokenizer, and this model "
+                             "has none")
+        return cls(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size), vocab_size)
+
+    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
+        """A fresh matcher; ValueError naming the field when the grammar does not compile."""
+        name, grammar = _grammar(params)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
+        if error:
+            raise ValueError(f"structured_outputs.{name} cannot be compiled: "
+                             f"{error.strip()[:500]}")
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{name} cannot be compiled: "
+                             f"{matcher.get_error()[:500]}")
+        return GrammarMatcher(matcher, self.vocab_size)
+
+
+def _grammar(params: StructuredOutputsParams) -> tuple[str, str]:
+    """(the field, llguidance's grammar text)."""
+    try:
+        if params.json is not None:
+            schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+            return "json", _json_grammar(schema)
+        if params.json_object:
+            return "json_object", _json_grammar('{"type": "object"}')
+        if params.regex is not None:
+            return "regex", llguidance.grammar_from("regex", params.regex)
+        if params.choice is not None:
+            return "choice", llguidance.grammar_from("choice", json.dumps(list(params.choice)))
+        return "grammar", llguidance.grammar_from("grammar", params.grammar)
+    except Exception as e:  # a parse error of the grammar's text
+        name = next(n for n in ("json", "json_object", "regex", "choice", "grammar")
+                    if getattr(params, n) not in (None, False))
+        raise ValueError(f"structured_outputs.{name} cannot be compiled: {e}"[:600]) from None
+
+
+def _json_grammar(schema: str) -> str:
+    """JSON of the schema without free whitespace between tokens: a model may otherwise emit
+    whitespace forever, and the compact form is what a parser reads the same."""
+    return llguidance.LLMatcher.grammar_from_json_schema(
+        schema, defaults={"whitespace_flexible": False})
+
+
+class GrammarMatcher:
+    """One request's grammar state, following its committed output (module docstring)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32
+        self.num_consumed = 0  # output tokens consumed
+        self._memo: dict[tuple[int, ...], np.ndarray] = {}  # drafts -> masks, this output
+
+    def sync(self, output_token_ids: np.ndarray) -> None:
+        """Consume the output tokens committed since the last call."""
+        new = output_token_ids[self.num_consumed:]
+        if not len(new):
+            return
+        self._memo.clear()
+        self.num_consumed = len(output_token_ids)
+        if self.matcher.is_stopped():  # done (EOS with ignore_eos, max_tokens): nothing to do
+            return
+        self.matcher.consume_tokens([int(t) for t in new])
+
+    def masks(self, drafts: Sequence[int]) -> np.ndarray:
+        """[len(drafts) + 1, ceil(V / 32)] int32 bitmasks (bit v of word v // 32 set = token v
+        allowed): row i after the committed output and d_1..d_i (module docstring)."""
+        key = tuple(drafts)
+        cached = self._memo.get(key)
+        if cached is not None:
+            return cached
+        n = len(drafts)
+        out = np.empty((n + 1, self.num_words), dtype=np.int32)
+        m = self.matcher
+        prefix = list(itertools.takewhile(lambda d: 0 <= d < self.vocab_size, key))
+        valid = m.validate_tokens(prefix) if prefix and not m.is_stopped() else 0
+        for i in range(valid + 1):
+            m.unsafe_compute_mask_ptr(out[i].ctypes.data, out[i].nbytes)
+            if i < valid:
+                m.consume_token(int(drafts[i]))
+        out[valid + 1:] = out[valid]  # rows past a draft the grammar refuses: never reached
+        if valid:
+            m.rollback(valid)
+        self._memo[key] = out
+        return out
