@@ -54,6 +54,13 @@ ENGINE_FLAGS: dict[str, dict] = {
         "--no-enable-chunked-prefill prefills whole prompts in steps of their own (default: "
         "on, off for hybrid models)"),
     "device": dict(default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)"),
+    "tensor_parallel_size": dict(
+        type=int, default=1, help="GPUs (CPU processes) one model is split over: the engine "
+        "starts the other ranks itself (on cuda:N.. cuda:N+size-1), or runs one rank per "
+        "process under torchrun (default: %(default)s)"),
+    "load_format": dict(default="auto", choices=["auto", "dummy"],
+                        help="auto reads the weights; dummy makes random ones from config.json "
+                        "alone, for benchmarks (default: %(default)s)"),
     "enforce_eager": dict(action="store_true",
                           help="on CUDA, run every step eagerly instead of replaying the CUDA "
                           "graphs captured at start-up (default: off)"),

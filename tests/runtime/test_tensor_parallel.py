@@ -18,10 +18,12 @@ import subprocess
 import sys
 import textwrap
 
+import httpx
 import pytest
 import torch
 
 from tests.proposers.test_draft_model import save_llama
+from tests.serve.utils import RunningServer
 from verispec import LLM, SamplingParams
 from verispec.models import load_model
 from verispec.models.parallel import TensorParallel
@@ -187,6 +189,23 @@ def test_torchrun_launch(tmp_path, target_dir, reference):
     assert greedy[0] == greedy[1] == reference
     # seeds drawn for requests that gave none agree across the ranks
     assert lines[0].rsplit(" [[", 1)[1] == lines[1].rsplit(" [[", 1)[1]
+
+
+def test_server_over_tp2(target_dir, reference):
+    """``verispec serve --tensor-parallel-size 2``: the engine process starts its rank, the
+    completions are TP = 1's greedy tokens, and stopping the server leaves no process."""
+    server = RunningServer(dict(model=target_dir, dtype="float32", max_model_len=MAX_MODEL_LEN,
+                                tensor_parallel_size=2), "tiny")
+    try:
+        for prompt, expected in zip(PROMPTS, reference):
+            body = httpx.post(server.url + "/v1/completions", timeout=60, json=dict(
+                model="tiny", prompt=prompt, max_tokens=24, temperature=0.0,
+                ignore_eos=True, logprobs=0)).json()
+            tokens = body["choices"][0]["logprobs"]["tokens"]  # "token_id:N" (no tokenizer)
+            assert [int(t.removeprefix("token_id:")) for t in tokens] == expected
+    finally:
+        server.stop()
+    assert not multiprocessing.active_children()
 
 
 # ----------------------------------------------------------------- GPU (two cards)

@@ -123,7 +123,7 @@ def with_peer_all_reduce(tp: TensorParallel, device: torch.device,
                          dtype: torch.dtype) -> TensorParallel:
     """``tp`` with NVLink peer-to-peer all-reduces for small tensors on CUDA (every rank
     decides the same way: all of them have it or none)."""
-    if not tp.enabled or device.type != "cuda" or os.environ.get("VERISPEC_TP_PEER") == "0":
+    if not tp.enabled or device.type != "cuda":
         return tp
     peer = PeerAllReduce.create(dist.group.WORLD, device, dtype)
     everyone = tp.min_int(int(peer is not None), device)
@@ -257,26 +257,33 @@ class WorkerGroup:
         self._finalizer()
 
 
+def leave_group() -> None:
+    """Leave the default process group so that another engine can form one. gloo's is
+    destroyed; NCCL's is aborted once this rank's work is done: a destroy waits on the other
+    ranks' teardown (and hung when they had gone), an abort frees the communicators
+    without them."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        torch.cuda.synchronize()
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+
+
 def _shutdown(processes, conns, closing: threading.Event) -> None:
-    """Ask each worker to exit and leave the process group with them (NCCL's teardown and
-    symmetric memory's wait for every rank, so rank 0 leaves while they do), then make sure
-    each exited (no process outlives the engine). With a rank already dead the group is
-    aborted instead: a teardown would wait for it forever."""
+    """Ask each worker to exit, leave the process group, then make sure each worker exited
+    (no process outlives the engine)."""
     closing.set()
     for conn in conns:
         try:
             conn.send(("exit",))
         except (BrokenPipeError, OSError):
             pass
-    if dist.is_initialized():
-        if all(p.is_alive() for p in processes):
-            leave = threading.Thread(target=dist.destroy_process_group, daemon=True)
-            leave.start()
-            leave.join(SHUTDOWN_TIMEOUT_S)
-            if leave.is_alive():
-                logger.warning("tensor parallelism: leaving the process group timed out")
-        else:
-            dist.distributed_c10d._abort_process_group()
+    if all(p.is_alive() for p in processes):
+        leave_group()
+    elif dist.is_initialized():  # a dead rank: nothing may wait for it
+        dist.distributed_c10d._abort_process_group()
     deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
@@ -331,4 +338,4 @@ def worker_main(rank: int, size: int, port: int, device: str, engine_cls: type,
         except (BrokenPipeError, OSError):
             pass
         raise SystemExit(1) from None
-    dist.destroy_process_group()
+    leave_group()

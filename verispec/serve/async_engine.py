@@ -165,8 +165,11 @@ class AsyncEngine:
         until its model is loaded. A ValueError of ``LLM``'s is raised as such."""
         context = multiprocessing.get_context("spawn")
         api_end, engine_end = socket_pair()
+        # A daemonic process may not start processes: a tensor-parallel engine's does (its
+        # ranks); it stops them itself when it ends (LLM.close).
+        daemon = self.engine_kwargs.get("tensor_parallel_size", 1) == 1
         self.process = context.Process(target=run_engine_core, name="verispec-engine",
-                                       args=(self.engine_kwargs, engine_end), daemon=True)
+                                       args=(self.engine_kwargs, engine_end), daemon=daemon)
         self.process.start()
         engine_end.close()  # the child has its own copy; ours would hide its end from us
         self._frames = FrameSocket(api_end)

@@ -203,3 +203,4 @@ def run_engine_core(engine_kwargs: dict, sock: socket.socket) -> None:
         EngineCore(llm).run(channel)
     finally:
         channel.close()
+        llm.close()
