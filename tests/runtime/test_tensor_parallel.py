@@ -4,7 +4,7 @@ Strategy: the same requests through a TP = 1 and a TP = 2 engine. The tiny model
 well separated (initializer range 0.2, float32), so TP = 2's different rounding leaves the
 greedy tokens equal; within TP = 2 a request's tokens are the same alone and in a batch,
 seeded sampling included, and greedy speculation (n-gram, draft model) emits the plain
-greedy tokens. Process handling: the spawned rank exits on ``close``; a killed rank makes the
+greedy tokens (an EAGLE-3 head's layer split like the target's). Process handling: the spawned rank exits on ``close``; a killed rank makes the
 next step raise ``WorkerDied`` within a bounded time (run in a subprocess, so a hang would fail
 the test by its timeout instead of stalling the suite); ``torchrun`` starts the same engine.
 """
@@ -22,6 +22,7 @@ import httpx
 import pytest
 import torch
 
+from tests.engine.test_preemption import save_head
 from tests.proposers.test_draft_model import save_llama
 from tests.serve.utils import RunningServer
 from verispec import LLM, SamplingParams
@@ -105,17 +106,34 @@ class TestOneEngine:
         assert tp2.get_output(other).token_ids == reference[1]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_tp2_greedy_speculation_equals_plain(target_dir, draft_dir, reference, method):
+@pytest.fixture(scope="module")
+def head_dir(target_dir, tmp_path_factory):
+    return save_head(target_dir, tmp_path_factory)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_tp2_greedy_speculation_equals_plain(target_dir, draft_dir, head_dir, reference, method):
     spec = {"method": method, "num_speculative_tokens": 3}
     if method == "ngram":
         spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
     else:
-        spec["model"] = draft_dir
+        spec["model"] = draft_dir if method == "draft_model" else head_dir
     with LLM(target_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2,
              speculative_config=spec) as llm:
         assert tokens(llm, PROMPTS, GREEDY) == reference
-        assert llm.get_metrics()["spec_decoding"]["num_drafts"] > 0
+        split = llm.get_metrics()["spec_decoding"]
+    assert split["num_drafts"] > 0
+    if method != "draft_model":
+        return
+    # the split draft model drafts what the whole one does (a wrongly split one would draft
+    # other tokens, and other tokens would be accepted). Not for the EAGLE head: its fc and LM
+    # head are whole on every rank, so its cost relative to the split target, and with it the
+    # number of drafts the planner asks for, differ between TP = 1 and TP = 2.
+    whole = LLM(target_dir, dtype="float32", max_model_len=MAX_MODEL_LEN,
+                speculative_config=spec)
+    tokens(whole, PROMPTS, GREEDY)
+    counts = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    assert [split[c] for c in counts] == [whole.get_metrics()["spec_decoding"][c] for c in counts]
 
 
 def test_close_leaves_no_process(target_dir):

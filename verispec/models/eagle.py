@@ -44,6 +44,8 @@ from verispec.models.llama import (
     _param,
     linear,
 )
+from verispec.models.loader import SKIP, tensor_parallel_slice
+from verispec.models.parallel import SINGLE, TensorParallel
 from verispec.ops.model_ops import ModelOps
 
 EAGLE_METHODS = ("eagle", "eagle3")
@@ -166,25 +168,36 @@ class EagleHead(nn.Module):
 
     def __init__(self, eagle: EagleConfig, embed_weight: torch.Tensor,
                  target_lm_head: torch.Tensor | None = None, fc_bias: bool = False,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE,
+                 embed_is_target: bool = False) -> None:
         super().__init__()
         self.eagle = eagle
-        self.config = eagle.layer
-        c, H = eagle.layer, eagle.hidden_size
+        # Under tensor parallelism the decoder layer is split as the target's (``config`` is
+        # the rank's slice); fc, the norms and an LM head of its own are whole on every rank;
+        # the target's embedding and LM head are the rank's vocabulary slices.
+        self.tp = tp
+        self.config = c = tp.shard_config(eagle.layer)
+        H = eagle.hidden_size
         self.embed_weight = embed_weight  # [vocab_size, H], a tensor, possibly the target's
+        self.embed_sharded = tp.enabled and embed_is_target
         self.fc_weight = _param(H, eagle.fc_in_features, dtype=dtype)
         self.fc_bias = _param(H, dtype=dtype) if fc_bias else None
-        self.attn = Attention(c, dtype)
+        self.attn = Attention(c, dtype, tp)
         self.post_attn_norm = RMSNorm(H, c.rms_norm_eps, dtype)
-        self.mlp = MLP(c, dtype)
+        self.mlp = MLP(c, dtype, tp)
         self.is_eagle3 = eagle.method == "eagle3"
+        # the target's LM head (EAGLE-1; an EAGLE-3 head over the whole vocabulary without one
+        # of its own), or the head's own over its draft vocabulary
+        self.shares_lm_head = target_lm_head is not None
+        self.lm_head_sharded = tp.enabled and self.shares_lm_head
         if self.is_eagle3:
             # the attention reads [embedding; hidden]: 2H input features
             self.attn.qkv_weight = _param(c.q_size + 2 * c.kv_size, 2 * H, dtype=dtype)
             self.input_norm = RMSNorm(H, c.rms_norm_eps, dtype)
             self.hidden_norm = RMSNorm(H, c.rms_norm_eps, dtype)
             self.norm = RMSNorm(H, c.rms_norm_eps, dtype)
-            self.lm_head_weight = _param(eagle.draft_vocab_size, H, dtype=dtype)
+            self.lm_head_weight = (target_lm_head if self.shares_lm_head
+                                   else _param(eagle.draft_vocab_size, H, dtype=dtype))
             # draft id i -> target id i + d2t[i]
             self.register_buffer("d2t", torch.zeros(eagle.draft_vocab_size, dtype=torch.int64))
         else:
@@ -214,7 +227,7 @@ class EagleHead(nn.Module):
         v_caches: list[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (hidden for the LM head [B, S, H], hidden for the next draft step [B, S, H])."""
-        emb = F.embedding(input_ids, self.embed_weight).to(self.fc_weight.dtype)
+        emb = self.embed(input_ids).to(self.fc_weight.dtype)
         hidden = hidden.to(self.fc_weight.dtype)
         if self.is_eagle3:
             if from_target:
@@ -241,7 +254,7 @@ class EagleHead(nn.Module):
         ([T, H] for the LM head, [T, H] for the next draft step); ``hidden`` is left as it
         was."""
         ops = batch.ops
-        emb = F.embedding(input_ids, self.embed_weight).to(self.fc_weight.dtype)
+        emb = self.embed(input_ids).to(self.fc_weight.dtype)
         hidden = hidden.to(self.fc_weight.dtype)
         if self.is_eagle3:
             residual = (ops.linear(hidden, self.fc_weight, self.fc_bias) if from_target
@@ -260,12 +273,23 @@ class EagleHead(nn.Module):
         out = residual + mlp
         return out, out
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[...] int64 -> [..., H] (the target's embedding: vocabulary-parallel under TP)."""
+        if self.embed_sharded:
+            return self.tp.embedding(input_ids, self.embed_weight, self.eagle.vocab_size)
+        return F.embedding(input_ids, self.embed_weight)
+
     def compute_logits(self, hidden: torch.Tensor, ops: ModelOps | None = None) -> torch.Tensor:
         """[..., H] -> [..., draft_vocab_size] float32 (EAGLE-1: the target's vocabulary);
-        through ``ops.linear`` on the GPU path."""
+        through ``ops.linear`` on the GPU path; the target's LM head's slices gathered under
+        tensor parallelism."""
         if ops is not None:
-            return ops.linear(hidden, self.lm_head_weight, out_dtype=torch.float32)
-        return self._linear(hidden, self.lm_head_weight).float()
+            logits = ops.linear(hidden, self.lm_head_weight, out_dtype=torch.float32)
+        else:
+            logits = self._linear(hidden, self.lm_head_weight).float()
+        if self.lm_head_sharded:
+            return self.tp.gather_vocab(logits, self.eagle.vocab_size)
+        return logits
 
     def set_cpu_matmuls(self, splits: int, upcast_rows: int = 0,
                         batch_invariant: bool = False) -> None:
@@ -354,14 +378,15 @@ def _part_rows(head: EagleHead, name: str, dest: torch.Tensor, start: int) -> to
 
 
 def load_eagle_head(path: str, method: str, target_model, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None) -> EagleHead:
+                    device: torch.device | str | None = None,
+                    tp: TensorParallel = SINGLE) -> EagleHead:
     """Load an EAGLE-1 (``method="eagle"``) or EAGLE-3 (``"eagle3"``) head for ``target_model``
     (a ``LlamaForCausalLM``). ValueError naming the file and what is wrong: a missing or
     unexpected weight, a shape that differs, a head that does not fit the target."""
     if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
         raise ValueError(f"EAGLE head {path!r} is not a local directory (config.json + weights)")
     path = os.fspath(path)
-    target = target_model.config
+    target = getattr(target_model, "full_config", target_model.config)
     eagle = eagle_config_from_hf(read_hf_config(path), method, target, path)
     dtype = target_model.embed_weight.dtype if dtype is None else dtype
     device = target_model.embed_weight.device if device is None else torch.device(device)
@@ -386,15 +411,16 @@ def load_eagle_head(path: str, method: str, target_model, dtype: torch.dtype | N
             f"EAGLE head {path!r} has hidden_size={eagle.hidden_size}, but the target's LM head "
             f"it drafts through has hidden_size={target.hidden_size}")
     t2d = tensors.pop("t2d", None)
+    # An EAGLE-3 head over the whole vocabulary with no LM head of its own uses the target's
+    # (as EAGLE-1 heads do): the same tensor, split like the target's under TP.
+    share_lm_head = method == "eagle" or (
+        "lm_head.weight" not in tensors and eagle.draft_vocab_size == eagle.vocab_size)
     with torch.device(device):
         head = EagleHead(
             eagle,
             target_model.embed_weight if embed is None else embed.to(device, dtype),
-            None if method == "eagle3" else target_model.lm_head_weight,
-            fc_bias="fc.bias" in tensors, dtype=dtype)
-    if method == "eagle3" and "lm_head.weight" not in tensors and (
-            eagle.draft_vocab_size == eagle.vocab_size):
-        tensors["lm_head.weight"] = target_model.lm_head_weight  # no LM head of its own
+            target_model.lm_head_weight if share_lm_head else None,
+            fc_bias="fc.bias" in tensors, dtype=dtype, tp=tp, embed_is_target=embed is None)
     if method == "eagle3" and "d2t" not in tensors and eagle.draft_vocab_size == eagle.vocab_size:
         tensors["d2t"] = torch.zeros(eagle.vocab_size, dtype=torch.int64)
     filled: set[tuple[int, int]] = set()  # (id of a tensor, first row filled)
@@ -406,6 +432,14 @@ def load_eagle_head(path: str, method: str, target_model, dtype: torch.dtype | N
                                  f"in an {method} head")
             dest, start = place
             view = _part_rows(head, name, dest, start)
+            if name.startswith("layers.0."):  # the rank's slice of the decoder layer
+                index = tensor_parallel_slice(eagle.layer, tp, "model." + name)
+                if index is SKIP:  # a row-parallel bias that rank 0 adds
+                    view.zero_()
+                    filled.add((id(dest), start))
+                    continue
+                if index is not None:
+                    tensor = tensor[index]
             if tuple(view.shape) != tuple(tensor.shape):
                 raise ValueError(f"EAGLE head {path!r}: checkpoint tensor {name!r} has shape "
                                  f"{tuple(tensor.shape)}, expected {tuple(view.shape)}")
@@ -431,8 +465,9 @@ def _required(head: EagleHead) -> list[tuple[str, torch.Tensor, list[int]]]:
         required += [("layers.0.input_layernorm.weight", head.input_norm.weight, []),
                      ("layers.0.hidden_norm.weight", head.hidden_norm.weight, []),
                      ("norm.weight", head.norm.weight, []),
-                     ("lm_head.weight", head.lm_head_weight, []),
                      ("d2t", head.d2t, [])]
+        if not head.shares_lm_head:
+            required.append(("lm_head.weight", head.lm_head_weight, []))
     for bias_owner, name in ((head.attn, "qkv_bias"), (head.attn, "o_bias"),
                              (head.mlp, "gate_up_bias"), (head.mlp, "down_bias")):
         bias = getattr(bias_owner, name)

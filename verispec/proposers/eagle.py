@@ -104,12 +104,8 @@ class EagleProposer(ModelProposer):
                 "ProposerContext.target_model must be the target's ModelRunner, got "
                 f"{type(target).__name__}")
         self.target = target
-        if ctx.tp.enabled:
-            raise ValueError(
-                f"speculative method {self.name!r} does not run under tensor_parallel_size="
-                f"{ctx.tp.size} yet (its head is not split across ranks); use 'ngram' or "
-                "'draft_model' there")
-        self.head = load_eagle_head(config.model, self.name, target.model, ctx.dtype, ctx.device)
+        self.head = load_eagle_head(config.model, self.name, target.model, ctx.dtype, ctx.device,
+                                    tp=ctx.tp)
         if ctx.vocab_size is not None and ctx.vocab_size != self.head.eagle.vocab_size:
             raise ValueError(
                 f"EAGLE head {config.model!r} has vocab_size={self.head.eagle.vocab_size}, but "
