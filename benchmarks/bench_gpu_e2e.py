@@ -61,6 +61,7 @@ from verispec.bench.report import machine_description, print_table
 PROMPT_LEN = 32
 BATCH = 64
 K = 3
+TENSOR_PARALLEL_SIZE = 1  # GPUs per engine (--tensor-parallel-size)
 ACCEPTANCE_LENGTH = 2.5
 MAX_MODEL_LEN = 512
 GOALS = {  # name -> minimum
@@ -315,7 +316,8 @@ def make_llm(model_dir: str, device: torch.device, eager: bool, draft_dir: str |
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     llm = LLM(model_dir, device=device, dtype="bfloat16", max_num_seqs=BATCH,
-              max_model_len=MAX_MODEL_LEN, enforce_eager=eager, speculative_config=spec)
+              max_model_len=MAX_MODEL_LEN, enforce_eager=eager, speculative_config=spec,
+              tensor_parallel_size=TENSOR_PARALLEL_SIZE)
     return llm, time.perf_counter() - start
 
 
@@ -521,6 +523,7 @@ def run_engines(dirs: dict, device: torch.device, lengths: dict, vocab_size: int
     plain_runs(llm, "")
     checks, graph_tokens = determinism(llm, vocab_size, lengths["determinism"])
     engines.append(engine_summary("plain", llm, startup, device))
+    llm.close()
     del llm
     free_memory(device)
 
@@ -531,6 +534,7 @@ def run_engines(dirs: dict, device: torch.device, lengths: dict, vocab_size: int
     timed(llm, f"b{BATCH} draft")
     costs = graph_costs(llm, (1, BATCH), "draft")
     engines.append(engine_summary("draft", llm, startup, device))
+    llm.close()
     del llm
     free_memory(device)
 
@@ -542,6 +546,7 @@ def run_engines(dirs: dict, device: torch.device, lengths: dict, vocab_size: int
     timed(llm, f"b{BATCH} eagle")
     costs += graph_costs(llm, (1, BATCH), "eagle")
     engines.append(engine_summary("eagle", llm, startup, device))
+    llm.close()
     del llm
     free_memory(device)
 
@@ -550,6 +555,7 @@ def run_engines(dirs: dict, device: torch.device, lengths: dict, vocab_size: int
     _, eager_tokens = determinism(llm, vocab_size, lengths["determinism"])
     checks.append(check("graphs_vs_eager", graph_tokens, eager_tokens))
     engines.append(engine_summary("plain eager", llm, startup, device))
+    llm.close()
     del llm
     free_memory(device)
     return dict(runs=runs, engines=engines, kernels=kernels, determinism=checks,
@@ -707,6 +713,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="where the checkpoints are written (reused if present); default a "
                              "temporary directory, removed at the end")
     parser.add_argument("--json-out", default=None, help="also write the JSON result here")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="GPUs per engine (the roofline is then one pass over a rank's "
+                             "share of the weights; no HF baselines)")
     return parser.parse_args(argv)
 
 
@@ -721,8 +730,10 @@ def run(args: argparse.Namespace, workdir: str) -> dict:
     dirs = checkpoints(workdir, args.tiny, device)
     dirs["eagle3"] = eagle_head(workdir, args.tiny, device)
     vocab_size = model_configs(args.tiny)["target"]["vocab_size"]
+    global TENSOR_PARALLEL_SIZE
+    TENSOR_PARALLEL_SIZE = args.tensor_parallel_size
     target_bytes = weight_bytes(dirs["target"])
-    step_s = target_bytes / bandwidth
+    step_s = target_bytes / args.tensor_parallel_size / bandwidth  # a rank's share
     print(machine_description())
     print(f"device: {name}; torch {torch.__version__}; copy bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s (read + write); target weights {target_bytes / 1e9:.2f} "
@@ -737,7 +748,8 @@ def run(args: argparse.Namespace, workdir: str) -> dict:
         for proposer in ("draft", "eagle"):
             add_speedup(runs[f"b{b} {proposer}"], runs[f"b{b} plain"])
     hf = []
-    if not (args.skip_hf or (args.tiny and device.type == "cpu")):
+    if not (args.skip_hf or args.tensor_parallel_size > 1
+            or (args.tiny and device.type == "cpu")):
         hf = hf_baselines(dirs["target"], engine["prompt"], lengths["hf"], device)
     for row in hf:
         if "token_ids" in row:  # bfloat16 kernels differ: where the greedy outputs part

@@ -9,8 +9,10 @@ For each (shape, TP size, proposer): greedy decode of ``--max-tokens`` tokens at
 batch 64 (random 128-token prompts), decode tokens/s after every request's first token. The
 roofline of TP = n is one pass over a rank's weights (its slices: ``sum of parameter bytes`` of
 rank 0's model, the vocabulary-parallel embedding and LM head included) at the measured copy
-bandwidth of one GPU, B tokens per pass. Also the greedy agreement of TP = n with TP = 1 (same
-dummy weights; they differ by rounding) and whether TP = n tokens alone equal them batched.
+bandwidth of one GPU, B tokens per pass. Also whether TP = n tokens alone equal them batched.
+(Dummy weights are made per rank's slice, so TP = 1 and TP = n hold different random weights and
+their tokens are not compared here; ``tests/runtime/test_tensor_parallel.py`` compares them on
+a checkpoint.)
 
     python benchmarks/bench_tensor_parallel.py --tp-sizes 1,2 --shapes 8b,70b --draft
 
@@ -29,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_gpu_e2e  # noqa: E402
+import random_checkpoints  # noqa: E402
 
 from verispec import LLM, SamplingParams  # noqa: E402
 
@@ -97,17 +100,8 @@ def decode(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[dict, l
     return row, [o.token_ids for o in outputs]
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Mean share of each output's tokens before the first difference."""
-    shares = []
-    for x, y in zip(a, b):
-        same = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x))
-        shares.append(same / max(len(x), 1))
-    return sum(shares) / len(shares)
-
-
-def run_config(rows: list, label: str, model_dir: str, tp: int, args, spec, bandwidth,
-               reference: dict) -> None:
+def run_config(rows: list, label: str, model_dir: str, tp: int, args, spec,
+               bandwidth) -> None:
     llm, startup = make_llm(model_dir, tp, args, spec)
     try:
         weights = rank_weight_bytes(llm)
@@ -115,17 +109,12 @@ def run_config(rows: list, label: str, model_dir: str, tp: int, args, spec, band
         prompts = bench_gpu_e2e.random_prompts(args.batch, 128256, seed=1, length=PROMPT_LEN)
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
         for batch in args.batch_sizes:
-            row, outs = decode(llm, prompts[:batch], args.max_tokens)
+            row, _ = decode(llm, prompts[:batch], args.max_tokens)
             step_s = weights / bandwidth
             row.update(run=label, tp=tp, startup_s=startup, rank_weight_gb=weights / 1e9,
                        roofline_tok_s=batch / step_s,
                        kv_tokens=pool.num_blocks * pool.block_size)
             row["roofline_pct"] = 100 * row["decode_tok_s"] / row["roofline_tok_s"]
-            key = (model_dir, batch)
-            if spec is None and tp == 1:
-                reference[key] = outs
-            elif key in reference:
-                row["agree_tp1"] = agreement(outs, reference[key])
             if batch == 1 and spec is None:
                 alone = [llm.generate([p], SamplingParams(
                     temperature=0.0, max_tokens=32, ignore_eos=True))[0].token_ids
@@ -156,7 +145,7 @@ def add_speedups(rows: list) -> None:
 
 def print_table(rows: list) -> None:
     cols = ["run", "tp", "B", "decode_tok_s", "roofline_pct", "vs_tp1", "speedup", "accept_len",
-            "agree_tp1", "alone_eq_batched", "rank_weight_gb", "kv_tokens", "startup_s"]
+            "alone_eq_batched", "rank_weight_gb", "kv_tokens", "startup_s"]
     print(" | ".join(cols))
     for r in rows:
         cells = []
@@ -198,7 +187,6 @@ def main(argv=None) -> dict:
     args.layers_70b = int(args.layers_70b)
     draft_dir = write_config(args.workdir, "1b")
     rows: list = []
-    reference: dict = {}
     spec_shapes = (args.shapes if args.spec_shapes is None else args.spec_shapes).split(",")
     for shape in args.shapes.split(","):
         layers = args.layers_70b if shape == "70b" else None
@@ -207,15 +195,18 @@ def main(argv=None) -> dict:
         for tp in [int(t) for t in args.tp_sizes.split(",")]:
             if shape == "70b" and tp == 1:
                 continue  # does not fit one card
-            run_config(rows, label, model_dir, tp, args, None, bandwidth, reference)
-            if shape not in spec_shapes or tp == 1 and shape == "8b" and not args.draft:
+            run_config(rows, label, model_dir, tp, args, None, bandwidth)
+            if shape not in spec_shapes:
                 continue
+            synthetic = {"num_speculative_tokens": K, "rejection_sample_method": "synthetic",
+                         "synthetic_acceptance_length": ACCEPTANCE_LENGTH}
             if args.draft:
-                spec = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": K,
-                        "rejection_sample_method": "synthetic",
-                        "synthetic_acceptance_length": ACCEPTANCE_LENGTH}
-                run_config(rows, label + "+draft1b", model_dir, tp, args, spec, bandwidth,
-                           reference)
+                spec = {"method": "draft_model", "model": draft_dir, **synthetic}
+                run_config(rows, label + "+draft1b", model_dir, tp, args, spec, bandwidth)
+            if args.eagle:
+                head = random_checkpoints.eagle3_head(model_dir, args.workdir, "cuda")
+                spec = {"method": "eagle3", "model": head, **synthetic}
+                run_config(rows, label + "+eagle3", model_dir, tp, args, spec, bandwidth)
     add_speedups(rows)
     print_table(rows)
     result = dict(device=f"{torch.cuda.device_count()} x {name}",
