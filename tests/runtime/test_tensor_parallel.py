@@ -136,6 +136,19 @@ def test_tp2_greedy_speculation_equals_plain(target_dir, draft_dir, head_dir, re
     assert [split[c] for c in counts] == [whole.get_metrics()["spec_decoding"][c] for c in counts]
 
 
+def test_tp2_preemption_keeps_tokens(target_dir):
+    """A pool too small for the batch at TP = 2: every rank preempts the same requests (the
+    pool is the smallest rank's) and each request ends with the tokens it has alone."""
+    prompts = [[(7 * i + j) % 60 + 3 for j in range(20)] for i in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=5, ignore_eos=True)
+    with LLM(target_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2,
+             max_num_seqs=6, block_size=4, kv_cache_memory=40 * 4 * 2 * 2 * 4 * 8 * 3) as llm:
+        pressured = tokens(llm, prompts, params)
+        assert llm.scheduler.num_preemptions > 0
+        alone = [tokens(llm, [p], params)[0] for p in prompts[:2]]
+    assert alone == pressured[:2]
+
+
 def test_close_leaves_no_process(target_dir):
     llm = LLM(target_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2)
     processes = list(llm._workers.processes)
