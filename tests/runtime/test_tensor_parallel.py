@@ -2,11 +2,13 @@
 
 Strategy: the same requests through a TP = 1 and a TP = 2 engine. The tiny model's logits are
 well separated (initializer range 0.2, float32), so TP = 2's different rounding leaves the
-greedy tokens equal; within TP = 2 a request's tokens are the same alone and in a batch,
-seeded sampling included, and greedy speculation (n-gram, draft model) emits the plain
-greedy tokens (an EAGLE-3 head's layer split like the target's). Process handling: the spawned rank exits on ``close``; a killed rank makes the
-next step raise ``WorkerDied`` within a bounded time (run in a subprocess, so a hang would fail
-the test by its timeout instead of stalling the suite); ``torchrun`` starts the same engine.
+greedy tokens equal; within TP = 2 a request's tokens are the same alone and in a batch (seeded
+sampling and preemption included), and greedy speculation (n-gram, draft model, EAGLE-3 head,
+each split like the target) emits the plain greedy tokens. Processes: the spawned rank exits on
+``close``, an uncaught exception or Ctrl-C; a killed rank makes the next step raise
+``WorkerDied`` within a bounded time (in a subprocess, so a hang fails the test by its timeout
+instead of stalling the suite); ``torchrun`` and the server start the same engine. The GPU test
+at the end repeats the core of it on two cards with CUDA graphs.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import httpx
 import pytest
@@ -192,6 +196,45 @@ def test_killed_worker_is_an_error_not_a_hang(target_dir):
     assert "WorkerDied" in result.stdout, result.stdout + result.stderr
     assert "verispec-tp1" in result.stdout and "exited with code -9" in result.stdout
     assert float(result.stdout.split()[1]) < 30
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
+        return f.read().split()[2] == "Z"
+
+
+@pytest.mark.parametrize("ending", ["exception", "ctrl-c"])
+def test_no_process_outlives_its_script(target_dir, ending):
+    """A script that dies of an uncaught exception, or is interrupted with Ctrl-C mid-generation,
+    leaves no rank behind."""
+    script = textwrap.dedent(f"""
+        import sys
+        from verispec import LLM, SamplingParams
+        llm = LLM({target_dir!r}, dtype="float32", max_model_len={MAX_MODEL_LEN},
+                  tensor_parallel_size=2)
+        print("worker", llm._workers.processes[0].pid, flush=True)
+        if {ending!r} == "exception":
+            raise RuntimeError("the script fails")
+        while True:
+            llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=64, ignore_eos=True))
+        """)
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=REPO)
+    line = process.stdout.readline()
+    assert line.startswith("worker"), line + process.stderr.read()
+    worker = int(line.split()[1])
+    if ending == "ctrl-c":
+        time.sleep(1.0)
+        process.send_signal(signal.SIGINT)
+    process.wait(timeout=60)
+    deadline = time.monotonic() + 10
+    while not _gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(worker)
 
 
 def test_torchrun_launch(tmp_path, target_dir, reference):
