@@ -273,3 +273,18 @@ def test_wrong_draft_probs_fail_the_test(reduced_head, target, target_logits):
     values = [chi_square_p_value(counts[c], reference_probs(target_logits[c].numpy(), 1.0))
               for c in range(K + 1)]
     assert min(values) < P_VALUE_THRESHOLD, values
+
+
+def test_eagle3_on_the_quantised_bundled_model(tmp_path):
+    """Regression: an EAGLE-3 head without an embedding of its own reads the target's, which
+    the bundled GGUF keeps quantised (the head's lookup failed with a TypeError). Greedy
+    speculation emits the plain greedy tokens."""
+    plain = LLM(max_model_len=256)
+    config, state = eagle_checkpoint("eagle3", plain.model_config, seed=1, draft_vocab_size=512)
+    head = write_checkpoint(tmp_path, config, state)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    expected = plain.generate(["Hello there"], params)[0].token_ids
+    spec = LLM(max_model_len=256, speculative_config={"method": "eagle3", "model": head,
+                                                      "num_speculative_tokens": 3})
+    assert spec.generate(["Hello there"], params)[0].token_ids == expected
+    assert spec.get_metrics()["spec_decoding"]["num_drafts"] > 0

@@ -31,7 +31,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from verispec.models.config import ModelConfig, read_hf_config
@@ -46,6 +45,7 @@ from verispec.models.llama import (
 )
 from verispec.models.loader import SKIP, tensor_parallel_slice
 from verispec.models.parallel import SINGLE, TensorParallel
+from verispec.ops import quant
 from verispec.ops.model_ops import ModelOps
 
 EAGLE_METHODS = ("eagle", "eagle3")
@@ -277,7 +277,7 @@ class EagleHead(nn.Module):
         """[...] int64 -> [..., H] (the target's embedding: vocabulary-parallel under TP)."""
         if self.embed_sharded:
             return self.tp.embedding(input_ids, self.embed_weight, self.eagle.vocab_size)
-        return F.embedding(input_ids, self.embed_weight)
+        return quant.embedding(input_ids, self.embed_weight)  # the target's may be quantised
 
     def compute_logits(self, hidden: torch.Tensor, ops: ModelOps | None = None) -> torch.Tensor:
         """[..., H] -> [..., draft_vocab_size] float32 (EAGLE-1: the target's vocabulary);
