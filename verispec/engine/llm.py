@@ -271,7 +271,11 @@ class LLM:
         if draft_runner is not None and draft_runner is not self.runner:
             draft_runner.max_forward_tokens = max_num_batched_tokens
         self._captured_query_counts = [1] if self.spec is None else [1, k + 1]
-        self.kv_plan = self._plan_kv_cache(gpu_memory_utilization, kv_cache_memory)
+        self.kv_plan = memory.plan_kv_pool(
+            self.runner, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens, verify_rows=max_num_seqs * (k + 1),
+            captured_query_counts=self._captured_query_counts,
+            utilization=gpu_memory_utilization, kv_bytes=kv_cache_memory, tp=self._tp)
         logger.info("%s", self.kv_plan.summary())
         # (a function of the proposer, not a method of the engine: no reference cycle keeps a
         # dropped engine and its CUDA graphs alive until a garbage collection, which could then
@@ -305,50 +309,6 @@ class LLM:
         self._grammars: LazyCompiler | None = None  # structured outputs' compiler
         self.num_steps = 0  # engine steps run (prefill and decode)
         self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
-
-    def _plan_kv_cache(self, utilization: float, kv_bytes: int | None) -> memory.KVPlan:
-        """Size the KV pool (``runtime.memory``) and allocate it for every cache on the target's
-        block tables (the proposer's share them)."""
-        tables = self.runner.kv_cache.block_tables
-        per_block = sum(cache.block_nbytes for cache in tables.caches)
-        full = self.max_num_seqs * tables.max_blocks + 1  # more blocks could never be used
-        if kv_bytes is not None:
-            source = f"kv_cache_memory={kv_bytes}"
-            num_blocks = memory.blocks_for_bytes(kv_bytes, per_block)
-        elif self.device.type == "cpu":
-            one = -(-self.max_model_len // tables.block_size) + 1
-            num_blocks = min(full, max(one, memory.blocks_for_bytes(
-                memory.DEFAULT_CPU_KV_BYTES, per_block)))
-            source = "the default kv_cache_memory"
-        else:
-            peak = self.runner.profile_peak_memory(
-                self.max_num_batched_tokens, self.max_num_seqs * (self.num_speculative_tokens + 1))
-            graphs = self.runner.graph_output_bytes(self._captured_query_counts)
-            free, total = torch.cuda.mem_get_info(self.device)
-            kv_bytes = int(utilization * total) - (total - free) - peak - graphs
-            if kv_bytes < per_block * 2:
-                raise ValueError(
-                    f"gpu_memory_utilization={utilization} leaves no memory for the KV cache: "
-                    f"{(total - free) / memory.GiB:.1f} GiB in use (weights), "
-                    f"{peak / memory.GiB:.1f} GiB for a step of max_num_batched_tokens="
-                    f"{self.max_num_batched_tokens} and {graphs / memory.GiB:.1f} GiB for the "
-                    f"CUDA graphs' outputs exceed {utilization} x "
-                    f"{total / memory.GiB:.1f} GiB; raise gpu_memory_utilization or lower "
-                    "max_num_batched_tokens / max_num_seqs")
-            num_blocks = memory.blocks_for_bytes(kv_bytes, per_block)
-            source = f"gpu_memory_utilization={utilization}"
-        num_blocks = self._tp.min_int(num_blocks, self.device)  # every rank holds the same pool
-        memory.check_plan(num_blocks, tables.block_size, self.max_model_len, source)
-        num_blocks = min(num_blocks, full)
-        try:
-            tables.resize_pool(num_blocks)
-        except torch.OutOfMemoryError:
-            raise ValueError(
-                f"the KV pool of {num_blocks} blocks ({num_blocks * per_block / memory.GiB:.1f} "
-                f"GiB) does not fit in memory; lower kv_cache_memory or "
-                "gpu_memory_utilization") from None
-        return memory.KVPlan(num_blocks, tables.block_size, per_block, self.max_model_len,
-                             self.max_num_seqs)
 
     # ----------------------------------------------------------------- requests in and out
 

@@ -14,6 +14,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
+
+from verispec.models.parallel import SINGLE, TensorParallel
+
 GiB = 1 << 30
 DEFAULT_CPU_KV_BYTES = 1 * GiB
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
@@ -94,3 +98,49 @@ def check_plan(num_blocks: int, block_size: int, max_model_len: int, source: str
             f"max_model_len={max_model_len} needs {need} KV blocks of {block_size} tokens, but "
             f"{source} gives the pool {max(0, num_blocks - 1)} blocks ({fits} tokens): lower "
             f"max_model_len to at most {fits}, or give the KV cache more memory")
+
+
+def plan_kv_pool(runner, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+                 verify_rows: int, captured_query_counts: list[int], utilization: float,
+                 kv_bytes: int | None, tp: TensorParallel = SINGLE) -> KVPlan:
+    """Size the KV pool of ``runner`` (a ``ModelRunner``; its proposer's caches are already on
+    its block tables) and allocate it for every cache on the tables: ``kv_bytes`` when given; on
+    CPU the default; on CUDA what ``utilization`` of the GPU leaves after the weights, the
+    largest step (``max_num_batched_tokens`` tokens, ``verify_rows`` rows of logits) and the
+    CUDA graphs' outputs. Every rank of a tensor-parallel engine takes the smallest rank's pool.
+    A ValueError naming the flag when no pool can work."""
+    tables = runner.kv_cache.block_tables
+    per_block = sum(cache.block_nbytes for cache in tables.caches)
+    full = max_num_seqs * tables.max_blocks + 1  # more blocks could never be used
+    if kv_bytes is not None:
+        source = f"kv_cache_memory={kv_bytes}"
+        num_blocks = blocks_for_bytes(kv_bytes, per_block)
+    elif runner.device.type == "cpu":
+        one = -(-max_model_len // tables.block_size) + 1
+        num_blocks = min(full, max(one, blocks_for_bytes(DEFAULT_CPU_KV_BYTES, per_block)))
+        source = "the default kv_cache_memory"
+    else:
+        peak = runner.profile_peak_memory(max_num_batched_tokens, verify_rows)
+        graphs = runner.graph_output_bytes(captured_query_counts)
+        free, total = torch.cuda.mem_get_info(runner.device)
+        kv_bytes = int(utilization * total) - (total - free) - peak - graphs
+        if kv_bytes < per_block * 2:
+            raise ValueError(
+                f"gpu_memory_utilization={utilization} leaves no memory for the KV cache: "
+                f"{(total - free) / GiB:.1f} GiB in use (weights), {peak / GiB:.1f} GiB for a "
+                f"step of max_num_batched_tokens={max_num_batched_tokens} and "
+                f"{graphs / GiB:.1f} GiB for the CUDA graphs' outputs exceed {utilization} x "
+                f"{total / GiB:.1f} GiB; raise gpu_memory_utilization or lower "
+                "max_num_batched_tokens / max_num_seqs")
+        num_blocks = blocks_for_bytes(kv_bytes, per_block)
+        source = f"gpu_memory_utilization={utilization}"
+    num_blocks = tp.min_int(num_blocks, runner.device)  # every rank holds the same pool
+    check_plan(num_blocks, tables.block_size, max_model_len, source)
+    num_blocks = min(num_blocks, full)
+    try:
+        tables.resize_pool(num_blocks)
+    except torch.OutOfMemoryError:
+        raise ValueError(
+            f"the KV pool of {num_blocks} blocks ({num_blocks * per_block / GiB:.1f} GiB) does "
+            "not fit in memory; lower kv_cache_memory or gpu_memory_utilization") from None
+    return KVPlan(num_blocks, tables.block_size, per_block, max_model_len, max_num_seqs)
