@@ -168,3 +168,35 @@ def test_keys_the_method_does_not_use_are_refused(method, key, value):
     """Regression: ``model`` with ``ngram`` was silently ignored."""
     with pytest.raises(ValueError, match=f"{method!r} does not use {key}="):
         SpeculativeConfig(method=method, **{key: value})
+
+
+def test_speculative_token_tree_in_vllm_format():
+    """vLLM's string or list form; the depth must be num_speculative_tokens; the parents follow
+    the paths (docs/design.md §16); a dict round-trips."""
+    config = SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=2,
+                               speculative_token_tree="[(0,), (1,), (0, 0), (0, 1)]")
+    assert config.speculative_token_tree == ((0,), (1,), (0, 0), (0, 1))
+    assert config.tree_parents == [-1, -1, 0, 0]
+    assert SpeculativeConfig.from_dict(config.to_dict()) == config
+    assert SpeculativeConfig(method="draft_model", model="d").tree_parents is None
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(speculative_token_tree=[(0,), (0, 0)], num_speculative_tokens=3),
+     "depth 2; num_speculative_tokens must equal it"),
+    (dict(speculative_token_tree="[(0,), (0, 1)]", num_speculative_tokens=2),
+     r"path \(0, 1\) should end in 0"),
+    (dict(speculative_token_tree="[(0,), oops]"), "list of tuples"),
+    (dict(speculative_token_tree=[]), "at least one path"),
+    (dict(speculative_token_tree=[(0,)], num_speculative_tokens=1,
+          rejection_sample_method="synthetic", synthetic_acceptance_length=1.5),
+     "not rejection_sample_method='synthetic'"),
+])
+def test_bad_token_trees_are_refused(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        SpeculativeConfig(method="draft_model", model="d", **kwargs)
+
+
+def test_token_tree_refused_by_ngram():
+    with pytest.raises(ValueError, match="'ngram' does not use speculative_token_tree="):
+        SpeculativeConfig(method="ngram", speculative_token_tree=[(0,)], num_speculative_tokens=1)

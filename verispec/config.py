@@ -6,11 +6,14 @@ unchanged through ``SpeculativeConfig.from_dict``.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from verispec.ops.tree import parents_from_paths
 
 REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -83,10 +86,11 @@ def _check_rates(rates: Any, k: int) -> list[float]:
 MAX_SPECULATIVE_TOKENS = 32
 # Method-specific keys (with their defaults) and the methods that use them.
 METHOD_KEYS_DEFAULTS = {"model": None, "prompt_lookup_min": None, "prompt_lookup_max": None,
-                        "num_draft_layers": None, "draft_sample_method": "greedy"}
+                        "num_draft_layers": None, "draft_sample_method": "greedy",
+                        "speculative_token_tree": None}
 METHOD_KEYS = {
     "ngram": {"prompt_lookup_min", "prompt_lookup_max"},
-    "draft_model": {"model", "draft_sample_method"},
+    "draft_model": {"model", "draft_sample_method", "speculative_token_tree"},
     "early_exit": {"num_draft_layers", "draft_sample_method"},
     "eagle": {"model", "draft_sample_method"},  # model: the EAGLE head's directory
     "eagle3": {"model", "draft_sample_method"},
@@ -115,6 +119,9 @@ class SpeculativeConfig:
     synthetic_acceptance_rates: Sequence[float] | None = None
     synthetic_acceptance_length: float | None = None
     num_draft_layers: int | None = None  # early_exit: how many target layers draft
+    # A static token tree (docs/design.md §16), vLLM's format: a list of paths of child indices
+    # from the root, or its string form; its depth must be num_speculative_tokens.
+    speculative_token_tree: str | Sequence[Sequence[int]] | None = None
     # Derived in __post_init__: the unconditional rates a_1..a_k for synthetic mode.
     unconditional_rates: tuple[float, ...] | None = field(default=None, init=False, repr=False)
 
@@ -148,6 +155,7 @@ class SpeculativeConfig:
         self._check_method_keys()  # before the prompt lookup's derived defaults are filled in
         self._check_prompt_lookup()
         self._check_synthetic()
+        self._check_token_tree()
 
     def _check_method_keys(self) -> None:
         """A key the method does not use is an error, not silently ignored (methods registered
@@ -211,6 +219,42 @@ class SpeculativeConfig:
         else:
             unconditional = acceptance_length_to_rates(length, k)
         object.__setattr__(self, "unconditional_rates", tuple(unconditional))
+
+    def _check_token_tree(self) -> None:
+        tree = self.speculative_token_tree
+        if tree is None:
+            return
+        if isinstance(tree, str):
+            try:
+                tree = ast.literal_eval(tree)
+            except (ValueError, SyntaxError) as error:
+                raise ValueError(f"speculative_token_tree must be a list of tuples of child "
+                                 f"indices, got {self.speculative_token_tree!r}") from error
+        try:
+            paths = tuple(tuple(int(i) for i in path) for path in tree)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"speculative_token_tree must be a list of tuples of child "
+                             f"indices, got {self.speculative_token_tree!r}") from error
+        if not paths:
+            raise ValueError("speculative_token_tree must hold at least one path, got []")
+        parents_from_paths(paths)  # ValueError naming the bad path
+        depth = max(len(path) for path in paths)
+        if depth != self.num_speculative_tokens:
+            raise ValueError(
+                f"speculative_token_tree has depth {depth}; num_speculative_tokens must equal "
+                f"it, got num_speculative_tokens={self.num_speculative_tokens}")
+        if self.is_synthetic:
+            raise ValueError("speculative_token_tree: token trees are verified by the standard "
+                             "rule, not rejection_sample_method='synthetic'")
+        object.__setattr__(self, "speculative_token_tree", paths)
+
+    @property
+    def tree_parents(self) -> list[int] | None:
+        """Each tree node's parent (local index, -1 = the root) in the order of
+        ``speculative_token_tree``; None for a chain."""
+        if self.speculative_token_tree is None:
+            return None
+        return parents_from_paths(self.speculative_token_tree)
 
     @property
     def conditional_rates(self) -> list[float] | None:

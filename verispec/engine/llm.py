@@ -192,6 +192,11 @@ class LLM(StepLoop):
                 f"speculative_config must be a SpeculativeConfig, a dict or None, "
                 f"got {speculative_config!r}"
             )
+        if speculative_config is not None and speculative_config.tree_parents is not None:
+            # ops.tree_rejection and runtime.tree_verify verify trees; the step does not yet
+            # draft them (docs/design.md §16)
+            raise ValueError("speculative_token_tree: tree speculation is not available in the "
+                             "engine yet; leave it unset to speculate with chains")
         self.speculative_config = speculative_config
         if speculative_config is not None and speculative_config.is_synthetic:
             warn_once(logger, "synthetic", SYNTHETIC_WARNING)

@@ -156,6 +156,22 @@ def uniform(
     return _nonzero(uint_to_uniform(randint4x(seed, offset)[index & 3]))
 
 
+def uniform_at(
+    seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor | int, index: torch.Tensor
+) -> torch.Tensor:
+    """``uniform`` with a per-draw ``index`` (int64 tensor, broadcast with ``seed`` and
+    ``position``): float32 in (0, 1), entry i the draw ``(seed[i], position[i], stream,
+    index[i])``. Index 0 gives exactly ``uniform``'s draw (a token tree's first child draws
+    what a chain's draft does; docs/design.md §16)."""
+    offset = make_offset(position, stream, index)
+    compiled = _compiled_uniform(seed, offset, index & 3)
+    if compiled is not None:
+        return compiled
+    words = torch.stack(torch.broadcast_tensors(*randint4x(seed, offset)), dim=-1)
+    word = torch.broadcast_to(index & 3, words.shape[:-1])
+    return _nonzero(uint_to_uniform(words.gather(-1, word[..., None])[..., 0]))
+
+
 def vocab_uniform(
     seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor | int, vocab_size: int
 ) -> torch.Tensor:

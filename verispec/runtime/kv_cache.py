@@ -475,6 +475,22 @@ class KVCache:
         for slot, n in zip(slots, num_tokens):
             self.lengths_np[slot] += n
 
+    @torch.inference_mode()
+    def copy_positions(self, slots, src_positions, dst_positions) -> None:
+        """Copy the K/V of position ``src_positions[i]`` to ``dst_positions[i]`` of slot
+        ``slots[i]`` in every layer (host int arrays of one length; each destination in blocks
+        the slot holds). Every source is read before any destination is written. A token tree's
+        accepted path moves to consecutive positions this way (docs/design.md §16)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        tables = self.block_tables
+        src = to_device(tables.slot_mapping(slots, np.asarray(src_positions, np.int64)),
+                        self.device)
+        dst = to_device(tables.slot_mapping(slots, np.asarray(dst_positions, np.int64)),
+                        self.device)
+        for pool in (self.k, self.v):  # [layers, num_blocks, block_size, kv_heads, head_dim]
+            rows = pool.flatten(1, 2)  # a view: [layers, num_blocks * block_size, ...]
+            rows.index_copy_(1, dst, rows.index_select(1, src))
+
     def truncate(self, slot: int, length: int) -> None:
         """Roll slot back to ``length`` committed tokens (0 <= length <= current length)."""
         if not 0 <= length <= self.lengths_np[slot]:

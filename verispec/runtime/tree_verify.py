@@ -1,0 +1,114 @@
+"""Token trees on the CPU path: the verify forward over a tree, and moving the accepted path's
+K/V to consecutive positions afterwards (docs/design.md §16).
+
+The verify forward writes request b's root (its last committed token) and its n_b nodes at cache
+rows ``start_b .. start_b + n_b`` in node order, like a chain's verify; only the positions (by
+depth) and the attention mask (context + ancestors) differ (``ops.tree.tree_attention``). After
+verification the accepted path's rows are copied down to ``start_b + 1 ..`` and the slot is
+rolled back to the context, the root and the path (``commit_tree_path``); the recovered or bonus
+token is the next step's root, as with chains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from verispec.ops import tree
+from verispec.runtime.kv_cache import KVCache
+from verispec.runtime.model_runner import ModelRunner
+
+
+@torch.inference_mode()
+def verify_tree(
+    runner: ModelRunner,
+    slots: list[int],
+    last_token_ids: list[int],
+    draft_token_ids: np.ndarray,
+    parent_ids: np.ndarray,
+    num_draft_tokens: np.ndarray,
+    max_depth: int,
+) -> torch.Tensor:
+    """The verify forward over each request's token tree.
+
+    Parameters
+    ----------
+    runner : a CPU-path (not flat) runner of an attention-only model
+    slots : B distinct cache slots
+    last_token_ids : B committed tokens, the trees' roots
+    draft_token_ids : [sum n_b] int, the nodes of every tree (``ops.tree`` layout)
+    parent_ids : [sum n_b] int, each node's parent as a local index (-1 = the root)
+    num_draft_tokens : [B] int, n_b
+    max_depth : static bound on a tree's depth
+
+    Returns
+    -------
+    [sum(n_b + 1), V] float32 target logits: request b's root row, then a row per node
+    (the layout ``tree_rejection_sample`` reads). Each slot's length grows by n_b + 1; commit
+    with ``commit_tree_path``.
+    """
+    if runner.flat:
+        raise ValueError("token trees: the flat (GPU) layout does not verify trees yet")
+    if runner.hybrid:
+        raise ValueError("token trees need an attention-only target: a hybrid model's "
+                         "recurrent state cannot branch")
+    if runner.capture_layers:
+        raise ValueError("token trees: EAGLE heads do not draft trees yet")
+    cache = runner.kv_cache
+    counts = np.asarray(num_draft_tokens, dtype=np.int64) + 1
+    starts = cache.lengths_np[slots].copy()
+    cache.check_append_many(slots, counts)
+    width = int(counts.max())
+    ids = np.zeros((len(slots), width), dtype=np.int64)
+    ids[:, 0] = last_token_ids
+    cu = np.concatenate([[0], np.cumsum(counts - 1)])
+    drafts = np.asarray(draft_token_ids, dtype=np.int64)
+    for b in range(len(slots)):
+        ids[b, 1:counts[b]] = drafts[cu[b]:cu[b + 1]]
+    meta, _, valid_index = runner._metadata(slots, counts, starts, width)
+    parents, _, _ = tree.padded_parents(torch.as_tensor(np.asarray(parent_ids, np.int64)),
+                                        torch.from_numpy(cu), width - 1)
+    positions, attn_mask = tree.tree_attention(parents, torch.from_numpy(starts), meta.kv_len,
+                                               max_depth, runner.config.sliding_window)
+    rope = positions.clamp_max(runner.max_model_len - 1).to(runner.device)
+    meta = dataclasses.replace(meta, cos=runner.cos[rope].unsqueeze(2),
+                               sin=runner.sin[rope].unsqueeze(2),
+                               attn_mask=attn_mask.to(runner.device), is_causal=False)
+    hidden = runner.model(torch.from_numpy(ids).to(runner.device), meta, cache.k_layers,
+                          cache.v_layers)
+    cache.advance(slots, counts.tolist())
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    if valid_index is not None:
+        rows = rows[meta.valid_index]
+    return runner.model.compute_logits(rows)
+
+
+def commit_tree_path(cache: KVCache, slots: list[int], starts: np.ndarray,
+                     accepted_nodes: np.ndarray) -> None:
+    """Keep each request's accepted path, drop the rest of its tree.
+
+    Parameters
+    ----------
+    cache : the target's KV cache, after ``verify_tree``
+    slots : B slots
+    starts : [B] int, each slot's length before ``verify_tree`` (the root's position)
+    accepted_nodes : [B, max_depth] int, local node indices root to leaf, -1 padded
+        (``tree_rejection_sample``'s second output, on the host)
+
+    Node i was written at position ``start + 1 + i``; path node j (0-based) moves to
+    ``start + 1 + j``. Afterwards slot b holds ``start_b + 1 + d_b`` tokens: the context, the
+    root and the d_b accepted nodes.
+    """
+    accepted_nodes = np.asarray(accepted_nodes, dtype=np.int64)
+    depth = (accepted_nodes >= 0).sum(1)
+    row, col = np.nonzero(accepted_nodes >= 0)
+    starts = np.asarray(starts, dtype=np.int64)
+    src = starts[row] + 1 + accepted_nodes[row, col]
+    dst = starts[row] + 1 + col
+    moved = src != dst
+    if moved.any():
+        cache.copy_positions(np.asarray(slots, np.int64)[row[moved]], src[moved], dst[moved])
+    for b, slot in enumerate(slots):
+        cache.truncate(slot, int(starts[b] + 1 + depth[b]))
