@@ -7,11 +7,12 @@ computed reuses that request's KV blocks instead of computing them again.
   tables (the target's, a draft model's, an EAGLE head's). Nothing else changes a block's KV
   today. A 128-bit digest, not Python's ``hash``: a collision would silently hand one request
   another's KV.
-- **Publishing.** After a step, a request's full blocks below the committed length of *every*
-  cache on its tables are published (``publish``): their tokens are final, and no row in them
-  was written by a draft that verification later rejected (drafts write past the committed
-  length; a block that holds one is not full of committed positions, so it waits). A finished,
-  aborted or preempted request publishes before it gives its blocks back.
+- **Publishing.** After a step, a request's full blocks below the target cache's committed
+  length are published (``publish``): their tokens are final, and no row in them was written by
+  a draft that verification later rejected (drafts write past the committed length; a block
+  that holds one is not full of committed positions, so it waits). A published block is marked
+  *complete* once every cache on the tables holds it (a draft model's or EAGLE head's cache may
+  lag). A finished, aborted or preempted request publishes before it gives its blocks back.
 - **Lookup.** An admitted request takes the longest chain of published blocks over its tokens,
   at most up to the token before the last it must compute (a prefill computes at least one
   token: the one whose logits give the next token). With ``shifted`` (an EAGLE head, whose KV
@@ -25,7 +26,8 @@ computed reuses that request's KV blocks instead of computing them again.
   none (vLLM instead drops the hit's last block, which misses blocks deeper in the chain that
   another request completed).
 
-Every cache on the tables starts the request at the hit's length; the prefill computes the rest.
+The target's cache starts the request at the hit's length and a proposer's after the complete
+blocks of the hit (a draft model catches up on its own); the prefill computes the rest.
 By the invariance rule (docs/architecture.md) the tokens are those of a cold run.
 """
 
