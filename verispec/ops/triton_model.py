@@ -408,7 +408,7 @@ class LinearConfig:
 # LINEAR_MIN_PROGRAMS programs, so that enough of them stream the weight; a row tile of 128 or
 # 256 only for more than half its rows. Measured on an H100 over the Llama-3.1-8B shapes at 1,
 # 16, 64 and 256 rows (``--parts sweep`` of benchmarks/profile_gpu_step.py), this rule (with
-# the two tables below) picks a tile close to the fastest in every case (docs/benchmarks.md).
+# the two tables below) picks a tile close to the fastest in every case.
 LINEAR_TILES = {
     2: (LinearConfig(256, 128, 8, 4, 64), LinearConfig(128, 128, 8, 3),
         LinearConfig(64, 128, 4, 4), LinearConfig(64, 64, 4, 4), LinearConfig(64, 32, 4, 6)),
@@ -422,11 +422,11 @@ LINEAR_MIN_PROGRAMS = 96
 LINEAR_FEW_ROWS = {2: (16, 8192, LinearConfig(16, 32, 4, 6))}  # itemsize: rows, outputs, tile
 # Loads by the tensor-memory accelerator from this many rows on (bfloat16 / float16 on Hopper).
 # Bulk copies pay for many rows, are even at 64 and cost more at 16 and fewer (the sweep of
-# benchmarks/profile_gpu_step.py; docs/benchmarks.md).
+# benchmarks/profile_gpu_step.py).
 LINEAR_TMA_MIN_ROWS = {2: 17}
 # Above 128 rows (verify steps of large batches, near compute-bound) deeper pipelines of 64
 # features per step pay: the 256 x 128 tile with 4 stages instead of 3, the 128 x 128 tile with
-# 5 stages of 64 features instead of 3 of 128 (docs/benchmarks.md); at 128 rows and fewer they
+# 5 stages of 64 features instead of 3 of 128 (the same sweep); at 128 rows and fewer they
 # do not.
 LINEAR_MANY_ROWS = {(2, LinearConfig(128, 128, 8, 3)): LinearConfig(128, 128, 8, 5, 64)}
 

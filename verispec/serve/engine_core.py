@@ -49,8 +49,8 @@ LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 # The engine process yields the CPU to the API process when both want it (a CPU server whose
 # engine keeps every core busy): the API process's work is bounded by the tokens the engine
 # makes and the requests that arrive, and it is what clients and health checks wait on. On a
-# GPU host with cores to spare it changes nothing. (+10: /health p99 on a busy 2-core machine
-# halved, docs/benchmarks.md.)
+# GPU host with cores to spare it changes nothing (benchmarks/bench_server_robustness.py measures
+# /health under load).
 ENGINE_NICENESS = 10
 
 

@@ -151,7 +151,8 @@ def aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     SpecForge's default (2, L // 2, L - 3; a head's ``config.json`` names its own layers, so
     both load it) held out less on the bundled model: offline, 4500 prompts, two seeds, 40
     held-out prompts, walk length 1.771 against 1.741, expected length at temperature 0.7
-    1.765 against 1.734 (docs/benchmarks.md). For a target of 3 or 4 layers, its last three."""
+    1.765 against 1.734 (benchmarks/bench_train_draft.py). For a target of 3 or 4 layers, its
+    last three."""
     ids = (num_layers // 2, (num_layers // 2 + num_layers - 1) // 2, num_layers - 1)
     if len(set(ids)) < 3:
         ids = (num_layers - 3, num_layers - 2, num_layers - 1)
@@ -304,7 +305,7 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
     # fc trains on standardised inputs, aux / s with s each feature's RMS, as W' = W * s (saved
     # as W = W' / s, so the head reads the raw states): the aux layers' streams differ ~7x in
     # scale and a few features ~100x, and this way one optimizer step moves every input
-    # feature's contribution alike (held-out acceptance +0.02-0.03, docs/benchmarks.md)
+    # feature's contribution alike (held-out acceptance rose in `verispec bench --prompts free`)
     aux_scale = _feature_rms(samples)
     with torch.no_grad():
         head.fc_weight.mul_(aux_scale)
