@@ -193,10 +193,14 @@ class LLM(StepLoop):
                 f"got {speculative_config!r}"
             )
         if speculative_config is not None and speculative_config.tree_parents is not None:
-            # ops.tree_rejection and runtime.tree_verify verify trees; the step does not yet
-            # draft them (docs/design.md §16)
-            raise ValueError("speculative_token_tree: tree speculation is not available in the "
-                             "engine yet; leave it unset to speculate with chains")
+            # token trees run on the CPU path of one process (docs/design.md §16); the
+            # SpeculativeDecoder checks the models (attention-only target and draft)
+            if self.device.type != "cpu":
+                raise ValueError("speculative_token_tree: token trees run on the CPU path only; "
+                                 "the flat (GPU) layout does not verify trees yet")
+            if tensor_parallel_size > 1:
+                raise ValueError("speculative_token_tree: token trees do not run with tensor "
+                                 "parallelism yet")
         self.speculative_config = speculative_config
         if speculative_config is not None and speculative_config.is_synthetic:
             warn_once(logger, "synthetic", SYNTHETIC_WARNING)
@@ -253,10 +257,14 @@ class LLM(StepLoop):
         self.encoder = inputs.PromptEncoder(self.tokenizer, config.vocab_size, max_model_len)
         k = 0 if speculative_config is None else speculative_config.num_speculative_tokens
         self.num_speculative_tokens = k
+        # the most drafts a request verifies in a step: k, or a token tree's nodes
+        max_drafts = k
+        if speculative_config is not None and speculative_config.tree_parents is not None:
+            max_drafts = len(speculative_config.tree_parents)
         # The runner starts on a pool of a few blocks; the memory plan sizes it once the
         # proposer (whose caches share the blocks) is built and a step has been measured.
         self.runner = ModelRunner(self.loaded.model, max_num_seqs, max_model_len, self.device,
-                                  max_step_tokens=k + 1, enforce_eager=enforce_eager,
+                                  max_step_tokens=max_drafts + 1, enforce_eager=enforce_eager,
                                   batch_invariant=batch_invariant, block_size=block_size,
                                   num_blocks=2)
         self.sampler = Sampler()
@@ -274,7 +282,8 @@ class LLM(StepLoop):
         self._captured_query_counts = [1] if self.spec is None else [1, k + 1]
         self.kv_plan = memory.plan_kv_pool(
             self.runner, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens, verify_rows=max_num_seqs * (k + 1),
+            max_num_batched_tokens=max_num_batched_tokens,
+            verify_rows=max_num_seqs * (max_drafts + 1),
             captured_query_counts=self._captured_query_counts,
             utilization=gpu_memory_utilization, kv_bytes=kv_cache_memory, tp=self._tp)
         logger.info("%s", self.kv_plan.summary())
@@ -288,7 +297,7 @@ class LLM(StepLoop):
             shifted = self.spec is not None and self.spec.proposer.shifted_inputs
             prefix_cache = PrefixCache(self.runner.kv_cache.block_tables, shifted=shifted)
         self.scheduler = Scheduler(max_num_seqs, self.runner.kv_cache, max_num_batched_tokens,
-                                   lookahead=k + 1, on_preempt=on_preempt,
+                                   lookahead=max_drafts + 1, on_preempt=on_preempt,
                                    chunked_prefill=self.enable_chunked_prefill,
                                    prefix_cache=prefix_cache)
         # CUDA graphs (no-op on CPU and with enforce_eager): decode, verify, the proposer's draft
@@ -344,6 +353,10 @@ class LLM(StepLoop):
         request.options = RequestOptions.build(params, self.model_config.vocab_size,
                                                sorted(self.eos_token_ids), self.tokenizer,
                                                self._grammars)
+        if request.options is not None and self.spec is not None and self.spec.tree is not None:
+            raise ValueError("speculative_token_tree: logits options (penalties, logit_bias, "
+                             "allowed_token_ids, min_tokens, bad_words, structured outputs) are "
+                             "not applied over token trees yet")
         return request
 
     # ----------------------------------------------------------------- the step loop

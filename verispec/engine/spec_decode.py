@@ -57,8 +57,11 @@ from verispec.engine.metrics import SpecDecodingLogger, SpecDecodingStats
 from verispec.engine.request import Request
 from verispec.models.parallel import SINGLE, TensorParallel
 from verispec.ops import cpu_kernels
+from verispec.ops import tree_rejection as ops_tree_rejection
+from verispec.ops.tree import StaticTree
 from verispec.proposers import ProposerContext, build_proposer
 from verispec.runtime.model_runner import ModelRunner
+from verispec.runtime.tree_verify import commit_tree_path, verify_tree
 from verispec.sample.options import SamplingOptions
 from verispec.sample.rejection_sampler import RejectionSampler
 from verispec.sample.sampler import Sampler, SamplingTensors
@@ -136,6 +139,23 @@ def best_num_drafts(alpha: float, max_n: int, costs: Sequence[float]) -> int:
     return best_n
 
 
+def check_tree_support(runner: ModelRunner, proposer, tp: TensorParallel) -> None:
+    """ValueError where token trees do not run yet (docs/design.md §16): the CPU path of an
+    attention-only target with a draft model, one process."""
+    if runner.flat or runner.device.type != "cpu":
+        raise ValueError("speculative_token_tree: token trees run on the CPU path only; the "
+                         "flat (GPU) layout does not verify trees yet")
+    if runner.hybrid:
+        raise ValueError("speculative_token_tree: token trees need an attention-only target: a "
+                         "hybrid model's recurrent state cannot branch")
+    if tp.size > 1:
+        raise ValueError("speculative_token_tree: token trees do not run with tensor "
+                         "parallelism yet")
+    if not hasattr(proposer, "propose_tree") or getattr(proposer.runner, "hybrid", False):
+        raise ValueError("speculative_token_tree: only an attention-only draft model drafts "
+                         "token trees")
+
+
 class SpeculativeDecoder:
     """Owns the proposer, the rejection sampler and the speculative metrics of an engine."""
 
@@ -197,6 +217,16 @@ class SpeculativeDecoder:
         self._steps_off = np.zeros(max_num_seqs, dtype=np.int64)
         self._probe_interval = np.full(max_num_seqs, REPROBE_STEPS)  # per slot
         self._probing = np.zeros(max_num_seqs, dtype=bool)
+        # A static token tree (docs/design.md §16), None for chains
+        parents = config.tree_parents
+        self.tree = None if parents is None else StaticTree(parents)
+        if self.tree is not None:
+            check_tree_support(runner, self.proposer, tp)
+
+    @property
+    def max_step_drafts(self) -> int:
+        """The most draft tokens one request verifies in a step: k, or a tree's nodes."""
+        return self.k if self.tree is None else self.tree.num_nodes_total
 
     def capture(self) -> None:
         """Capture the proposer's draft graphs (the target's verify graph is the engine's) and
@@ -291,6 +321,8 @@ class SpeculativeDecoder:
     def step(self, batch: Sequence[Request], sampling: SamplingTensors) -> list[list[int]]:
         """Propose, verify and accept for ``batch``; returns each request's output tokens (to be
         committed by the engine, then ``on_committed``)."""
+        if self.tree is not None:
+            return self._tree_step(batch, sampling)
         self._plan(batch)
         start = time.perf_counter()
         proposal = self.proposer.propose(batch)
@@ -329,6 +361,82 @@ class SpeculativeDecoder:
                 step_stats.observe(n, accepted)
                 r.spec_stats.observe(n, accepted)
                 self._observe(r.slot, n, accepted)
+        self.logger.observe(step_stats)
+        self.logger.maybe_log()
+        return outputs
+
+    def _tree_depths(self, batch: Sequence[Request]) -> np.ndarray:
+        """[B] each request's tree depth this step: k cut, as a chain's k, so that the last
+        token emitted fits ``max_model_len`` and ``max_tokens``, and further so that the tree's
+        rows fit the cache (``num_tokens - 1 + nodes < max_model_len``). Trees are not switched
+        off by the acceptance estimate: every step drafts the whole (cut) tree."""
+        tree = self.tree
+        depths = np.zeros(len(batch), dtype=np.int64)
+        for b, r in enumerate(batch):
+            room = min(self.k, self.max_model_len - r.num_tokens - 1,
+                       r.params.max_tokens - r.num_output_tokens - 1)
+            depths[b] = max(0, min(room, tree.max_depth_within(
+                self.max_model_len - r.num_tokens)))
+        return depths
+
+    def _tree_step(self, batch: Sequence[Request], sampling: SamplingTensors) -> list[list[int]]:
+        """A step with token trees (docs/design.md §16): draft each request's tree, verify
+        every tree in one target forward (``verify_tree``), walk it with
+        ``tree_rejection_sample`` and keep the accepted path's K/V in both caches."""
+        tree = self.tree
+        start = time.perf_counter()
+        depths = self._tree_depths(batch)
+        for r, depth in zip(batch, depths):
+            r.max_num_draft_tokens = tree.num_nodes(int(depth))
+        proposal = self.proposer.propose_tree(batch, tree, depths)
+        num_drafts = proposal.num_draft_tokens  # [B] host
+        if not num_drafts.any():
+            return self._plain_step(batch, sampling, start)
+        proposed = time.perf_counter()
+        if any(r.options is not None for r in batch):
+            raise ValueError("token trees: logits options (penalties, logit_bias, "
+                             "allowed_token_ids, min_tokens, bad_words, structured outputs) "
+                             "are not applied over trees yet")
+        slots = [r.slot for r in batch]
+        cache = self.runner.kv_cache
+        starts = cache.lengths_np[slots].copy()  # num_tokens - 1: the root's row
+        target_logits = verify_tree(self.runner, slots, [r.last_token_id for r in batch],
+                                    proposal.draft_token_ids.cpu().numpy(), proposal.parent_ids,
+                                    num_drafts, tree.depth)
+        device = self.runner.device
+        cu = np.zeros(len(batch) + 1, dtype=np.int64)
+        np.cumsum(num_drafts, out=cu[1:])
+        positions = ops.to_device([r.num_tokens for r in batch], device)
+        token_ids, accepted_nodes = ops_tree_rejection.tree_rejection_sample(
+            target_logits, proposal.draft_token_ids.to(device),
+            ops.to_device(proposal.parent_ids, device), ops.to_device(cu, device),
+            proposal.draft_probs, sampling.temperature, sampling.top_k, sampling.top_p,
+            sampling.min_p, sampling.seeds, positions,
+            max_num_draft_tokens=max(1, int(num_drafts.max())), max_depth=tree.depth,
+            max_width=tree.max_width, without_replacement=True,
+            all_greedy=sampling.all_greedy, check=False)
+        accepted_nodes = accepted_nodes.cpu().numpy()
+        commit_tree_path(cache, slots, starts, accepted_nodes)
+        self.proposer.commit_tree(slots, [r.num_tokens for r in batch], accepted_nodes)
+        outputs = [[t for t in row if t != -1] for row in token_ids.tolist()]
+        # output token j of request r came from the row of its path's slot at depth j
+        rows = []
+        for b, out in enumerate(outputs):
+            root = cu[b] + b
+            path = accepted_nodes[b, : len(out) - 1]
+            rows.append(np.concatenate([[root], root + 1 + path]))
+        first_rows = np.concatenate([[0], np.cumsum([len(x) for x in rows])[:-1]])
+        path_rows = ops.to_device(np.concatenate(rows), target_logits.device)
+        self.step_logits = (target_logits[path_rows], first_rows)
+        self.propose_time_s += proposed - start
+        self.verify_time_s += time.perf_counter() - proposed
+        self.num_steps += 1
+        step_stats = SpecDecodingStats(self.k)
+        for r, n, depth, out in zip(batch, num_drafts, depths, outputs):
+            if n > 0:
+                # drafts counted by depth (the tokens a step could accept), as for a chain
+                step_stats.observe(int(depth), len(out) - 1)
+                r.spec_stats.observe(int(depth), len(out) - 1)
         self.logger.observe(step_stats)
         self.logger.maybe_log()
         return outputs

@@ -22,6 +22,7 @@ exactness because verification descends into one node per depth.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from verispec.ops import philox
@@ -244,3 +245,54 @@ def tree_attention(
                                     starts[:, None] + depths.gather(1, slot_of_key))
         mask &= positions[:, :, None] - key_positions[:, None, :] < window
     return positions, mask[:, None]
+
+
+class StaticTree:
+    """A fixed tree shape in breadth-first order, as the engine drafts and verifies it.
+
+    ``parents`` (local parent indices, -1 = the root, parents before children) is reordered
+    by depth, keeping the given order within a depth: the order still lists parents before
+    children and each node's children in their given order, and now the nodes of depth t are
+    the contiguous range ``[level_starts[t - 1], level_starts[t])``. So the tree cut to depth
+    D (a request near ``max_tokens``) is its first ``num_nodes(D)`` nodes with the same
+    parents, and a drafter writes one level after the other at consecutive cache rows.
+
+    Attributes (host numpy int64): ``parents`` [N], ``depths`` [N] (1 = a child of the root),
+    ``level_starts`` [depth + 1] (``level_starts[0] = 0``), ``num_children`` [N + 1] per slot
+    (the root's first), ``sibling_rank`` [N]; ``depth``, ``max_width`` ints.
+    """
+
+    def __init__(self, parents: list[int]) -> None:
+        parents = list(parents)
+        depth_of = []
+        for p in parents:
+            depth_of.append(1 if p < 0 else depth_of[p] + 1)
+        order = sorted(range(len(parents)), key=lambda i: (depth_of[i], i))
+        new_index = {old: new for new, old in enumerate(order)}
+        self.parents = np.array([-1 if parents[i] < 0 else new_index[parents[i]] for i in order],
+                                dtype=np.int64)
+        self.depths = np.array([depth_of[i] for i in order], dtype=np.int64)
+        self.depth = int(self.depths.max())
+        self.level_starts = np.searchsorted(self.depths, np.arange(1, self.depth + 2)).astype(
+            np.int64)
+        self.level_starts[0] = 0
+        self.num_children = np.bincount(self.parents + 1, minlength=len(parents) + 1).astype(
+            np.int64)
+        self.sibling_rank = np.zeros(len(parents), dtype=np.int64)
+        seen = np.zeros(len(parents) + 1, dtype=np.int64)
+        for i, p in enumerate(self.parents):
+            self.sibling_rank[i] = seen[p + 1]
+            seen[p + 1] += 1
+        self.max_width = int(self.num_children.max())
+
+    @property
+    def num_nodes_total(self) -> int:
+        return int(self.parents.shape[0])
+
+    def num_nodes(self, depth: int) -> int:
+        """Nodes of the tree cut to ``depth`` (0: none)."""
+        return int(self.level_starts[max(0, min(depth, self.depth))])
+
+    def max_depth_within(self, max_nodes: int) -> int:
+        """The deepest cut with at most ``max_nodes`` nodes."""
+        return int(np.searchsorted(self.level_starts, max_nodes, side="right") - 1)

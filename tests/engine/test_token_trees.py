@@ -1,0 +1,136 @@
+"""Token-tree speculation through the engine (docs/design.md §16): a draft model drafts a static
+tree per request, the target verifies it in one forward, ``tree_rejection_sample`` walks it.
+
+- greedy tree speculation emits exactly the plain greedy tokens (several shapes, the chain-shaped
+  tree included, a batch with requests cut by ``max_tokens`` and ``max_model_len``);
+- a seeded sampled request emits the same tokens alone and batched;
+- with the target as its own draft every drafted path is accepted (the draft cache keeps the
+  accepted path's K/V at the right rows, and q is the distribution the children came from);
+- the first token of many seeded requests at temperature 1 follows the target's distribution
+  (chi-square);
+- the configurations trees do not support yet are refused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.engine.test_preemption import save_draft, save_target
+from tests.sample.stats import P_VALUE_THRESHOLD, chi_square_p_value, reference_probs
+from verispec import LLM, SamplingParams
+
+VOCAB = 64
+MAX_MODEL_LEN = 96
+
+CHAIN = [(0,), (0, 0), (0, 0, 0)]
+BINARY = [(0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1), (0, 0, 0), (0, 1, 0)]
+MIXED = [(0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (0, 0, 1), (1, 0)]  # not breadth-first
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save_target(tmp_path_factory, MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    return save_draft(tmp_path_factory, MAX_MODEL_LEN)
+
+
+def tree_config(draft_dir, tree, method="greedy"):
+    return {"method": "draft_model", "model": draft_dir, "num_speculative_tokens":
+            max(len(p) for p in tree), "speculative_token_tree": tree,
+            "draft_sample_method": method}
+
+
+def workload(temperature=None):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (7, 19, 4, 30, 12)]
+    prompts.append(rng.integers(3, VOCAB, size=MAX_MODEL_LEN - 6).tolist())  # max_model_len
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, seed=50 + i,
+                             temperature=(0.0 if i % 2 else 0.9) if temperature is None
+                             else temperature)
+              for i, m in enumerate((25, 2, 17, 30, 1, 40))]
+    return prompts, params
+
+
+def generate(target_dir, spec, prompts, params, max_num_seqs=8):
+    llm = LLM(target_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
+              speculative_config=spec)
+    return llm, [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(target_dir):
+    prompts, params = workload(temperature=0.0)
+    return generate(target_dir, None, prompts, params)[1]
+
+
+@pytest.mark.parametrize("tree", [CHAIN, BINARY, MIXED], ids=["chain", "binary", "mixed"])
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_greedy_tree_equals_plain_greedy(target_dir, draft_dir, plain_greedy, tree, method):
+    prompts, params = workload(temperature=0.0)
+    llm, tokens = generate(target_dir, tree_config(draft_dir, tree, method), prompts, params)
+    assert tokens == plain_greedy
+    assert llm.spec.stats.num_drafts > 0
+
+
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_sampled_alone_equals_batched(target_dir, draft_dir, method):
+    prompts, params = workload()
+    spec = tree_config(draft_dir, BINARY, method)
+    llm, batched = generate(target_dir, spec, prompts, params)
+    alone = [[o.token_ids for o in llm.generate([p], q)][0] for p, q in zip(prompts, params)]
+    assert alone == batched
+
+
+@pytest.mark.parametrize("method, temperature", [("greedy", 0.0), ("probabilistic", 0.8)])
+def test_self_draft_accepts_every_path(target_dir, method, temperature):
+    """The target as its own draft: p == q at every node, so every step accepts its whole
+    depth (depth k until max_tokens cuts it)."""
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [3]]
+    params = [SamplingParams(max_tokens=21, ignore_eos=True, seed=i, temperature=temperature)
+              for i in range(3)]
+    llm, _ = generate(target_dir, tree_config(target_dir, BINARY, method), prompts, params)
+    stats = llm.spec.stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    assert stats.mean_acceptance_length > 3.5
+
+
+@pytest.mark.slow
+def test_first_token_distribution(target_dir, draft_dir):
+    """Temperature 1, sampled drafts from a draft that disagrees with the target: the first
+    token of 3000 seeded requests (each a tree of depth 2 over a 6-node shape) follows the
+    target's softmax at the prompt."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = [7, 21, 33, 5]
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(target_dir).eval()(
+            torch.tensor([prompt])).logits[0, -1].double().numpy()
+    tree = [(0,), (1,), (2,), (0, 0), (1, 0), (0, 1)]
+    llm = LLM(target_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=32,
+              speculative_config=tree_config(draft_dir, tree, "probabilistic"))
+    n = 3000
+    params = [SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0, seed=1000 + i)
+              for i in range(n)]
+    outputs = llm.generate([prompt] * n, params)
+    counts = np.bincount([o.token_ids[0] for o in outputs], minlength=VOCAB)
+    assert llm.spec.stats.num_drafts >= n
+    assert chi_square_p_value(counts, reference_probs(logits)) > P_VALUE_THRESHOLD
+
+
+def test_refusals(target_dir, draft_dir):
+    spec = tree_config(draft_dir, BINARY)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        LLM(target_dir, max_model_len=MAX_MODEL_LEN, speculative_config=spec,
+            tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="speculative_token_tree"):
+        LLM(target_dir, max_model_len=MAX_MODEL_LEN, speculative_config={
+            "method": "eagle3", "model": draft_dir, "num_speculative_tokens": 3,
+            "speculative_token_tree": BINARY})
+    llm = LLM(target_dir, max_model_len=MAX_MODEL_LEN, speculative_config=spec)
+    output = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, presence_penalty=0.5))[0]
+    assert output.finish_reason == "error" and "logits options" in output.error
