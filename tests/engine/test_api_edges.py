@@ -109,12 +109,3 @@ def test_chat_roles_come_from_the_template():
 
     assert inputs.chat_roles(Tokenizer()) == ("system", "user", "assistant", "tool", "ipython")
     assert inputs.chat_roles(None) == inputs.BASE_CHAT_ROLES
-
-
-def test_token_tree_is_refused_until_the_engine_drafts_trees():
-    """A valid ``speculative_token_tree`` is a clear ValueError at construction (before any
-    model loads), not chains silently run in its place."""
-    with pytest.raises(ValueError, match="speculative_token_tree: tree speculation is not"):
-        LLM(model="/nonexistent", speculative_config={
-            "method": "draft_model", "model": "/nonexistent", "num_speculative_tokens": 1,
-            "speculative_token_tree": [(0,), (1,)]})
