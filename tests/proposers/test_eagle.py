@@ -275,6 +275,7 @@ def test_wrong_draft_probs_fail_the_test(reduced_head, target, target_logits):
     assert min(values) < P_VALUE_THRESHOLD, values
 
 
+@pytest.mark.slow
 def test_eagle3_on_the_quantised_bundled_model(tmp_path):
     """Regression: an EAGLE-3 head without an embedding of its own reads the target's, which
     the bundled GGUF keeps quantised (the head's lookup failed with a TypeError). Greedy
