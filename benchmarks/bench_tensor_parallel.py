@@ -34,6 +34,7 @@ import bench_gpu_e2e  # noqa: E402
 import random_checkpoints  # noqa: E402
 
 from verispec import LLM, SamplingParams  # noqa: E402
+from verispec.runtime.workers import ALL_REDUCE_ENV  # noqa: E402
 
 ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
             original_max_position_embeddings=8192)
@@ -101,7 +102,9 @@ def decode(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[dict, l
 
 
 def run_config(rows: list, label: str, model_dir: str, tp: int, args, spec,
-               bandwidth) -> None:
+               bandwidth, all_reduce: str = "") -> None:
+    if all_reduce:
+        os.environ[ALL_REDUCE_ENV] = all_reduce
     llm, startup = make_llm(model_dir, tp, args, spec)
     try:
         weights = rank_weight_bytes(llm)
@@ -111,8 +114,8 @@ def run_config(rows: list, label: str, model_dir: str, tp: int, args, spec,
         for batch in args.batch_sizes:
             row, _ = decode(llm, prompts[:batch], args.max_tokens)
             step_s = weights / bandwidth
-            row.update(run=label, tp=tp, startup_s=startup, rank_weight_gb=weights / 1e9,
-                       roofline_tok_s=batch / step_s,
+            row.update(run=label, tp=tp, all_reduce=all_reduce or "-", startup_s=startup,
+                       rank_weight_gb=weights / 1e9, roofline_tok_s=batch / step_s,
                        kv_tokens=pool.num_blocks * pool.block_size)
             row["roofline_pct"] = 100 * row["decode_tok_s"] / row["roofline_tok_s"]
             if batch == 1 and spec is None:
@@ -131,12 +134,15 @@ def run_config(rows: list, label: str, model_dir: str, tp: int, args, spec,
 
 
 def add_speedups(rows: list) -> None:
-    plain = {(r["run"].split("+")[0], r["tp"], r["B"]): r["decode_tok_s"] for r in rows
-             if "+" not in r["run"]}
+    """Speculative rows over plain at the same (shape, TP, batch, all-reduce); TP > 1 plain rows
+    over TP = 1."""
+    def key(r):
+        return r["run"].split("+")[0], r["tp"], r["B"], r["all_reduce"]
+    plain = {key(r): r["decode_tok_s"] for r in rows if "+" not in r["run"]}
     one = {(r["run"], r["B"]): r["decode_tok_s"] for r in rows if r["tp"] == 1 and "+" not in
            r["run"]}
     for r in rows:
-        base = plain.get((r["run"].split("+")[0], r["tp"], r["B"]))
+        base = plain.get(key(r))
         if "+" in r["run"] and base:
             r["speedup"] = r["decode_tok_s"] / base
         if "+" not in r["run"] and r["tp"] > 1 and (r["run"], r["B"]) in one:
@@ -144,8 +150,8 @@ def add_speedups(rows: list) -> None:
 
 
 def print_table(rows: list) -> None:
-    cols = ["run", "tp", "B", "decode_tok_s", "roofline_pct", "vs_tp1", "speedup", "accept_len",
-            "alone_eq_batched", "rank_weight_gb", "kv_tokens", "startup_s"]
+    cols = ["run", "tp", "all_reduce", "B", "decode_tok_s", "roofline_pct", "vs_tp1", "speedup",
+            "accept_len", "alone_eq_batched", "rank_weight_gb", "kv_tokens", "startup_s"]
     print(" | ".join(cols))
     for r in rows:
         cells = []
@@ -161,8 +167,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--shapes", default="8b", help="comma list of 8b, 70b")
     parser.add_argument("--tp-sizes", default="1,2")
     parser.add_argument("--layers-70b", default="auto",
-                        help="layers of the 70B shape (auto: 80 on cards of 100 GB or more, "
-                             "else 60)")
+                        help="layers of the 70B shape (auto: all 80 where the TP group's "
+                             "cards hold 200 GB or more, else 60)")
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--batch", type=int, default=64, help="max_num_seqs")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -172,6 +178,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--eagle", action="store_true", help="also an EAGLE-3 head")
     parser.add_argument("--spec-shapes", default=None,
                         help="shapes that get the speculative runs (default: all)")
+    parser.add_argument("--all-reduce", default="fused",
+                        help="comma list of the TP > 1 all-reduce paths to run plain decode "
+                             "with: fused (peer-to-peer, fused with the next norm), peer, nccl; "
+                             "speculative runs take the first")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -181,32 +191,39 @@ def main(argv=None) -> dict:
     print(f"device: {torch.cuda.device_count()} x {name}; torch {torch.__version__}; copy "
           f"bandwidth {bandwidth / 1e9:.0f} GB/s per GPU", flush=True)
     os.makedirs(args.workdir, exist_ok=True)
-    if args.layers_70b == "auto":
-        total = torch.cuda.get_device_properties(device).total_memory
-        args.layers_70b = 80 if total >= 100e9 else 60
-    args.layers_70b = int(args.layers_70b)
+    card_bytes = torch.cuda.get_device_properties(device).total_memory
+
+    def layers_70b(tp: int) -> int:
+        if args.layers_70b != "auto":
+            return int(args.layers_70b)
+        return 80 if card_bytes * tp >= 200e9 else 60
+
+    modes = args.all_reduce.split(",")
     draft_dir = write_config(args.workdir, "1b")
     rows: list = []
     spec_shapes = (args.shapes if args.spec_shapes is None else args.spec_shapes).split(",")
     for shape in args.shapes.split(","):
-        layers = args.layers_70b if shape == "70b" else None
-        model_dir = write_config(args.workdir, shape, layers)
-        label = os.path.basename(model_dir)
         for tp in [int(t) for t in args.tp_sizes.split(",")]:
             if shape == "70b" and tp == 1:
                 continue  # does not fit one card
-            run_config(rows, label, model_dir, tp, args, None, bandwidth)
+            layers = layers_70b(tp) if shape == "70b" else None
+            model_dir = write_config(args.workdir, shape, layers)
+            label = os.path.basename(model_dir)
+            for mode in modes if tp > 1 else [""]:
+                run_config(rows, label, model_dir, tp, args, None, bandwidth, mode)
             if shape not in spec_shapes:
                 continue
             synthetic = {"num_speculative_tokens": K, "rejection_sample_method": "synthetic",
                          "synthetic_acceptance_length": ACCEPTANCE_LENGTH}
+            mode = modes[0] if tp > 1 else ""
             if args.draft:
                 spec = {"method": "draft_model", "model": draft_dir, **synthetic}
-                run_config(rows, label + "+draft1b", model_dir, tp, args, spec, bandwidth)
+                run_config(rows, label + "+draft1b", model_dir, tp, args, spec, bandwidth,
+                           mode)
             if args.eagle:
                 head = random_checkpoints.eagle3_head(model_dir, args.workdir, "cuda")
                 spec = {"method": "eagle3", "model": head, **synthetic}
-                run_config(rows, label + "+eagle3", model_dir, tp, args, spec, bandwidth)
+                run_config(rows, label + "+eagle3", model_dir, tp, args, spec, bandwidth, mode)
     add_speedups(rows)
     print_table(rows)
     result = dict(device=f"{torch.cuda.device_count()} x {name}",

@@ -325,3 +325,22 @@ def test_gpu_tp2_with_cuda_graphs(gpu_target_dir, gpu_draft_dir):
                  {"method": "draft_model", "model": gpu_draft_dir, "num_speculative_tokens": 3}):
         with gpu_llm(gpu_target_dir, 2, speculative_config=spec) as llm:
             assert tokens(llm, PROMPTS, GREEDY) == plain, spec["method"]
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_gpu_tp2_all_reduce_paths_give_the_same_bits(gpu_target_dir, monkeypatch):
+    """The all-reduce fused with the next norm (``ops.triton_peer``, the default), the
+    peer-to-peer all-reduce with the norm apart, and NCCL: the same tokens and logprobs, greedy
+    and seeded, in captured decode steps and in prefill (two partials: one rounding each way)."""
+    params = [SamplingParams(max_tokens=24, temperature=t, seed=7, ignore_eos=True, logprobs=3)
+              for t in (0.0, 1.0)]
+    runs = {}
+    for mode in ("fused", "peer", "nccl"):
+        monkeypatch.setenv("VERISPEC_TP_ALL_REDUCE", mode)
+        with gpu_llm(gpu_target_dir, 2) as llm:
+            assert (llm._tp.fused is not None) == (mode == "fused")
+            assert (llm._tp.peer is not None) == (mode != "nccl")
+            runs[mode] = [[(o.token_ids, o.outputs[0].logprobs)
+                           for o in llm.generate(PROMPTS, p)] for p in params]
+    assert runs["fused"] == runs["peer"] == runs["nccl"]

@@ -319,9 +319,10 @@ class Attention(nn.Module):
 
 
     def forward_flat(self, h: torch.Tensor, batch: FlatBatch, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor) -> torch.Tensor:
+                     v_cache: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """[T, hidden] -> [T, hidden] on the flat layout: the qkv projection; RoPE, the cache
-        write and attention over the cache in one op; the output projection."""
+        write and attention over the cache in one op; the output projection (under tensor
+        parallelism its partial sums, all-reduced unless ``reduce`` is False)."""
         ops = batch.ops
         qkv = ops.linear(h, self.qkv_weight, self.qkv_bias)
         out = ops.rope_cache_attention(
@@ -333,8 +334,8 @@ class Attention(nn.Module):
             None if self.k_norm is None else self.k_norm.weight,
             0.0 if self.q_norm is None else self.q_norm.eps,
         )
-        return self.tp.all_reduce(
-            ops.linear(out.view(h.shape[0], self.q_size), self.o_weight, self.o_bias))
+        out = ops.linear(out.view(h.shape[0], self.q_size), self.o_weight, self.o_bias)
+        return self.tp.all_reduce(out) if reduce else out
 
 
 class MLP(nn.Module):
@@ -362,9 +363,10 @@ class MLP(nn.Module):
                                          self.batch_invariant))
 
 
-    def forward_flat(self, h: torch.Tensor, ops: ModelOps) -> torch.Tensor:
+    def forward_flat(self, h: torch.Tensor, ops: ModelOps, reduce: bool = True) -> torch.Tensor:
         act = ops.linear_silu_mul(h, self.gate_up_weight, self.gate_up_bias)
-        return self.tp.all_reduce(ops.linear(act, self.down_weight, self.down_bias))
+        out = ops.linear(act, self.down_weight, self.down_bias)
+        return self.tp.all_reduce(out) if reduce else out
 
 
 def input_norm_flat(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
@@ -393,16 +395,24 @@ class DecoderLayer(nn.Module):
         return x.add_(self.mlp(self.post_attn_norm(x)))
 
     def forward_flat(self, x: torch.Tensor, residual: torch.Tensor | None, batch: FlatBatch,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, partial: bool = False,
+                     defer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on the flat layout, the residual adds fused into the norms: takes the
         previous layer's output x and the residual stream before it (None at layer 0: x is the
-        embedding), returns this layer's output and the stream before it."""
-        ops = batch.ops
-        h, residual = input_norm_flat(self.input_norm, x, residual, ops)
-        attn = self.attn.forward_flat(h, batch, k_cache, v_cache)
-        h = ops.rms_norm(attn, self.post_attn_norm.weight, self.post_attn_norm.eps, residual)
-        return self.mlp.forward_flat(h, ops), residual
+        embedding), returns this layer's output and the stream before it.
+
+        Under tensor parallelism (``TensorParallel.defers_reduction``): with ``partial`` x is
+        the previous layer's partial sums, all-reduced inside this layer's input norm; with
+        ``defer`` this layer's projections leave partial sums the same way (its output too)."""
+        ops, tp = batch.ops, self.tp
+        if partial:
+            h = tp.reduce_rms_norm(x, self.input_norm.weight, self.input_norm.eps, residual)
+        else:
+            h, residual = input_norm_flat(self.input_norm, x, residual, ops)
+        attn = self.attn.forward_flat(h, batch, k_cache, v_cache, reduce=not defer)
+        norm = tp.reduce_rms_norm if defer else ops.rms_norm
+        h = norm(attn, self.post_attn_norm.weight, self.post_attn_norm.eps, residual)
+        return self.mlp.forward_flat(h, ops, reduce=not defer), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -478,12 +488,20 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         captured: dict[int, torch.Tensor] = {}
         layers = self.layers if num_layers is None else self.layers[:num_layers]
+        defer = self.tp.defers_reduction(x)
+        pending = False  # x holds partial sums (``DecoderLayer.forward_flat``)
         for i, (layer, k_cache, v_cache) in enumerate(zip(layers, k_caches, v_caches)):
             if i in capture_layers:  # the stream entering layer i: x plus the residual before it
+                if pending:
+                    x, pending = self.tp.all_reduce(x), False
                 captured[i] = x.clone() if residual is None else x + residual
-            x, residual = layer.forward_flat(x, residual, batch, k_cache, v_cache)
+            x, residual = layer.forward_flat(x, residual, batch, k_cache, v_cache, pending,
+                                             defer)
+            pending = defer
         if residual is None:  # no layer ran
             out = batch.ops.rms_norm(x, self.norm.weight, self.norm.eps)
+        elif pending:
+            out = self.tp.reduce_rms_norm(x, self.norm.weight, self.norm.eps, residual)
         else:
             out = batch.ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)
         if not capture_layers:

@@ -77,6 +77,66 @@ class PeerAllReduce:
         return x
 
 
+class PeerReduceNorm:
+    """The all-reduce of a row-parallel projection fused with the residual add and RMSNorm that
+    follow it (``ops.triton_peer``): one kernel and one cross-GPU barrier where NCCL or
+    ``PeerAllReduce`` plus the norm take three kernels. For partial sums of up to
+    ``HALF_BYTES`` (a decode or verify step); larger ones take the unfused path, which gives
+    the same bits at two ranks (two partials, one rounding either way)."""
+
+    HALF_BYTES = 2 << 20
+
+    def __init__(self, group: Any, device: torch.device) -> None:
+        from verispec.ops import triton_peer  # imports triton: only on CUDA
+
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.flags_offset = 2 * self.HALF_BYTES
+        size = self.flags_offset + self.world * triton_peer.PROGRAMS * 4
+        self.buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(self.buffer, group)
+        shift = self.buffer.data_ptr() - handle.buffer_ptrs[self.rank]
+        self.bases = torch.tensor([p + shift for p in handle.buffer_ptrs], dtype=torch.int64,
+                                  device=device)
+        self.counters = torch.zeros(triton_peer.PROGRAMS + 1, dtype=torch.int32,
+                                    device=device)
+        self.buffer.zero_()
+        torch.cuda.synchronize(device)
+        dist.barrier(group)
+        self._op = triton_peer.peer_reduce_rms_norm
+
+    @classmethod
+    def create(cls, group: Any, device: torch.device, dtype: torch.dtype
+               ) -> PeerReduceNorm | None:
+        """One for ``group``, checked on a probe (every rank's rows summed), or None where
+        peer-to-peer symmetric memory or the kernel is unavailable."""
+        try:
+            fused = cls(group, device)
+            rank, world = fused.rank, fused.world
+            hidden = 256
+            x = torch.full((3, hidden), float(rank + 1), dtype=dtype, device=device)
+            residual = torch.zeros_like(x)
+            weight = torch.ones(hidden, dtype=dtype, device=device)
+            for _ in range(3):  # both halves of the buffer
+                residual.zero_()
+                fused(x, weight, 1e-6, residual)
+            torch.cuda.synchronize(device)
+            expected = world * (world + 1) / 2
+            if not (bool((residual == expected).all()) and int(fused.counters[-1]) == 0):
+                return None
+            return fused
+        except Exception:  # noqa: BLE001 - no peer access, no Triton: the unfused path
+            return None
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and x.numel() * x.element_size() <= self.HALF_BYTES
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor) -> torch.Tensor:
+        return self._op(x, residual, weight, eps, self.bases, self.counters, self.rank,
+                        self.world, self.HALF_BYTES, self.flags_offset)
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's place in a tensor-parallel group (``size`` 1: no parallelism)."""
@@ -85,6 +145,7 @@ class TensorParallel:
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup; None = the default group
     peer: PeerAllReduce | None = None  # small all-reduces over peer-to-peer loads (CUDA)
+    fused: PeerReduceNorm | None = None  # small all-reduces fused with the next norm (CUDA)
 
     @property
     def enabled(self) -> bool:
@@ -148,6 +209,18 @@ class TensorParallel:
             return x.copy_(wide)
         dist.all_reduce(x, group=self.group)
         return x
+
+    def defers_reduction(self, x: torch.Tensor) -> bool:
+        """Whether a row-parallel projection's partial sums ``x`` [T, hidden] go unreduced to
+        ``reduce_rms_norm`` (the fused kernel takes them), rather than through ``all_reduce``.
+        The same answer for every projection of a forward."""
+        return self.fused is not None and self.fused.fits(x)
+
+    def reduce_rms_norm(self, partial: torch.Tensor, weight: torch.Tensor, eps: float,
+                        residual: torch.Tensor) -> torch.Tensor:
+        """``ops.rms_norm(all_reduce(partial), weight, eps, residual)`` in one kernel (see
+        ``defers_reduction``); residual updated in place."""
+        return self.fused(partial, weight, eps, residual)
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """[..., shard] -> [..., vocab_size]: every rank's vocabulary slice, in rank order."""

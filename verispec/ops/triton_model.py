@@ -52,21 +52,32 @@ ATTENTION_BLOCK_KV = 64  # keys per step of the online softmax (part of the redu
 
 
 @triton.jit
+def rms_norm_row(x, res_row_ptr, w_ptr, out_row_ptr, cols, mask, H, eps,
+                 HAS_RESIDUAL: tl.constexpr):
+    """One row: with a residual, residual += x (one rounding) and the norm of the new
+    residual; the norm rounded to x's dtype, then scaled (as HF). Shared with the
+    tensor-parallel kernel that fuses the all-reduce before it (``triton_peer``), so both give
+    the same bits."""
+    if HAS_RESIDUAL:
+        r = tl.load(res_row_ptr + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_row_ptr + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (xf * rstd).to(x.dtype).to(tl.float32) * w
+    tl.store(out_row_ptr + cols, y.to(out_row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, stride_out, H, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # residual += x, one rounding
-        tl.store(res_ptr + row * stride_res + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (xf * rstd).to(x.dtype).to(tl.float32) * w  # rounded, then scaled (as HF)
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    rms_norm_row(x, res_ptr + row * stride_res, w_ptr, out_ptr + row * stride_out, cols, mask,
+                 H, eps, HAS_RESIDUAL)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
