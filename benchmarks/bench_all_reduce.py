@@ -83,7 +83,7 @@ def main() -> None:
     rows_out = []
     for hidden in [int(h) for h in args.hidden.split(",")]:
         for rows in [int(r) for r in args.rows.split(",")]:
-            if rows * hidden * 2 > PeerReduceNorm.HALF_BYTES:
+            if rows * hidden * 2 > min(PeerReduceNorm.HALF_BYTES, PeerAllReduce.MAX_BYTES):
                 continue
             g = torch.Generator(device=device).manual_seed(1000 * rank + rows)
             x = torch.randn(rows, hidden, generator=g, device=device, dtype=dtype)
@@ -104,6 +104,8 @@ def main() -> None:
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
             row["same_bits"] = bool(flags.item())
             rows_out.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
     torch.cuda.synchronize()
     timed_out = int(fused.counters[-1].item())
     if rank == 0:

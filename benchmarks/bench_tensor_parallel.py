@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
+import queue as queue_module
 import sys
 import time
+import traceback
 
 import torch
 
@@ -103,34 +106,76 @@ def decode(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[dict, l
 
 def run_config(rows: list, label: str, model_dir: str, tp: int, args, spec,
                bandwidth, all_reduce: str = "") -> None:
+    """One engine's rows, measured in a process of its own (its ranks' process group goes
+    with it: closing a CUDA tensor-parallel engine can hang in NCCL's teardown, see
+    docs/design.md §14)."""
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_run_config_child,
+                            args=(queue, label, model_dir, tp, args, spec, bandwidth,
+                                  all_reduce))
+    child.start()
+    while True:
+        try:
+            row = queue.get(timeout=1.0)
+        except queue_module.Empty:
+            if not child.is_alive():
+                break
+            continue
+        if row is None:
+            break
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    child.join(30)
+    if child.is_alive():
+        child.kill()
+    if child.exitcode not in (0, None):
+        print(f"{label} TP={tp}: the engine's process exited with code {child.exitcode}",
+              flush=True)
+
+
+def _run_config_child(queue, label, model_dir, tp, args, spec, bandwidth, all_reduce) -> None:
+    rows: list = []
+    try:
+        measure_config(rows, queue, label, model_dir, tp, args, spec, bandwidth, all_reduce)
+    except BaseException as e:  # noqa: BLE001 - reported here, the next config runs
+        traceback.print_exc()
+        print(f"{label} TP={tp}: {type(e).__name__}: {e}", flush=True)
+    finally:
+        queue.put(None)
+        queue.close()
+        queue.join_thread()
+        sys.stdout.flush()
+        os._exit(0)  # no teardown: the spawned ranks exit with this process
+
+
+def measure_config(rows: list, queue, label: str, model_dir: str, tp: int, args, spec,
+                   bandwidth, all_reduce: str = "") -> None:
     if all_reduce:
         os.environ[ALL_REDUCE_ENV] = all_reduce
     llm, startup = make_llm(model_dir, tp, args, spec)
-    try:
-        weights = rank_weight_bytes(llm)
-        pool = llm.kv_plan
-        prompts = bench_gpu_e2e.random_prompts(args.batch, 128256, seed=1, length=PROMPT_LEN)
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
-        for batch in args.batch_sizes:
-            row, _ = decode(llm, prompts[:batch], args.max_tokens)
-            step_s = weights / bandwidth
-            row.update(run=label, tp=tp, all_reduce=all_reduce or "-", startup_s=startup,
-                       rank_weight_gb=weights / 1e9, roofline_tok_s=batch / step_s,
-                       kv_tokens=pool.num_blocks * pool.block_size)
-            row["roofline_pct"] = 100 * row["decode_tok_s"] / row["roofline_tok_s"]
-            if batch == 1 and spec is None:
-                alone = [llm.generate([p], SamplingParams(
-                    temperature=0.0, max_tokens=32, ignore_eos=True))[0].token_ids
-                         for p in prompts[:4]]
-                batched = [o.token_ids for o in llm.generate(prompts[:4], SamplingParams(
-                    temperature=0.0, max_tokens=32, ignore_eos=True))]
-                row["alone_eq_batched"] = alone == batched
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    finally:
-        llm.close()
-        del llm
-        bench_gpu_e2e.free_memory(torch.device("cuda"))
+    weights = rank_weight_bytes(llm)
+    pool = llm.kv_plan
+    prompts = bench_gpu_e2e.random_prompts(args.batch, 128256, seed=1, length=PROMPT_LEN)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
+    for batch in args.batch_sizes:
+        row, _ = decode(llm, prompts[:batch], args.max_tokens)
+        step_s = weights / bandwidth
+        path = ("fused" if llm._tp.fused is not None else
+                "peer" if llm._tp.peer is not None else "nccl") if tp > 1 else "-"
+        row.update(run=label, tp=tp, all_reduce=path, startup_s=startup,
+                   rank_weight_gb=weights / 1e9, roofline_tok_s=batch / step_s,
+                   kv_tokens=pool.num_blocks * pool.block_size)
+        row["roofline_pct"] = 100 * row["decode_tok_s"] / row["roofline_tok_s"]
+        if batch == 1 and spec is None:
+            alone = [llm.generate([p], SamplingParams(
+                temperature=0.0, max_tokens=32, ignore_eos=True))[0].token_ids
+                     for p in prompts[:4]]
+            batched = [o.token_ids for o in llm.generate(prompts[:4], SamplingParams(
+                temperature=0.0, max_tokens=32, ignore_eos=True))]
+            row["alone_eq_batched"] = alone == batched
+        rows.append(row)
+        queue.put(row)
 
 
 def add_speedups(rows: list) -> None:

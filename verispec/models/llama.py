@@ -383,6 +383,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.attn = Attention(config, dtype, tp)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)

@@ -41,7 +41,8 @@ def _peer_reduce_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, bases_ptr, counters
                              M, H, stride_x, stride_res, stride_out, eps, half_bytes,
                              flags_offset, max_polls,
                              RANK: tl.constexpr, WORLD: tl.constexpr, PROGRAMS: tl.constexpr,
-                             ITEMSIZE: tl.constexpr, BLOCK: tl.constexpr):
+                             ITEMSIZE: tl.constexpr, BLOCK: tl.constexpr,
+                             ALIGN: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -55,7 +56,7 @@ def _peer_reduce_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, bases_ptr, counters
     for row in range(pid, M, PROGRAMS):
         part = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         dst = (my_base + half + row * row_bytes).to(tl.pointer_type(dtype))
-        tl.store(dst + cols, part, mask=mask)
+        tl.store(tl.multiple_of(dst + cols, ALIGN), part, mask=mask)
     tl.debug_barrier()  # every thread's rows written before the flag goes up
     # 2. the barrier with program pid of every peer
     for r in tl.static_range(WORLD):
@@ -84,7 +85,9 @@ def _peer_reduce_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, bases_ptr, counters
             else:
                 src = (tl.load(bases_ptr + r) + half + row * row_bytes).to(
                     tl.pointer_type(dtype))
-                part = tl.load(src + cols, mask=mask, other=0.0, volatile=True)
+                # 16-byte aligned (buffer base, rows of H % 8 == 0 elements): vector loads
+                part = tl.load(tl.multiple_of(src + cols, ALIGN), mask=mask, other=0.0,
+                               volatile=True)
             acc += part.to(tl.float32)
         rms_norm_row(acc.to(dtype), res_ptr + row * stride_res, w_ptr,
                      out_ptr + row * stride_out, cols, mask, H, eps, True)
@@ -113,5 +116,6 @@ def peer_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.
         x2, res, weight, out, bases, counters, x2.shape[0], H, x2.stride(0), res.stride(0),
         out.stride(0), eps, half_bytes, flags_offset, max_polls,
         RANK=rank, WORLD=world, PROGRAMS=PROGRAMS, ITEMSIZE=x.element_size(), BLOCK=block,
+        ALIGN=16 // x.element_size() if (H * x.element_size()) % 16 == 0 else 1,
         num_warps=min(16, max(1, block // 256)))
     return out.view(x.shape)
