@@ -168,6 +168,12 @@ class Request:
         return self._token_buf[: self.num_tokens]
 
     @property
+    def grammar(self):
+        """Its structured output's matcher (``GrammarMatcher``), or None: what a proposer drafts
+        under (the engine syncs it to the committed output before each propose)."""
+        return None if self.options is None else self.options.grammar
+
+    @property
     def prompt_token_ids(self) -> list[int]:
         return self._token_buf[: self.num_prompt_tokens].tolist()
 
