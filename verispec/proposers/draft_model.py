@@ -70,7 +70,6 @@ from verispec.models.loader import load_model
 from verispec.ops import tree
 from verispec.ops.rejection import PLACEHOLDER_TOKEN_ID
 from verispec.ops.tree import StaticTree
-from verispec.proposers.grammar_walk import GrammarWalks
 from verispec.proposers.base import (
     DraftProposal,
     ProposalRequest,
@@ -79,6 +78,7 @@ from verispec.proposers.base import (
     matmul_weights,
     register_proposer,
 )
+from verispec.proposers.grammar_walk import GrammarWalks
 from verispec.runtime.cuda_graphs import StepInput
 from verispec.runtime.model_runner import ModelRunner
 from verispec.runtime.tree_verify import commit_tree_path
