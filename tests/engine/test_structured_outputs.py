@@ -20,12 +20,12 @@ from __future__ import annotations
 import json
 import re
 
-import jsonschema
 import pytest
 
 from tests.models.utils import copy_bundled_tokenizer, requires_bundled, save_tiny_model
 from verispec import LLM, SamplingParams, StructuredOutputsParams
 
+jsonschema = pytest.importorskip("jsonschema")  # a test extra (pyproject): skip where absent
 pytestmark = requires_bundled
 
 MAX_MODEL_LEN = 256
