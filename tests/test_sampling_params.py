@@ -49,6 +49,8 @@ def test_defaults_and_flags():
         ({"min_tokens": -1}, r"min_tokens .*-1"),
         ({"min_tokens": 17}, r"min_tokens .*max_tokens=16.*17"),
         ({"n": 0}, r"n must .*got 0"),
+        ({"n": 3, "best_of": 2}, r"best_of .*n=3.*got 2"),
+        ({"best_of": 1.5}, r"best_of .*1\.5"),
     ],
 )
 def test_invalid_values(kwargs, pattern):

@@ -94,7 +94,7 @@ SAMPLING_HELP = {
 }
 # SamplingParams fields with no flag: their results are returned by the Python API and the
 # server (``verispec serve``), and the terminal commands have no place to show them.
-SAMPLING_API_ONLY = ("logprobs", "n")
+SAMPLING_API_ONLY = ("logprobs", "n", "best_of")
 # Repeatable flags: SamplingParams field -> the type of one value (None when never given).
 SAMPLING_LISTS = {"stop": str, "stop_token_ids": int, "allowed_token_ids": int,
                   "bad_words": str}

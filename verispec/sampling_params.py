@@ -82,7 +82,10 @@ class SamplingParams:
     subtracts the token's count in the output times itself and ``presence_penalty`` (in
     [-2, 2]) itself once for every token the output holds. ``n`` samples of the prompt are
     generated (sample j with ``seed + j`` when a seed is given), each a request of its own that
-    reuses the first sample's prompt blocks (``RequestOutput.outputs``).
+    reuses the first sample's prompt blocks (``RequestOutput.outputs``). ``best_of`` (None =
+    ``n``; at least ``n``) generates that many samples and returns the ``n`` with the highest
+    cumulative log probability (the sum of their tokens' log probabilities under the processed
+    distribution, ``CompletionOutput.cumulative_logprob``), best first: vLLM's meaning.
 
     ``prompt_logprobs`` N returns, for every prompt token after the first, its log probability
     given the tokens before it and those of the N most likely tokens there (vLLM's meaning:
@@ -111,6 +114,7 @@ class SamplingParams:
     bad_words: Sequence[str] | None = None
     min_tokens: int = 0
     n: int = 1
+    best_of: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -211,6 +215,15 @@ class SamplingParams:
                              f"got {so!r:.200}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of)
+                                         or not self.n <= self.best_of <= MAX_N):
+            raise ValueError(f"best_of must be None or an integer in [n, {MAX_N}] (n={self.n}),"
+                             f" got {self.best_of!r}")
+
+    @property
+    def num_samples(self) -> int:
+        """Samples generated for the prompt: ``best_of``, or ``n``."""
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def greedy(self) -> bool:

@@ -3,6 +3,8 @@
 Strategy: exact properties on the tiny random models of the preemption tests.
 - Sample j of a seeded request with ``n`` is the request with ``seed + j`` alone (vLLM's rule),
   with and without speculation; samples 1.. reuse sample 0's prompt blocks (prefix-cache hits).
+- ``best_of``: the n returned are the n of highest cumulative logprob among the best_of samples
+  of the same seed (with and without speculation), best first, without logprobs unless asked.
 - Prompt logprobs of token t equal the logprobs a one-token request over the first t tokens
   reports for that token (temperature 1, no mask: the raw distribution), the same with chunked
   prefill, with a warm prefix cache and under speculation.
@@ -52,6 +54,27 @@ def test_sample_j_is_the_request_with_seed_plus_j(target_dir, spec):
             assert sample.token_ids == alone.token_ids, j
             assert sample.logprobs == alone.logprobs
         assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+
+
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_best_of_returns_the_n_most_likely_samples(target_dir, spec):
+    llm = engine(target_dir, None if spec is None else speculative_config(spec, None, None))
+    prompt = workload()[0]
+    common = dict(temperature=1.0, seed=5, max_tokens=10, ignore_eos=True)
+    every = llm.generate(prompt, SamplingParams(n=6, logprobs=0, **common))[0].outputs
+    cumulative = [o.cumulative_logprob for o in every]
+    assert cumulative == [math.fsum(lp[t] for t, lp in zip(o.token_ids, o.logprobs))
+                          for o in every]
+    best = sorted(range(6), key=lambda j: -cumulative[j])[:2]
+    out = llm.generate(prompt, SamplingParams(n=2, best_of=6, **common))[0]
+    assert [o.index for o in out.outputs] == [0, 1]
+    assert [o.token_ids for o in out.outputs] == [every[j].token_ids for j in best]
+    assert [o.cumulative_logprob for o in out.outputs] == [cumulative[j] for j in best]
+    assert out.logprobs is None and all(o.logprobs is None for o in out.outputs)
+    assert out.token_ids == out.outputs[0].token_ids
+    asked = llm.generate(prompt, SamplingParams(n=2, best_of=6, logprobs=1, **common))[0]
+    assert [o.token_ids for o in asked.outputs] == [o.token_ids for o in out.outputs]
+    assert asked.outputs[0].logprobs is not None
 
 
 def test_samples_share_the_prompt_blocks(target_dir):

@@ -13,6 +13,13 @@ distribution: the target row masked by a fresh matcher that consumed output + pr
 the grammar must never appear. The draft rows push tokens the grammar refuses at some positions
 (z, x too early, EOS), so drafts leave the grammar and are rejected. Greedy targets must emit the
 masked argmax.
+
+Grammar-aware drafting ("guided"): the draft logits of position i are masked by the matcher
+walked along d_1..d_i (``ops.options.apply_token_bitmask``, as ``proposers.grammar_walk`` does)
+before the real draft sampler draws d_{i+1}, and the rejection sampler gets that masked q. Every
+draft is then inside the grammar and the same chi-square tests must pass; a greedy target with
+guided greedy drafts emits the masked argmax, and the walk of ``GrammarMatcher`` gives the masks
+``masks`` gives for the same drafts.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from tests.sample.stats import (
 from verispec import ops
 from verispec.engine.request import Request
 from verispec.ops.backend import load_backend
+from verispec.ops.options import apply_token_bitmask
 from verispec.sample.grammar import GrammarCompiler
 from verispec.sample.options import RequestOptions, SamplingOptions
 from verispec.sampling_params import SamplingParams, StructuredOutputsParams
@@ -108,7 +116,7 @@ def target_and_draft_logits(drafts: str) -> tuple[np.ndarray, np.ndarray]:
     target = rng.normal(size=(K + 1, V)) * 1.5
     target[:, list(FAVOURED)] += 1.5
     draft = target[:K] + rng.normal(size=(K, V)) * 0.8
-    if drafts == "sampled":
+    if drafts in ("sampled", "guided"):
         draft[:, list(FAVOURED)] += 1.0
     else:
         draft[np.arange(K), GREEDY_DRAFTS[drafts]] += 20.0
@@ -133,6 +141,8 @@ def run(drafts: str, num_requests: int, temperature: float = 1.0,
             draft_ids, q = ops.sample_draft(
                 draft.repeat(batch, 1), torch.full((batch * K,), max(temperature, 1e-3)),
                 seeds.repeat_interleave(K), (positions[:, None] + torch.arange(K)).reshape(-1))
+        elif drafts == "guided":
+            draft_ids, q = guided_drafts(request, draft, batch, temperature, seeds, positions)
         else:
             draft_ids, q = draft.argmax(-1).repeat(batch), None
         logits = options.process(target.repeat(batch, 1), [request] * batch,
@@ -143,13 +153,33 @@ def run(drafts: str, num_requests: int, temperature: float = 1.0,
     return np.concatenate(outputs)
 
 
+def guided_drafts(request, draft: torch.Tensor, batch: int, temperature: float,
+                  seeds: torch.Tensor, positions: torch.Tensor):
+    """[batch * K] drafts and [batch * K, V] q drawn by the real draft sampler from the draft
+    rows masked, per request, by the matcher walked along its drafts so far (one walk per
+    distinct prefix: the masks depend on the drafts only through it)."""
+    grammar = request.options.grammar
+    grammar.sync(request.output_token_ids)
+    ids = torch.zeros(batch, K, dtype=torch.int64)
+    q = torch.zeros(batch, K, V)
+    for i in range(K):
+        prefixes = [tuple(row) for row in ids[:, :i].tolist()]
+        masks = {p: grammar.masks(list(p))[i] for p in set(prefixes)}
+        logits = draft[i].repeat(batch, 1)
+        apply_token_bitmask(logits, torch.arange(batch),
+                            torch.from_numpy(np.stack([masks[p] for p in prefixes])))
+        ids[:, i], q[:, i] = ops.sample_draft(
+            logits, torch.full((batch,), temperature), seeds, positions + i)
+    return ids.reshape(-1), None if temperature == 0 else q.reshape(batch * K, V)
+
+
 def reference(drafts: str, column: int, prefix: tuple[int, ...]) -> np.ndarray:
     target, _ = target_and_draft_logits(drafts)
     z = np.where(allowed(OUTPUT + list(prefix)), target[column], -np.inf)
     return reference_probs(z)
 
 
-@pytest.mark.parametrize("drafts", ["sampled", "valid", "invalid"])
+@pytest.mark.parametrize("drafts", ["sampled", "guided", "valid", "invalid"])
 def test_each_position_follows_one_token_at_a_time(drafts):
     out = run(drafts, NUM_REQUESTS)
     groups = defaultdict(list)
@@ -168,13 +198,15 @@ def test_each_position_follows_one_token_at_a_time(drafts):
     assert any(column >= (1 if drafts == "invalid" else 2) for column, _ in results)
     if drafts == "invalid":  # "z" after "b" is outside: never accepted
         assert not (out[:, 2] >= 0).any()
+    if drafts == "guided":  # every draft inside the grammar: more of them accepted
+        assert (out >= 0).sum() > (run("sampled", NUM_REQUESTS // 3) >= 0).sum() * 3
     record(f"grammar_{drafts}", NUM_REQUESTS, [p for _, p in results.values()])
     for (column, prefix), (n, p) in results.items():
         assert p >= P_VALUE_THRESHOLD, f"{drafts}: position {column} after {prefix} ({n}): {p}"
 
 
 def test_greedy_target_emits_the_masked_argmax():
-    for drafts in ("sampled", "valid", "invalid"):
+    for drafts in ("sampled", "guided", "valid", "invalid"):
         out = run(drafts, 300, temperature=0.0)
         for column in range(K + 1):
             for row in out[out[:, column] >= 0]:
@@ -198,6 +230,25 @@ def test_matcher_follows_the_committed_tokens_only():
         allowed([1, 27])).tolist()
 
 
+def test_the_drafting_walk_gives_the_verify_masks():
+    """begin_draft / extend_draft give the masks ``masks`` gives for the same drafts (inside the
+    grammar and leaving it), keep them for the verify step and roll the matcher back."""
+    for drafts in ([27, 24, 5], [2, 26, 5], [2, 3], []):
+        request = make_request(1.0)
+        grammar = request.options.grammar
+        grammar.sync(request.output_token_ids)
+        walked = [grammar.begin_draft()] + [grammar.extend_draft(t) for t in drafts]
+        grammar.end_draft()
+        fresh = make_request(1.0).options.grammar
+        fresh.sync(request.output_token_ids)
+        want = fresh.masks(drafts)
+        assert np.array_equal(np.stack(walked), want), drafts
+        assert grammar.masks(drafts) is grammar._memo[tuple(drafts)]
+        assert np.array_equal(grammar.masks([]), fresh.masks([]))  # rolled back
+        assert grammar.num_valid(drafts) == {(27, 24, 5): 3, (2, 26, 5): 1}.get(
+            tuple(drafts), len(drafts))
+
+
 def test_triton_backend_gives_the_same_tokens():
-    for drafts in ("sampled", "invalid"):
+    for drafts in ("sampled", "guided", "invalid"):
         assert np.array_equal(run(drafts, 32, backend="triton"), run(drafts, 32))

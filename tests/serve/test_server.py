@@ -21,7 +21,6 @@ import asyncio
 import json
 
 import httpx
-import openai
 import pytest
 import torch
 
@@ -29,6 +28,7 @@ from tests.models.utils import copy_bundled_tokenizer, requires_bundled, save_ti
 from tests.serve.utils import RunningServer
 from verispec import LLM, SamplingParams
 
+openai = pytest.importorskip("openai")  # a test extra (pyproject): skip where absent
 pytestmark = requires_bundled
 
 MAX_MODEL_LEN = 2048

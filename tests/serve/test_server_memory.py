@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 
-import openai
+import pytest
 
 from tests.models.utils import copy_bundled_tokenizer, requires_bundled, save_tiny_model
 from tests.serve.utils import RunningServer
 from verispec import LLM, SamplingParams
 
+openai = pytest.importorskip("openai")  # a test extra (pyproject): skip where absent
 pytestmark = requires_bundled
 
 MAX_MODEL_LEN = 128

@@ -10,7 +10,11 @@ Strategy: the tiny random Llama of ``test_server`` served with n-gram speculatio
   local-completions``: token-id prompts, ``echo``, ``logprobs=1``, ``max_tokens=1``,
   temperature 0) returns the prompt's token logprobs (None first) equal with and without
   speculation and equal to HF transformers' log-softmax; ``max_tokens=0`` returns the prompt
-  alone.
+  alone. Its generate-until request (token-id prompts in one list, ``stop``, greedy) gives
+  each prompt's ``LLM.generate`` text, in prompt order.
+- ``best_of`` (completions) returns the ``n`` samples ``LLM.generate`` returns for the same
+  ``best_of``, ``n`` and seed (the most likely first), without logprobs unless asked; ``best_of``
+  < ``n`` and ``best_of`` > ``n`` with ``stream`` are 400s naming ``best_of``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ import math
 import re
 
 import httpx
-import jsonschema
 import pytest
 import torch
 
@@ -37,6 +40,7 @@ from tests.serve.test_server import (
 from tests.serve.utils import RunningServer
 from verispec import LLM, SamplingParams
 
+jsonschema = pytest.importorskip("jsonschema")  # a test extra (pyproject): skip where absent
 pytestmark = requires_bundled
 
 
@@ -181,3 +185,46 @@ def test_response_format_and_structured_outputs(spec_server):
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == param and text in error["message"], error
+
+
+def test_generate_until_as_lm_eval_sends_it(spec_server, oracle):
+    tokenizer = oracle.tokenizer
+    texts = ["Q: What is 2 plus 2?\nA:", PROMPT, "Q: What colour is snow?\nA:"]
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    response = httpx.post(spec_server.url + "/v1/completions", timeout=60, json={
+        "model": MODEL_NAME, "prompt": ids, "max_tokens": 16, "temperature": 0,
+        "stop": ["\n"], "seed": 1234})
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    for c, prompt in zip(choices, ids):
+        want = oracle.generate(prompt, SamplingParams(
+            temperature=0.0, max_tokens=16, stop=["\n"], seed=1234))[0]
+        assert c["text"] == want.text and "\n" not in c["text"]
+
+
+def test_best_of_returns_the_best_samples(spec_server, oracle):
+    api = client(spec_server)
+    common = dict(max_tokens=8, temperature=0.9, seed=11)
+    response = api.completions.create(model=MODEL_NAME, prompt=[PROMPT, "Once upon a time"],
+                                      n=2, best_of=4, **common)
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    for p, prompt in enumerate([PROMPT, "Once upon a time"]):
+        want = oracle.generate(prompt, SamplingParams(n=2, best_of=4, **common))[0].outputs
+        got = response.choices[2 * p: 2 * p + 2]
+        assert [c.text for c in got] == [o.text for o in want]
+        assert all(c.logprobs is None for c in got)
+    assert response.usage.completion_tokens == sum(len(o.token_ids) for prompt in [
+        PROMPT, "Once upon a time"] for o in oracle.generate(prompt, SamplingParams(
+            n=4, **common))[0].outputs)
+    asked = api.completions.create(model=MODEL_NAME, prompt=PROMPT, n=1, best_of=3, logprobs=1,
+                                   **common)
+    assert len(asked.choices) == 1 and len(asked.choices[0].logprobs.tokens) > 0
+    for fields, text in (({"n": 3, "best_of": 2}, "best_of must be"),
+                         ({"best_of": 2, "stream": True}, "cannot be streamed")):
+        response = httpx.post(spec_server.url + "/v1/completions", timeout=60,
+                              json=dict(model=MODEL_NAME, prompt=PROMPT, **fields))
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "best_of" and text in error["message"], error
+

@@ -327,9 +327,9 @@ class LLM(StepLoop):
         where ``several``) it is sample 0 and ``request.samples`` lists all n
         (``engine.samples``)."""
         params = inputs.as_sampling_params(params)
-        if params.n != 1 and not several:
-            raise ValueError(f"n={params.n}: this call makes one request; use generate, or add "
-                             "one request per sample")
+        if params.num_samples != 1 and not several:
+            raise ValueError(f"n={params.n}, best_of={params.best_of}: this call makes one "
+                             "request; use generate, or add one request per sample")
         text, ids = self.encoder.encode(prompt)
         self.encoder.check_params(params, len(ids))
         requests = []
@@ -343,6 +343,8 @@ class LLM(StepLoop):
             self._next_request_id += 1
         if len(requests) > 1:
             requests[0].samples = requests
+            if params.num_samples > params.n:  # best_of: the n best are returned
+                requests[0].best_of = (params.n, params.logprobs is not None)
         return requests[0]
 
     def _new_request(self, request_id: int, text: str | None, ids: Sequence[int],

@@ -59,6 +59,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[dict[int, float]] | None = None
+    # The sum of its tokens' log probabilities, when they were computed (logprobs, best_of).
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -79,6 +81,9 @@ class RequestOutput:
     ``CompletionOutput`` per sample (``SamplingParams.n``), in order; ``text``, ``token_ids``,
     ``finish_reason``, ``logprobs`` and the counters are those of sample 0 (so code written for
     n = 1 reads them directly), and ``finish_reason`` is set once every sample has finished.
+    With ``best_of`` > n, once every sample has finished ``outputs`` holds the n best of them,
+    best first, and ``text``, ``token_ids`` and ``logprobs`` are the best one's (before that,
+    samples 0..n-1 as they stand).
     """
 
     request_id: int
@@ -159,6 +164,8 @@ class Request:
             None if params.prompt_logprobs is None else [None])
         # The samples of its prompt when SamplingParams.n > 1 (itself first), else None.
         self.samples: list[Request] | None = None
+        # With best_of > n (on sample 0): (n, whether the request asked for logprobs).
+        self.best_of: tuple[int, bool] | None = None
         self.metrics = RequestMetrics(time.perf_counter() if arrival_time is None
                                       else arrival_time)
 
@@ -166,6 +173,12 @@ class Request:
     def token_ids(self) -> np.ndarray:
         """[num_tokens] int64 view: the committed tokens."""
         return self._token_buf[: self.num_tokens]
+
+    @property
+    def grammar(self):
+        """Its structured output's matcher (``GrammarMatcher``), or None: what a proposer drafts
+        under (the engine syncs it to the committed output before each propose)."""
+        return None if self.options is None else self.options.grammar
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -9,6 +9,11 @@ prefill is done (``HeldSamples``): its prompt blocks are then published and each
 prefill is a prefix-cache hit over them, so the prompt is computed once and its full blocks are
 shared by the n requests; only the last, partial block is each sample's own.
 
+**best_of.** With ``best_of`` > n, best_of samples are generated as above, each computing its
+tokens' logprobs (``logprobs`` 0 when the request asked for none: the cumulative logprob needs
+them), and the n with the highest cumulative logprob are returned, best first (``best_of``),
+their logprobs dropped where the request asked for none.
+
 **Prompt logprobs.** Computed during the prefill: a prefill chunk of tokens ``[c, c + m)``
 gives the logits of every position, and position t scores prompt token t + 1 under the raw
 distribution ``log_softmax(logits)`` (vLLM's ``prompt_logprobs``). A chunked prefill fills them
@@ -29,15 +34,29 @@ from verispec.sampling_params import SamplingParams
 
 
 def sample_params(params: SamplingParams) -> list[SamplingParams]:
-    """The parameters of each of the ``params.n`` samples (sample 0 first)."""
-    if params.n == 1:
-        return [params]
+    """The parameters of each of the ``params.num_samples`` samples (sample 0 first)."""
+    if params.num_samples == 1:
+        return [dataclasses.replace(params, best_of=None)]
+    # ranking by cumulative logprob needs every sample's logprobs
+    logprobs = 0 if params.logprobs is None and params.num_samples > params.n else params.logprobs
     result = []
-    for j in range(params.n):
+    for j in range(params.num_samples):
         seed = None if params.seed is None else (params.seed + j + 2**63) % 2**64 - 2**63
         result.append(dataclasses.replace(
-            params, n=1, seed=seed, prompt_logprobs=params.prompt_logprobs if j == 0 else None))
+            params, n=1, best_of=None, seed=seed, logprobs=logprobs,
+            prompt_logprobs=params.prompt_logprobs if j == 0 else None))
     return result
+
+
+def cumulative_logprob(token_ids: Sequence[int], logprobs: Sequence[dict[int, float]]) -> float:
+    """The sum of the tokens' log probabilities (``-inf`` for a token the masks removed)."""
+    return float(sum(entry[t] for t, entry in zip(token_ids, logprobs)))
+
+
+def best_of(cumulative: Sequence[float], n: int) -> list[int]:
+    """The indices of the ``n`` highest cumulative logprobs, best first (ties: the earlier
+    sample first)."""
+    return sorted(range(len(cumulative)), key=lambda j: (-cumulative[j], j))[:n]
 
 
 class HeldSamples:

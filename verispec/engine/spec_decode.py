@@ -325,6 +325,7 @@ class SpeculativeDecoder:
             return self._tree_step(batch, sampling)
         self._plan(batch)
         start = time.perf_counter()
+        self.options.sync_grammars(batch)  # proposers draft under the grammar (§15)
         proposal = self.proposer.propose(batch)
         num_drafts = proposal.num_draft_tokens_cpu  # [B] host
         if not num_drafts.any():

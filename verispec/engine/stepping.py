@@ -20,7 +20,7 @@ import torch
 from verispec import ops
 from verispec.engine import inputs
 from verispec.engine.request import CompletionOutput, Request, RequestOutput
-from verispec.engine.samples import fill_prompt_logprobs
+from verispec.engine.samples import best_of, cumulative_logprob, fill_prompt_logprobs
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.spec_decode import SpeculativeDecoder
 from verispec.runtime.cuda_graphs import batch_buckets
@@ -62,13 +62,17 @@ class StepLoop:
             text = inputs.streamable_text(text, request.params.stop)
         request.metrics.num_generated_tokens = len(ids)
         logprobs = None if request.logprobs is None else list(request.logprobs)
-        outputs = [CompletionOutput(0, text, ids, request.finish_reason, logprobs)]
+        cumulative = None if logprobs is None else cumulative_logprob(ids, logprobs)
+        outputs = [CompletionOutput(0, text, ids, request.finish_reason, logprobs, cumulative)]
         finish_reason = request.finish_reason
         if request.samples is not None:
             outputs = [dataclasses.replace(self._output(r).outputs[0], index=j) if j else
                        outputs[0] for j, r in enumerate(request.samples)]
             if not all(o.finished for o in outputs):
                 finish_reason = None
+            if request.best_of is not None:
+                outputs = _best_of(outputs, *request.best_of, finished=finish_reason is not None)
+                text, ids, logprobs = outputs[0].text, outputs[0].token_ids, outputs[0].logprobs
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -245,3 +249,13 @@ class StepLoop:
         if index is not None:
             request.stop_text_len = index
         return index is not None
+
+
+def _best_of(outputs: list[CompletionOutput], n: int, wants_logprobs: bool,
+             finished: bool) -> list[CompletionOutput]:
+    """``best_of`` (``engine.samples``): the n best samples by cumulative logprob once all have
+    finished (else the first n as they stand), renumbered, logprobs kept only if asked for."""
+    chosen = best_of([o.cumulative_logprob for o in outputs], n) if finished else range(n)
+    return [dataclasses.replace(outputs[j], index=i,
+                                logprobs=outputs[j].logprobs if wants_logprobs else None)
+            for i, j in enumerate(chosen)]

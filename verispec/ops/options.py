@@ -88,10 +88,7 @@ def apply_options(logits: torch.Tensor, options: OptionTensors) -> torch.Tensor:
     out = logits.to(torch.float32, copy=True)
     o = options
     if o.grammar_rows is not None:
-        vocab = torch.arange(out.shape[1], device=out.device)
-        words = o.grammar_bitmask[:, vocab >> 5]  # [G, V] int32
-        allowed = ((words >> (vocab & 31)) & 1).bool()  # [G, V]
-        out[o.grammar_rows] = out[o.grammar_rows].masked_fill(~allowed, NEG_INF)
+        apply_token_bitmask(out, o.grammar_rows, o.grammar_bitmask)
     if o.allowed_rows is not None:
         blocked = torch.ones((o.allowed_rows.shape[0], out.shape[1]), dtype=torch.bool,
                              device=out.device)
@@ -110,6 +107,23 @@ def apply_options(logits: torch.Tensor, options: OptionTensors) -> torch.Tensor:
     if o.penalty_rows is not None:
         out[o.penalty_rows] = _penalize(out[o.penalty_rows], o)
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Mask, in place, every token a row's bitmask does not allow: ``logits[rows[g], v] = -inf``
+    unless bit v % 32 of ``bitmask[g, v // 32]`` is set (the grammar masks of structured output;
+    the draft model applies them to its own logits too, docs/design.md §15).
+
+    Parameters
+    ----------
+    logits : [R, V] float, modified in place
+    rows : [G] int64, rows of ``logits``
+    bitmask : [G, ceil(V / 32)] int32
+    """
+    vocab = torch.arange(logits.shape[1], device=logits.device)
+    words = bitmask[:, vocab >> 5]  # [G, V] int32
+    allowed = ((words >> (vocab & 31)) & 1).bool()  # [G, V]
+    logits[rows] = logits[rows].masked_fill(~allowed, NEG_INF)
 
 
 def _penalize(z: torch.Tensor, o: OptionTensors) -> torch.Tensor:

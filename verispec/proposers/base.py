@@ -52,6 +52,10 @@ class ProposalRequest(Protocol):
         ``q = softmax(draft_logits / temperature)``; a greedy request drafts the argmax.
     seed : int
         The request's int64 seed; draft sampling draws ``(seed, position, DRAFT_STREAM)``.
+    grammar : optional
+        Its structured output's matcher (``verispec.sample.grammar.GrammarMatcher``) at the
+        committed output, or None; a request without the attribute has no grammar
+        (``draft_grammar``). Proposers draft only what it allows (docs/design.md §15).
     """
 
     slot: int
@@ -173,6 +177,10 @@ class Proposer(abc.ABC):
     # pairs the target's hidden state at p with it): a prefix-cache hit then keeps only blocks
     # completed before the same next token (runtime.prefix_cache).
     shifted_inputs: bool = False
+    # Whether drafting follows a request's grammar (structured output): the n-gram and
+    # model-based proposers draft only tokens it allows. Exactness never depends on it; a
+    # benchmark turns it off to measure the acceptance it gains.
+    grammar_aware: bool = True
 
     def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
         self.config = config
@@ -194,6 +202,12 @@ class Proposer(abc.ABC):
             ``(draft_token_ids [num_draft_tokens] int64, cu_num_draft_tokens [B + 1] int64 CPU,
             draft_probs [num_draft_tokens, V] float32 | None)``.
         """
+
+    def draft_grammar(self, request: ProposalRequest):
+        """The request's grammar matcher, synced to its committed output, when drafting follows
+        it; else None. ``grammar`` is optional in ``ProposalRequest`` (the requests of tests and
+        benchmarks need not have one), hence the default."""
+        return getattr(request, "grammar", None) if self.grammar_aware else None
 
     def on_commit(  # noqa: B027 - optional hook, no-op by default
         self, slots: Sequence[int], num_committed_tokens: Sequence[int]

@@ -18,6 +18,11 @@ slot's length back to ``min(num_cached_tokens, num_committed_tokens - 1)``: posi
 accepted drafts (identical to the committed tokens), and the recovered or bonus token was never
 fed. When every draft was accepted, the next catch-up feeds ``d_k`` and the bonus token.
 
+A request with structured output drafts under its grammar (``verispec.proposers.grammar_walk``):
+each forward's logits are masked by its matcher walked along the drafts so far before d_{i+1} is
+drawn, so q is the masked distribution, and such a batch drafts eagerly (the captured draft
+masks nothing).
+
 The number of tokens a slot's cache holds is the runner's ``kv_cache.lengths_np[slot]``; nothing
 else keeps count, so the two cannot drift apart.
 
@@ -73,6 +78,7 @@ from verispec.proposers.base import (
     matmul_weights,
     register_proposer,
 )
+from verispec.proposers.grammar_walk import GrammarWalks
 from verispec.runtime.cuda_graphs import StepInput
 from verispec.runtime.model_runner import ModelRunner
 from verispec.runtime.tree_verify import commit_tree_path
@@ -205,7 +211,9 @@ class ModelProposer(Proposer):
         graphs = self.runner.graphs
         if graphs is None or not graphs.fits(self.graph_name, active.size):
             return False
-        return all(len(requests[r].token_ids) >= 2 for r in active)
+        # the captured draft masks nothing: a request with a grammar drafts eagerly under it
+        return all(len(requests[r].token_ids) >= 2 and self.draft_grammar(requests[r]) is None
+                   for r in active)
 
     def _catch_up(self, requests, active: np.ndarray, slots: np.ndarray) -> None:
         """Feed the committed tokens before the last two that a request's cache lacks (its
@@ -380,10 +388,14 @@ class ModelProposer(Proposer):
             seeds = seeds.to(self.device)
         slots_t = torch.from_numpy(slots).to(self.device)
         rows = np.arange(active.size)  # rows of the B_a active requests still drafting
+        # structured output: draft only what each request's grammar allows (grammar_walk)
+        walks = GrammarWalks([self.draft_grammar(requests[r]) for r in active])
         logits = self.runner.forward(slots.tolist(), feeds, "last", self.num_layers)  # [B_a, V]
         for i in range(int(num_drafts.max())):
             row_index = torch.from_numpy(rows).to(self.device)
             row_slots = slots_t if rows.size == active.size else slots_t[row_index]
+            if walks:
+                logits = walks.apply(logits, rows)
             if self.greedy:
                 draft_ids = torch.argmax(logits, dim=-1)  # [rows] d_{i+1}
             else:
@@ -396,6 +408,8 @@ class ModelProposer(Proposer):
                     self.draft_probs_buffer[row_slots, i] = q
             self.draft_token_buffer[row_slots, i] = draft_ids
             keep = num_drafts[rows] > i + 1  # requests that still need d_{i+2}
+            if walks:
+                walks.advance(draft_ids, rows, ~keep)
             if not keep.any():
                 break
             # Feed d_{i+1} to the requests with more drafts to produce. ``ModelRunner.forward``

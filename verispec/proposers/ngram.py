@@ -12,6 +12,14 @@ candidate ends, then each further suffix token filters the survivors (``t_{e-j} 
 The longest surviving length wins, and the survivors stay sorted, so the first one is the
 earliest. A 4 000-token context costs tens of microseconds, so the lookup never shows in a
 profile next to a model forward; it runs on the host, with no device work at all.
+
+Under a grammar (structured output, docs/design.md §15) the proposer drafts only what the
+grammar allows: it tries the matches in the same order of preference (longest n first, earliest
+first; ``ngram_matches``), keeps the longest prefix of each continuation that the request's
+matcher accepts after the committed output, and proposes the first continuation whose k drafts
+are all accepted, else the longest accepted prefix (the most preferred of equal length; possibly
+none). The drafts are still a function of the context, so the one-hot rule stays exact; only
+acceptance changes.
 """
 
 from __future__ import annotations
@@ -79,6 +87,61 @@ def ngram_lookup(
     return token_ids[start : start + max_num_draft_tokens].astype(np.int64, copy=False)
 
 
+# Matches whose continuation is checked against a grammar per request and step (each check is
+# one llguidance validate_tokens over at most k tokens: microseconds).
+MAX_GRAMMAR_CANDIDATES = 16
+
+
+def ngram_matches(token_ids: np.ndarray, prompt_lookup_min: int, prompt_lookup_max: int,
+                  max_num_matches: int) -> np.ndarray:
+    """End indices of the earlier occurrences of the context's suffix, in ``ngram_lookup``'s
+    order of preference: longest n in ``[prompt_lookup_min, prompt_lookup_max]`` first, earliest
+    first among those of one length, each end once. The first is ``ngram_lookup``'s match.
+
+    Returns
+    -------
+    [m] int64, ``m <= max_num_matches``; the drafts of end e are ``token_ids[e + 1: e + 1 + k]``.
+    """
+    num_tokens = token_ids.shape[0]
+    max_n = min(prompt_lookup_max, num_tokens - 1)
+    if max_n < prompt_lookup_min:
+        return _EMPTY
+    ends = np.flatnonzero(token_ids[:-1] == token_ids[-1])
+    by_length = []  # survivors of each length >= prompt_lookup_min, shortest first
+    for n in range(1, max_n + 1):
+        if n > 1:
+            j = n - 1
+            ends = ends[ends >= j]
+            ends = ends[token_ids[ends - j] == token_ids[num_tokens - 1 - j]]
+        if ends.shape[0] == 0:
+            break
+        if n >= prompt_lookup_min:
+            by_length.append(ends)
+    if not by_length:
+        return _EMPTY
+    ordered = np.concatenate(by_length[::-1])
+    _, first = np.unique(ordered, return_index=True)  # each end at its most preferred place
+    return ordered[np.sort(first)][:max_num_matches].astype(np.int64, copy=False)
+
+
+def grammar_drafts(token_ids: np.ndarray, prompt_lookup_min: int, prompt_lookup_max: int,
+                   max_num_draft_tokens: int, grammar) -> np.ndarray:
+    """Prompt-lookup drafts the grammar allows (module docstring): ``grammar.num_valid(drafts)``
+    counts the leading drafts the request's matcher accepts."""
+    if max_num_draft_tokens <= 0:
+        return _EMPTY
+    best = _EMPTY
+    for end in ngram_matches(token_ids, prompt_lookup_min, prompt_lookup_max,
+                             MAX_GRAMMAR_CANDIDATES).tolist():
+        drafts = token_ids[end + 1:end + 1 + max_num_draft_tokens]
+        num_valid = grammar.num_valid(drafts.tolist())
+        if num_valid > best.shape[0]:
+            best = drafts[:num_valid]
+            if num_valid == max_num_draft_tokens:
+                break
+    return best.astype(np.int64, copy=False)
+
+
 @register_proposer("ngram")
 class NgramProposer(Proposer):
     """Prompt lookup on the host; drafts carry no distribution.
@@ -110,7 +173,11 @@ class NgramProposer(Proposer):
         for r, request in enumerate(requests):
             max_num_draft_tokens = min(int(request.max_num_draft_tokens), k)
             draft = _EMPTY
-            if max_num_draft_tokens > 0:
+            grammar = self.draft_grammar(request)
+            if max_num_draft_tokens > 0 and grammar is not None:
+                draft = grammar_drafts(self._context(request), self.prompt_lookup_min,
+                                       self.prompt_lookup_max, max_num_draft_tokens, grammar)
+            elif max_num_draft_tokens > 0:
                 draft = ngram_lookup(
                     self._context(request),
                     self.prompt_lookup_min,

@@ -15,6 +15,14 @@ the mask one-token-at-a-time decoding uses there; it advances only along the dra
 accepts (``validate_tokens``): where d_j is outside the grammar, row j - 1 gives it p = 0 and it
 is rejected, so the rows after it are never reached (they repeat row j - 1's mask). It then
 rolls the drafts back. The drafts are read on the host, once per step that has a grammar.
+
+Grammar-aware drafting. A proposer may draft only what the grammar allows (docs/design.md §15):
+``num_valid`` says how many leading tokens of a candidate draft the grammar accepts (the n-gram
+proposer cuts its drafts there), and ``begin_draft`` / ``extend_draft`` / ``end_draft`` walk the
+matcher along the drafts as a model drafts them, giving the mask at each draft position (the
+draft model masks its own logits with it, so q is the masked, renormalised distribution it
+samples from). ``end_draft`` rolls the matcher back and keeps the masks it computed: they are
+the verify step's masks for those drafts, so ``masks`` does not compute them again.
 """
 
 from __future__ import annotations
@@ -110,6 +118,11 @@ class GrammarMatcher:
         self.num_words = (vocab_size + 31) // 32
         self.num_consumed = 0  # output tokens consumed
         self._memo: dict[tuple[int, ...], np.ndarray] = {}  # drafts -> masks, this output
+        # the walk of begin_draft / extend_draft: drafts, their masks, tokens consumed
+        self._draft_ids: list[int] = []
+        self._draft_masks: list[np.ndarray] = []
+        self._draft_consumed = 0
+        self._draft_left = False  # a draft the grammar refuses was met: masks stay put
 
     def sync(self, output_token_ids: np.ndarray) -> None:
         """Consume the output tokens committed since the last call."""
@@ -143,3 +156,52 @@ class GrammarMatcher:
             m.rollback(valid)
         self._memo[key] = out
         return out
+
+    def _mask(self) -> np.ndarray:
+        """[ceil(V / 32)] int32 bitmask of the matcher where it is."""
+        out = np.empty(self.num_words, dtype=np.int32)
+        self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        return out
+
+    def num_valid(self, drafts: Sequence[int]) -> int:
+        """How many leading tokens of ``drafts`` the grammar allows after the committed output
+        (the matcher stays where it is)."""
+        prefix = list(itertools.takewhile(lambda d: 0 <= d < self.vocab_size, drafts))
+        if not prefix or self.matcher.is_stopped():
+            return 0
+        return self.matcher.validate_tokens(prefix)
+
+    def begin_draft(self) -> np.ndarray:
+        """Start a walk along drafts from the committed output; returns its mask
+        [ceil(V / 32)] int32, the one d_1 is drafted under."""
+        if self._draft_consumed:
+            self.matcher.rollback(self._draft_consumed)
+        self._draft_ids, self._draft_consumed, self._draft_left = [], 0, False
+        self._draft_masks = [self._mask()]
+        return self._draft_masks[0]
+
+    def extend_draft(self, token_id: int) -> np.ndarray:
+        """Advance the walk along the next draft; returns the mask after it (the one the next
+        draft is drafted under). From the first draft the grammar refuses on, the walk stays
+        where it was and repeats its mask (as ``masks`` does: those rows are never reached)."""
+        m = self.matcher
+        if not self._draft_left and 0 <= token_id < self.vocab_size and not m.is_stopped() \
+                and m.validate_tokens([token_id]) == 1:
+            m.consume_token(token_id)
+            self._draft_consumed += 1
+            mask = self._mask()
+        else:
+            self._draft_left = True
+            mask = self._draft_masks[-1]
+        self._draft_ids.append(int(token_id))
+        self._draft_masks.append(mask)
+        return mask
+
+    def end_draft(self) -> None:
+        """End the walk: roll the matcher back to the committed output and keep the walk's
+        masks for the verify step of these drafts (``masks``)."""
+        if self._draft_consumed:
+            self.matcher.rollback(self._draft_consumed)
+        if self._draft_masks:
+            self._memo[tuple(self._draft_ids)] = np.stack(self._draft_masks)
+        self._draft_ids, self._draft_masks, self._draft_consumed = [], [], 0

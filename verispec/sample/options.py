@@ -117,6 +117,14 @@ class SamplingOptions:
         self._owner = np.full(max_num_seqs, -1, dtype=np.int64)  # request id counted per slot
         self._num_counted = np.zeros(max_num_seqs, dtype=np.int64)  # its output tokens counted
 
+    @staticmethod
+    def sync_grammars(batch: Sequence) -> None:
+        """Bring each request's grammar matcher up to its committed output (before a proposer
+        drafts under it; ``build`` does it again for requests that did not draft)."""
+        for r in batch:
+            if r.options is not None and r.options.grammar is not None:
+                r.options.grammar.sync(r.output_token_ids)
+
     def process(self, logits: torch.Tensor, batch: Sequence, num_drafts: np.ndarray | None = None,
                 draft_token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``logits`` [R, V] of a step after each request's options; ``logits`` itself when no

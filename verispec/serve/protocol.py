@@ -6,10 +6,11 @@ ignored. The sampling options are OpenAI's (``presence_penalty``, ``frequency_pe
 ``min_tokens``, ``bad_words``, ``allowed_token_ids``). ``n`` samples per prompt come back as
 ``choices`` with ``index`` = prompt index x n + sample (vLLM's order); ``echo`` puts the prompt
 before the completion (with ``logprobs``, the prompt tokens' logprobs too; with ``max_tokens``
-0 the prompt alone: what lm-evaluation-harness sends for loglikelihood tasks). ``best_of`` and
-``suffix`` are accepted at their neutral value only (1, empty); ``user`` (an end-user id) is
-accepted and has no effect
-on generation, as in OpenAI's API. Scalars are strict: ``"0.5"`` is not a temperature.
+0 the prompt alone: what lm-evaluation-harness sends for loglikelihood tasks). ``best_of``
+(completions) generates that many samples per prompt and returns the ``n`` with the highest
+cumulative logprob, best first (not with ``stream``, as OpenAI's). ``suffix`` is accepted at its
+neutral value only (empty); ``user`` (an end-user id) is accepted and has no effect on
+generation, as in OpenAI's API. Scalars are strict: ``"0.5"`` is not a temperature.
 
 Every error is OpenAI's body ``{"error": {"message", "type", "param", "code"}}``; the message
 names the field and the value.
@@ -221,7 +222,7 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: StrictInt | None = None
 
 
-NEUTRAL_VALUES = {"best_of": 1, "suffix": ""}
+NEUTRAL_VALUES = {"suffix": ""}
 
 # Union-typed fields: what a validation error says they must be.
 FIELD_EXPECTS = {
@@ -273,6 +274,19 @@ def check_n(value: int | None) -> int:
     if not 1 <= n <= MAX_N:
         raise ApiError(400, f"n must be an integer in [1, {MAX_N}], got {n}", "n")
     return n
+
+
+def check_best_of(value: int | None, n: int, stream: bool) -> int:
+    """The number of samples generated per prompt (``best_of``, default ``n``), checked."""
+    if value is None:
+        return n
+    if not n <= value <= MAX_N:
+        raise ApiError(400, f"best_of must be an integer in [n, {MAX_N}] (n={n}), got {value}",
+                       "best_of")
+    if stream and value > n:
+        raise ApiError(400, f"best_of={value} > n={n} cannot be streamed (the best samples are "
+                       "known only at the end); use stream=false", "best_of")
+    return value
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

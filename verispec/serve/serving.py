@@ -36,7 +36,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from verispec.engine import inputs
-from verispec.engine.samples import sample_params
+from verispec.engine.samples import best_of, cumulative_logprob, sample_params
 from verispec.sampling_params import SamplingParams
 from verispec.serve.async_engine import AsyncEngine, EngineError, Submission
 from verispec.serve.detokenizer import Output, RequestState
@@ -45,6 +45,7 @@ from verispec.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    check_best_of,
     check_logprobs,
     check_max_tokens,
     check_n,
@@ -151,6 +152,7 @@ class OpenAIServing:
         params = sampling_params(body, max(max_tokens, 1), body.logprobs,
                                  body.logprobs if echo else None)
         n = check_n(body.n)
+        num_samples = check_best_of(body.best_of, n, body.stream)
         texts = body.prompts()
         prompts = await self.encode(texts, "prompt")
         for ids in prompts:
@@ -162,7 +164,7 @@ class OpenAIServing:
         return await self._respond(raw, "text_completion", prompts, params, n, body.stream,
                                    body.stream_options, "prompt",
                                    Echo(echo_texts, max_tokens == 0) if echo else None,
-                                   body.grammar_param)
+                                   body.grammar_param, num_samples)
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         body.check_text()
@@ -194,10 +196,14 @@ class OpenAIServing:
     async def _respond(self, raw: Request, kind: str, prompts: list[list[int]],
                        params: SamplingParams, n: int, stream: bool, stream_options,
                        prompt_param: str, echo: Echo | None = None,
-                       grammar_param: str = "structured_outputs") -> Response:
-        # one engine request per choice: prompt i's samples are choices i n .. i n + n - 1
-        samples = sample_params(dataclasses.replace(params, n=n))
-        choice_prompts = [p for p in prompts for _ in range(n)]
+                       grammar_param: str = "structured_outputs",
+                       num_samples: int | None = None) -> Response:
+        # one engine request per sample: prompt i's samples are i m .. i m + m - 1 (m = best_of,
+        # else n); with best_of > n the n best of each prompt's become its choices at the end
+        num_samples = num_samples or n
+        samples = sample_params(dataclasses.replace(
+            params, n=n, best_of=None if num_samples == n else num_samples))
+        choice_prompts = [p for p in prompts for _ in range(num_samples)]
         choice_params = samples * len(prompts)
         try:
             submission = await self.engine.submit(choice_prompts, choice_params, stream)
@@ -212,7 +218,8 @@ class OpenAIServing:
         except EngineError as e:
             raise ApiError(503, str(e)) from None
         response_id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
-        response = _Response(self, kind, response_id, prompts, choice_params, n, echo)
+        response = _Response(self, kind, response_id, prompts, choice_params, num_samples, echo,
+                             n, params.logprobs is not None)
         if stream:
             include_usage = stream_options is not None and stream_options.include_usage
             return StreamingResponse(response.stream(submission, include_usage),
@@ -256,7 +263,8 @@ class _Response:
 
     def __init__(self, serving: OpenAIServing, kind: str, response_id: str,
                  prompts: Sequence[list[int]], params: Sequence[SamplingParams], n: int,
-                 echo: Echo | None) -> None:
+                 echo: Echo | None, num_returned: int | None = None,
+                 wants_logprobs: bool = True) -> None:
         self.serving = serving
         self.chat = kind == "chat.completion"
         self.kind = kind
@@ -264,7 +272,9 @@ class _Response:
         self.created = int(time.time())
         self.params = params  # one per choice
         self.prompts = prompts
-        self.n = n
+        self.n = n  # samples per prompt
+        self.num_returned = n if num_returned is None else num_returned  # choices per prompt
+        self.wants_logprobs = wants_logprobs
         self.echo = echo
         self.num_prompt_tokens = sum(len(p) for p in prompts)
         self.choices = [_Choice() for _ in params]
@@ -395,7 +405,24 @@ class _Response:
                 text, new, finish_reason = await self._echoed(i, submission, text, new,
                                                               finish_reason)
             choices.append(self._choice_json(i, text, new, finish_reason, False))
+        if self.num_returned < self.n:
+            choices = self._best_of(choices, submission)
         return JSONResponse(dict(self._envelope(choices, False), usage=self._usage()))
+
+    def _best_of(self, choices: list[dict], submission: Submission) -> list[dict]:
+        """Each prompt's ``num_returned`` samples of highest cumulative logprob, best first,
+        renumbered (``best_of``); their logprobs only if the request asked for them."""
+        kept = []
+        for p in range(len(self.prompts)):
+            group = range(p * self.n, (p + 1) * self.n)
+            cumulative = [cumulative_logprob(submission.states[i].token_ids,
+                                             submission.states[i].logprobs) for i in group]
+            for rank, j in enumerate(best_of(cumulative, self.num_returned)):
+                choice = dict(choices[group[j]], index=p * self.num_returned + rank)
+                if not self.wants_logprobs:
+                    choice["logprobs"] = None
+                kept.append(choice)
+        return kept
 
     async def stream(self, submission: Submission, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events; a client that disconnects cancels this, which aborts."""
