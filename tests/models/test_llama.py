@@ -21,6 +21,11 @@ from tests.models.utils import (
     save_tiny_model,
 )
 from verispec.models import load_model
+from verispec.models.config import ModelConfig
+from verispec.models.llama import FlatBatch, LlamaForCausalLM
+from verispec.models.parallel import TensorParallel
+from verispec.models.rope import rope_tables
+from verispec.ops.model_ops import TORCH_MODEL_OPS
 from verispec.runtime.model_runner import ModelRunner
 
 RTOL = 1e-4
@@ -211,3 +216,59 @@ def test_bfloat16_linear_widened_from_upcast_rows(rows):
         assert torch.equal(ours, below(x, weight, bias))
     # float32 accumulation, one rounding to bfloat16: within half an ulp of the exact value
     torch.testing.assert_close(ours.double(), exact, rtol=2**-8, atol=1e-6)
+
+
+class _FusedTwin:
+    """A stand-in for ``models.parallel.PeerReduceNorm`` in a one-rank group: the "sum over
+    ranks" of a partial is the partial, so the deferred path must give the unfused bits."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return True
+
+    def __call__(self, x, weight, eps, residual):
+        self.calls += 1
+        return TORCH_MODEL_OPS.rms_norm(x, weight, eps, residual)
+
+
+@pytest.mark.parametrize("capture_layers", [(), (1,), (0, 2)])
+def test_flat_forward_with_reductions_left_to_the_norms(capture_layers):
+    """``LlamaForCausalLM.forward_flat`` with the all-reduces deferred into the following norms
+    (``TensorParallel.defers_reduction``, the fused tensor-parallel kernel's wiring): the same
+    hidden states and captured streams as the plain flat forward, one reduction per norm that
+    follows a projection (2 per layer), the captured layers' streams reduced first."""
+    config = ModelConfig(architecture="LlamaForCausalLM", head_dim=16, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, vocab_size=64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64)
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(config, torch.float32)
+    for p in plain.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    twin = _FusedTwin()
+    deferred = LlamaForCausalLM(config, torch.float32, tp=TensorParallel(fused=twin))
+    deferred.load_state_dict(plain.state_dict())
+    T, block_size, head_dim = 7, 4, config.hidden_size // config.num_attention_heads
+    cos, sin = rope_tables(config, 16)
+    positions = torch.arange(T)
+    batch = FlatBatch(positions=positions, slot_mapping=positions + block_size,  # blocks 1, 2
+                      slot_ids=torch.tensor([0]), context_lens=torch.tensor([T]),
+                      query_start=torch.tensor([0, T]), max_queries=T, cos=cos, sin=sin,
+                      ops=TORCH_MODEL_OPS, block_tables=torch.tensor([[1, 2], [0, 0]],
+                                                                     dtype=torch.int32))
+    ids = torch.randint(0, config.vocab_size, (T,))
+
+    def run(model):
+        caches = [torch.zeros(3, block_size, 2, head_dim) for _ in range(6)]
+        return model.forward_flat(ids, batch, caches[:3], caches[3:],
+                                  capture_layers=capture_layers)
+
+    expected, got = run(plain), run(deferred)
+    if capture_layers:
+        assert torch.equal(expected[0], got[0])
+        assert all(torch.equal(a, b) for a, b in zip(expected[1], got[1]))
+    else:
+        assert torch.equal(expected, got)
+    assert twin.calls == 2 * config.num_hidden_layers - len([i for i in capture_layers if i])
