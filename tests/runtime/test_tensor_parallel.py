@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import httpx
@@ -33,6 +34,7 @@ from tests.serve.utils import RunningServer
 from verispec import LLM, SamplingParams
 from verispec.models import load_model
 from verispec.models.parallel import TensorParallel
+from verispec.runtime import workers
 
 MAX_MODEL_LEN = 128
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 3, 4, 5, 6]]
@@ -279,6 +281,28 @@ def test_server_over_tp2(target_dir, reference):
     finally:
         server.stop()
     assert not multiprocessing.active_children()
+
+
+def test_a_teardown_that_hangs_is_bounded_and_blocks_a_new_engine(monkeypatch):
+    """An NCCL abort that never returns (seen on GPUs at close): ``leave_group`` gives up after
+    its timeout with an error logged, and the process then refuses a new tensor-parallel
+    engine with one clear error instead of hanging in the next group's set-up."""
+    hang = threading.Event()
+    monkeypatch.setattr(workers, "_STUCK", [])
+    monkeypatch.setattr(workers.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(workers.dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(workers.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(workers.dist.distributed_c10d, "_abort_process_group",
+                        lambda *a: hang.wait(30))
+    start = time.monotonic()
+    try:
+        workers.leave_group(timeout_s=0.2)
+    finally:
+        hang.set()
+    assert time.monotonic() - start < 5
+    with pytest.raises(RuntimeError, match="tensor_parallel_size=2: leaving the NCCL process "
+                                           "group did not finish"):
+        workers.start(2, torch.device("cpu"), LLM, {})
 
 
 # ----------------------------------------------------------------- GPU (two cards)

@@ -91,6 +91,8 @@ def start(size: int, device: torch.device, engine_cls: type, engine_kwargs: dict
     for key, value in SAFE_ENV.items():
         os.environ.setdefault(key, value)
     workers = None
+    if _STUCK:
+        raise RuntimeError(f"tensor_parallel_size={size}: {_STUCK[0]}")
     running = _running_group()
     if running is not None:
         raise ValueError(f"tensor_parallel_size={size}: a tensor-parallel engine already runs "
@@ -272,18 +274,38 @@ class WorkerGroup:
         self._finalizer()
 
 
-def leave_group() -> None:
+# How long a rank waits for its NCCL communicators to be torn down when an engine closes.
+LEAVE_TIMEOUT_S = 20.0
+# Set when a teardown did not finish: this process's default group cannot be formed again.
+_STUCK: list[str] = []
+
+
+def leave_group(timeout_s: float | None = None) -> None:
     """Leave the default process group so that another engine can form one. gloo's is
-    destroyed; NCCL's is aborted once this rank's work is done: a destroy waits on the other
-    ranks' teardown (and hung when they had gone), an abort frees the communicators
-    without them."""
+    destroyed. NCCL's is aborted once this rank's work is done (a destroy waits on the other
+    ranks' teardown); the abort can itself hang on the GPU (docs/design.md §14), so it runs in a
+    thread given ``timeout_s`` (default ``LEAVE_TIMEOUT_S``): past it the engine's close returns,
+    an error is logged, and this process refuses to start another tensor-parallel engine."""
     if not dist.is_initialized():
         return
-    if dist.get_backend() == "nccl":
-        torch.cuda.synchronize()
-        dist.distributed_c10d._abort_process_group()
-    else:
+    if dist.get_backend() != "nccl":
         dist.destroy_process_group()
+        return
+    torch.cuda.synchronize()
+    done = threading.Event()
+
+    def abort() -> None:
+        dist.distributed_c10d._abort_process_group()
+        done.set()
+
+    threading.Thread(target=abort, name="verispec-tp-leave", daemon=True).start()
+    timeout_s = LEAVE_TIMEOUT_S if timeout_s is None else timeout_s
+    if not done.wait(timeout_s):
+        message = (f"leaving the NCCL process group did not finish in {timeout_s:g} s; this "
+                   "process cannot start another tensor-parallel engine (start each one in a "
+                   "process of its own)")
+        logger.error("%s", message)
+        _STUCK.append(message)
 
 
 def _shutdown(processes, conns, closing: threading.Event) -> None:
