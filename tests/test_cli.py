@@ -52,6 +52,22 @@ def test_option_flags_map_onto_fields():
     assert not p.uses_logits_options
 
 
+def test_structured_outputs_flag_takes_a_json_object(capsys):
+    from verispec.cli import build_parser, sampling_params
+
+    p = sampling_params(build_parser().parse_args(
+        ["generate", "hi", "--structured-outputs", '{"regex": "[0-9]+"}']))
+    assert p.structured_outputs.regex == "[0-9]+"
+    assert sampling_params(build_parser().parse_args(["generate", "hi"])).structured_outputs \
+        is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", "--structured-outputs", "[1]"])
+    assert "--structured-outputs takes a JSON object, got '[1]'" in capsys.readouterr().err
+    assert cli.main(["generate", "hi", "--structured-outputs", '{"regex": ""}']) == 2
+    err = capsys.readouterr().err
+    assert "structured_outputs.regex" in err and "Traceback" not in err
+
+
 def test_bad_option_flag_is_one_clear_error(capsys):
     assert cli.main(["generate", "hi", "--repetition-penalty", "0"]) == 2
     err = capsys.readouterr().err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -91,10 +92,12 @@ SAMPLING_HELP = {
     "allowed_token_ids": "the only token ids that may be generated (repeatable; default: all)",
     "bad_words": "a word never to generate (repeatable; default: none)",
     "min_tokens": "EOS and stop token ids are masked until this many tokens are out",
+    "structured_outputs": "a JSON object of one of json (a schema), json_object, regex, choice, "
+                          "grammar (EBNF), e.g. '{\"regex\": \"[0-9]+\"}' (default: none)",
 }
 # SamplingParams fields with no flag: their results are returned by the Python API and the
 # server (``verispec serve``), and the terminal commands have no place to show them.
-SAMPLING_API_ONLY = ("logprobs", "n", "best_of")
+SAMPLING_API_ONLY = ("logprobs", "prompt_logprobs", "n", "best_of")
 # Repeatable flags: SamplingParams field -> the type of one value (None when never given).
 SAMPLING_LISTS = {"stop": str, "stop_token_ids": int, "allowed_token_ids": int,
                   "bad_words": str}
@@ -108,6 +111,19 @@ def _logit_bias_item(text: str) -> tuple[int, float]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--logit-bias takes TOKEN_ID=BIAS, got {text!r}") from None
+
+
+def _json_object(text: str) -> dict:
+    """``--structured-outputs``: a JSON object (its fields checked by SamplingParams)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"--structured-outputs takes a JSON object, got {text!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"--structured-outputs takes a JSON object, got {text!r}")
+    return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -135,6 +151,9 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=f.name, action="store_true", help=help_text)
         elif f.name == "seed":
             group.add_argument(flag, dest=f.name, type=int, default=default, help=help_text)
+        elif f.name == "structured_outputs":
+            group.add_argument(flag, dest=f.name, type=_json_object, metavar="JSON",
+                               help=help_text)
         else:
             group.add_argument(flag, dest=f.name, type=type(default), default=default,
                                help=" ".join(filter(None, [help_text, "(default: %(default)s)"])))
@@ -180,7 +199,6 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
 
 def speculative_config(args: argparse.Namespace):
     """The SpeculativeConfig the flags describe, or None for ``--speculative-method none``."""
-    import json
 
     from verispec.config import SpeculativeConfig
 
@@ -346,7 +364,6 @@ def check_bench_args(args: argparse.Namespace) -> list[int] | None:
 
 def run_bench(args: argparse.Namespace) -> int:
     import dataclasses as dc
-    import json
 
     from verispec.bench.prompts import RandomPrompts, get_prompts
     from verispec.bench.report import plot_acceptance_and_speedup, print_table
@@ -476,7 +493,6 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_train_draft(args: argparse.Namespace) -> int:
-    import json
 
     from verispec.train.train_draft import TrainDraftConfig, train_draft
 
