@@ -8,6 +8,7 @@ sample, commit) is ``engine.stepping.StepLoop``.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import random
 import time
@@ -565,8 +566,23 @@ class LLM(StepLoop):
         at exit; the engine cannot step after it."""
         group = getattr(self, "_workers", None)
         if group is not None:
+            self.drop_graphs()
             group.close()
             self._workers = None
+
+    def drop_graphs(self) -> None:
+        """Free the captured steps (target and proposer), before a rank leaves its process
+        group: a graph holds the NCCL collectives it captured, and NCCL's teardown is not to
+        run under live graphs of its communicator."""
+        runners = [getattr(self, "runner", None)]
+        if getattr(self, "spec", None) is not None:
+            runners.append(self.spec.proposer.runner)
+        for runner in runners:
+            if runner is not None:
+                runner.graphs = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def __enter__(self) -> LLM:
         return self

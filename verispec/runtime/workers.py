@@ -365,6 +365,7 @@ def worker_main(rank: int, size: int, port: int, device: str, engine_cls: type,
             except EOFError:  # rank 0 is gone
                 break
             if message[0] == "exit":
+                llm.drop_graphs()
                 break
             for command in message[1]:
                 llm.apply_command(command)
