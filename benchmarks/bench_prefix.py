@@ -27,6 +27,8 @@ after the other in the same process; the ratios come from that one run.
    the long prompt's time to first token. ``--max-num-batched-tokens`` (512; both engines) is
    the most tokens a step computes, the streams' decodes and a prefill chunk together, which
    sets the chunk size; without chunking the long prompt's prefill is a step of its own.
+   ``--prefill-attention-budget`` also bounds the chunks by their attention (``LLM``'s
+   ``prefill_attention_budget``), so they shrink as the long prompt's context grows.
 
 Both scenarios run greedy, with speculation when ``--speculative-config`` says so (``ngram``,
 ``eagle3`` or a vLLM JSON object, as in ``bench_serving.py``). Each engine first runs a smaller
@@ -255,7 +257,9 @@ def scenario_long(args: argparse.Namespace, vocab_size: int) -> dict:
         llm = make_llm(args, max(args.long_prompt_len + 8,
                                  args.stream_prompt_len + args.stream_output_len) + 16,
                        args.num_streams + 1, enable_chunked_prefill=chunked,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       prefill_attention_budget=args.prefill_attention_budget if chunked
+                       else None)
         run_long(llm, streams[:2], args.long_after + 8, warm_long, args.long_after)
         result = run_long(llm, streams, args.stream_output_len, long_prompt, args.long_after)
         del llm
@@ -284,6 +288,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--conversation-rate", type=float, default=math.inf,
                         help="conversations started per second, Poisson (default: all at once)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefill-attention-budget", type=int, default=None,
+                        help="the chunked engine's prefill_attention_budget: (query, key) "
+                        "pairs of a step's prefill chunks while streams decode (default: none)")
     for name in SIZES:
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                             help=f"(default: {SIZES[name][0]}; --tiny: {SIZES[name][1]})")

@@ -44,6 +44,10 @@ ENGINE_FLAGS: dict[str, dict] = {
         type=int, default=None, help="most tokens one step computes: with chunked prefill the "
         "running requests' decode tokens and prefill chunks together (default 2048), without "
         "it a prefill step's prompt tokens (default 8192; a longer prompt runs alone)"),
+    "prefill_attention_budget": dict(
+        type=int, default=None, help="with chunked prefill, the most (query, key) pairs a "
+        "step's prefill chunks attend while other requests decode, so a chunk at a long "
+        "context does not stall them (default: no bound)"),
     "enable_prefix_caching": dict(
         action=argparse.BooleanOptionalAction, default=None,
         help="reuse the KV of earlier requests' identical first tokens (shared system prompts, "

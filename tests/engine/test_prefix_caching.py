@@ -22,6 +22,7 @@ from tests.engine.test_preemption import (
     speculative_config,
 )
 from verispec import LLM, SamplingParams
+from verispec.engine.scheduler import attention_pairs
 from verispec.runtime.kv_cache import BlockPool, BlockTables
 from verispec.runtime.prefix_cache import PrefixCache, extend_keys
 
@@ -319,6 +320,50 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(target_dir
     alone = make_llm(target_dir, enable_prefix_caching=False, enable_chunked_prefill=False)
     assert late.output_token_ids.tolist() == alone.generate(
         [long_prompt], SamplingParams(max_tokens=4, ignore_eos=True, seed=7))[0].token_ids
+
+
+def test_an_attention_budget_cuts_chunks_deep_in_a_long_prompt(target_dir, cold):
+    """``prefill_attention_budget``: while others decode, each chunk of a long prompt attends at
+    most the budget's (query, key) pairs, so its chunks shrink as its context grows (the
+    first, near position 0, may take the whole token budget); alone it takes the token budget;
+    every token equals the unchunked run's."""
+    budget = 400
+    llm = make_llm(target_dir, max_num_batched_tokens=32, prefill_attention_budget=budget,
+                   enable_prefix_caching=False)
+    prompts, params = workload()
+    streams = [llm.add_request(p, q) for p, q in zip(prompts[1:4], params[1:4])]
+    for _ in range(4):
+        llm.step()
+    long_prompt = prompts[0] * 3
+    late = llm.add_request(long_prompt, SamplingParams(max_tokens=4, ignore_eos=True, seed=7))
+    chunks = []
+    while late.is_prefilling or late.num_output_tokens == 0:
+        start = late.num_computed_tokens
+        decoding = any(not r.finished for r in streams)
+        llm.step()
+        if late.num_computed_tokens > start:
+            chunks.append((start, late.num_computed_tokens - start, decoding))
+    for start, n, decoding in chunks:
+        if decoding:
+            assert attention_pairs(start, n) <= budget or n == 1, (start, n)
+    deep = [n for start, n, decoding in chunks if decoding and start >= 60]
+    assert deep and max(deep) < 32 - 3  # cut below what the token budget leaves
+    while llm.has_unfinished_requests:
+        llm.step()
+    for i, r in enumerate(streams):
+        assert r.output_token_ids.tolist() == cold["float32"][i + 1]
+    alone = make_llm(target_dir, enable_prefix_caching=False, enable_chunked_prefill=False)
+    late_params = SamplingParams(max_tokens=4, ignore_eos=True, seed=7)
+    assert late.output_token_ids.tolist() == alone.generate([long_prompt],
+                                                            late_params)[0].token_ids
+    # nobody decoding: the token budget alone
+    solo = make_llm(target_dir, max_num_batched_tokens=32, prefill_attention_budget=budget,
+                    enable_prefix_caching=False)
+    request = solo.add_request(long_prompt, late_params)
+    solo.step()
+    assert request.num_computed_tokens == 32
+    with pytest.raises(ValueError, match="prefill_attention_budget must be an integer >= 1"):
+        make_llm(target_dir, prefill_attention_budget=0)
 
 
 def test_feature_flags_are_checked(target_dir):

@@ -121,6 +121,10 @@ class LLM(StepLoop):
     enable_chunked_prefill : split long prompts over several steps, each shared with the running
         requests' decodes, so a long prompt does not stall the others: on by default; off for
         hybrid models
+    prefill_attention_budget : with chunked prefill, the most (query, key) pairs the prefill
+        chunks of a step attend while other requests decode (a chunk of n tokens after s
+        computed ones attends ``n * s + n (n + 1) / 2``), so a chunk deep in a long prompt is
+        cut shorter and the decoding requests' step stays short; None (default): no bound
     speculative_config : SpeculativeConfig or a dict of vLLM ``speculative_config`` keys;
         None (or ``method="none"``) decodes one token per step
     device : torch device, default ``"cpu"``
@@ -154,6 +158,7 @@ class LLM(StepLoop):
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool | None = None,
         enable_chunked_prefill: bool | None = None,
+        prefill_attention_budget: int | None = None,
         tensor_parallel_size: int = 1,
         load_format: str = "auto",
     ) -> None:
@@ -181,6 +186,8 @@ class LLM(StepLoop):
             kv_cache_memory = memory.parse_bytes(kv_cache_memory)
         if max_num_batched_tokens is not None:
             _check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        if prefill_attention_budget is not None:
+            _check_positive_int("prefill_attention_budget", prefill_attention_budget)
         if isinstance(speculative_config, dict):
             if speculative_config.get("method") == "none":
                 speculative_config = None
@@ -217,7 +224,8 @@ class LLM(StepLoop):
             self._init_engine(model, dtype, max_model_len, max_num_seqs, speculative_config,
                               enforce_eager, batch_invariant, block_size,
                               gpu_memory_utilization, kv_cache_memory, max_num_batched_tokens,
-                              enable_prefix_caching, enable_chunked_prefill, load_format)
+                              enable_prefix_caching, enable_chunked_prefill, load_format,
+                              prefill_attention_budget)
             if self._workers is not None:
                 self._workers.wait_ready()
         except BaseException as e:
@@ -231,7 +239,7 @@ class LLM(StepLoop):
     def _init_engine(self, model, dtype, max_model_len, max_num_seqs, speculative_config,
                      enforce_eager, batch_invariant, block_size, gpu_memory_utilization,
                      kv_cache_memory, max_num_batched_tokens, enable_prefix_caching,
-                     enable_chunked_prefill, load_format) -> None:
+                     enable_chunked_prefill, load_format, prefill_attention_budget) -> None:
         self._tp = workers.with_peer_all_reduce(
             self._tp, self.device, parse_dtype("bfloat16" if dtype is None else dtype))
         self.loaded = load_model(model, dtype, self.device, tp=self._tp, load_format=load_format)
@@ -300,7 +308,8 @@ class LLM(StepLoop):
         self.scheduler = Scheduler(max_num_seqs, self.runner.kv_cache, max_num_batched_tokens,
                                    lookahead=max_drafts + 1, on_preempt=on_preempt,
                                    chunked_prefill=self.enable_chunked_prefill,
-                                   prefix_cache=prefix_cache)
+                                   prefix_cache=prefix_cache,
+                                   prefill_attention_budget=prefill_attention_budget)
         # CUDA graphs (no-op on CPU and with enforce_eager): decode, verify, the proposer's draft
         self.runner.capture(self._captured_query_counts)
         if self.spec is not None:

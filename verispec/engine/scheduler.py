@@ -11,6 +11,12 @@ verify of k + 1 with speculation) and the *prefill chunks* (requests computing t
   as it needs while the others keep decoding. Without it (``chunked_prefill=False``) a step is
   either a prefill of whole prompts (within the budget; a longer single prompt runs alone) or
   a decode step of every running request, prefill first.
+- **Attention budget** (``prefill_attention_budget``, off by default). A chunk's cost grows with
+  its context: n new tokens after s computed ones attend ``n * s + n (n + 1) / 2`` (query, key)
+  pairs, so at a long context even a short chunk makes a step that the decoding requests wait
+  on. With the budget, while a step has decodes its prefill chunks together attend at most that
+  many pairs (the first chunk at least one token, so the prompt advances); a step without
+  decodes (nobody waits) takes the token budget alone.
 - **Admission** takes waiting requests in order while a slot is free, budget is left and the
   pool has the blocks. With a prefix cache the request first takes the longest run of
   published blocks that hold its first tokens (``runtime.prefix_cache``): its prefill starts
@@ -29,6 +35,7 @@ verify of k + 1 with speculation) and the *prefill chunks* (requests computing t
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +45,11 @@ import numpy as np
 from verispec.engine.request import Request
 from verispec.runtime.kv_cache import KVCache
 from verispec.runtime.prefix_cache import PrefixCache
+
+
+def attention_pairs(start: int, n: int) -> int:
+    """(query, key) pairs of n new tokens after ``start`` computed ones, causal."""
+    return n * start + n * (n + 1) // 2
 
 
 @dataclass
@@ -57,11 +69,13 @@ class Scheduler:
     def __init__(self, max_num_seqs: int, kv_cache: KVCache | None = None,
                  max_num_batched_tokens: int | None = None, lookahead: int = 1,
                  on_preempt: Callable[[Request], None] | None = None,
-                 chunked_prefill: bool = False, prefix_cache: PrefixCache | None = None) -> None:
+                 chunked_prefill: bool = False, prefix_cache: PrefixCache | None = None,
+                 prefill_attention_budget: int | None = None) -> None:
         """``kv_cache``: the target's cache whose blocks are planned (None: slots only, every
         request's blocks are reserved as it appends); ``on_preempt(request)`` frees what the
         engine holds for a request being preempted (its caches, the proposer's state);
-        ``prefix_cache``: reuse published blocks (None: every prompt is computed)."""
+        ``prefix_cache``: reuse published blocks (None: every prompt is computed);
+        ``prefill_attention_budget``: see the module docstring (chunked prefill only)."""
         self.max_num_seqs = max_num_seqs
         self.kv_cache = kv_cache
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -69,6 +83,8 @@ class Scheduler:
         self.on_preempt = on_preempt
         self.chunked_prefill = chunked_prefill
         self.prefix_cache = prefix_cache
+        self.prefill_attention_budget = prefill_attention_budget
+        self._attention_left: float = float("inf")  # of the step being planned
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # a stack: lowest on top
@@ -123,8 +139,9 @@ class Scheduler:
             if prefills:
                 return StepPlan([], prefills)
             budget = 0  # a decode step
+        self._attention_left = float("inf")
         plan = self._plan_running(budget)
-        plan.prefills += self._admit(budget - self._plan_tokens(plan))
+        plan.prefills += self._admit(budget - self._plan_tokens(plan), first=not plan.prefills)
         if not plan.decodes and not plan.prefills and self.has_unfinished:
             return self.schedule()  # everything was preempted: admit again
         return plan
@@ -141,8 +158,11 @@ class Scheduler:
             decodes = [r for r in self.running if not r.is_prefilling]
         plan = StepPlan(decodes, [])
         budget -= len(decodes) * self.lookahead  # decodes always run (they free blocks)
+        if decodes and self.prefill_attention_budget is not None:
+            self._attention_left = self.prefill_attention_budget
         for request in [r for r in self.running if r.is_prefilling]:
             n = int(min(request.prefill_end - request.num_computed_tokens, budget))
+            n = self._attention_chunk(request.num_computed_tokens, n, first=not plan.prefills)
             if n <= 0:
                 break
             while not self._reserve(request, request.num_computed_tokens + n):
@@ -154,7 +174,21 @@ class Scheduler:
                     return plan
             plan.prefills.append((request, n))
             budget -= n
+            self._attention_left -= attention_pairs(request.num_computed_tokens, n)
         return plan
+
+    def _attention_chunk(self, start: int, n: int, first: bool) -> int:
+        """The most of ``n`` tokens after ``start`` whose attention fits what is left of the
+        step's attention budget (at least one for the step's first chunk)."""
+        left = self._attention_left
+        if n <= 0 or attention_pairs(start, n) <= left:
+            return n
+        # the largest m with m * start + m (m + 1) / 2 <= left
+        b = 2 * start + 1
+        m = int((math.sqrt(b * b + 8 * max(left, 0.0)) - b) // 2)
+        while m > 0 and attention_pairs(start, m) > left:
+            m -= 1
+        return max(m, 1 if first else 0)
 
     def _preempt_for(self, decodes: list[Request]) -> None:
         """Reserve each decode's blocks, oldest first; one that cannot get them preempts the
@@ -168,9 +202,9 @@ class Scheduler:
                 if victim is request:
                     break
 
-    def _admit(self, budget: float) -> list[tuple[Request, int]]:
+    def _admit(self, budget: float, first: bool = True) -> list[tuple[Request, int]]:
         """Admit waiting requests in order while a slot, budget and blocks are left; each
-        with the chunk of its prefill this step computes."""
+        with the chunk of its prefill this step computes (``first``: no chunk is planned yet)."""
         admitted: list[tuple[Request, int]] = []
         tables = None if self.kv_cache is None else self.kv_cache.block_tables
         while self.waiting and self._free_slots and budget > 0:
@@ -184,6 +218,9 @@ class Scheduler:
             n = prefill_end - computed
             if self.chunked_prefill:
                 n = int(min(n, budget))
+                n = self._attention_chunk(computed, n, first=not admitted and first)
+                if n <= 0:
+                    break
             elif admitted and n > budget:
                 break
             slot = self._free_slots[-1]
@@ -209,6 +246,7 @@ class Scheduler:
                 self.prefix_cache.start_lengths(slot, computed)
             admitted.append((request, n))
             budget -= n
+            self._attention_left -= attention_pairs(computed, n)
         self.running.extend(r for r, _ in admitted)
         return admitted
 
