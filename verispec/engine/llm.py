@@ -19,80 +19,28 @@ import torch
 
 from verispec.config import SpeculativeConfig
 from verispec.engine import inputs
+from verispec.engine.args import (
+    DEFAULT_DTYPE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    EngineArgs,
+    feature,
+)
 from verispec.engine.request import Request, RequestOutput
 from verispec.engine.samples import HeldSamples, sample_params
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.spec_decode import SpeculativeDecoder
 from verispec.engine.stepping import StepLoop
-from verispec.log import warn_once
 from verispec.models.loader import check_tensor_parallel, load_model, parse_dtype
 from verispec.runtime import memory, workers
 from verispec.runtime.kv_cache import DEFAULT_BLOCK_SIZE
 from verispec.runtime.model_runner import ModelRunner
 from verispec.runtime.prefix_cache import PrefixCache
-from verispec.runtime.state_cache import is_hybrid
 from verispec.sample.grammar import LazyCompiler
 from verispec.sample.options import RequestOptions, SamplingOptions
 from verispec.sample.sampler import Sampler, SamplingTensors, draw_seed
 from verispec.sampling_params import SamplingParams
 
 logger = logging.getLogger("verispec")
-
-DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 8}
-# Tokens one step may compute (bounds a step's activation memory). With chunked prefill the
-# decodes of running requests and the prefill chunks share it, so it also bounds how long a
-# long prompt stalls the running streams; without, it bounds a prefill step (more prompts wait
-# for the next step; a longer single prompt still runs alone).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = {True: 2048, False: 8192}  # by enable_chunked_prefill
-# None: a GGUF on the CPU keeps its quantised weights (models.loader.quantized_gguf: ~3x fewer
-# bytes a decode step reads than bfloat16); anything else runs in bfloat16, which halves the
-# bytes of float32 (docs/design.md §11). Exactness tests pin float32.
-DEFAULT_DTYPE = None
-SYNTHETIC_WARNING = (
-    "synthetic acceptance (rejection_sample_method='synthetic'): drafts are accepted at the "
-    "configured rates whatever the model says, so the output text does not follow the model; "
-    "use it to benchmark speed at a chosen acceptance length, not to generate text")
-
-
-def check_device(device: Any) -> torch.device:
-    """The torch device for ``device``: ``"cpu"`` or ``"cuda[:i]"`` that exists here; a
-    ValueError naming the value otherwise (refused at construction, not at the first step)."""
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}") from None
-    if parsed.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}: verispec runs on "
-                         "CPUs and CUDA GPUs")
-    if parsed.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"device={device!r}, but CUDA is not available here (torch "
-                f"{torch.__version__}{' is a CPU-only build' if torch.version.cuda is None else ''}"
-                "); use device='cpu'")
-        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            raise ValueError(f"device={device!r}, but this machine has "
-                             f"{torch.cuda.device_count()} CUDA device(s)")
-        if parsed.index is None:
-            parsed = torch.device("cuda", torch.cuda.current_device())
-    return parsed
-
-
-def _feature(name: str, value: bool | None, config) -> bool:
-    """Prefix caching and chunked prefill: on unless turned off; a hybrid (recurrent) model
-    keeps one state per request, not per block or per chunk, so they are off there (asking
-    for them is an error)."""
-    hybrid = is_hybrid(config)
-    if value and hybrid:
-        raise ValueError(f"{name}=True: this model ({config.model_type}) has recurrent layers, "
-                         "whose state is kept per request, not per KV block; leave it unset")
-    return not hybrid if value is None else value
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
 
 class LLM(StepLoop):
     """A model ready to generate.
@@ -163,56 +111,10 @@ class LLM(StepLoop):
         load_format: str = "auto",
     ) -> None:
         engine_kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        _check_positive_int("tensor_parallel_size", tensor_parallel_size)
-        if dtype is not None:
-            parse_dtype(dtype)
-        for name, flag in (("enforce_eager", enforce_eager), ("batch_invariant", batch_invariant),
-                           ("enable_prefix_caching", enable_prefix_caching),
-                           ("enable_chunked_prefill", enable_chunked_prefill)):
-            if not isinstance(flag, bool) and not (flag is None and name.startswith("enable")):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        args = EngineArgs(**engine_kwargs)  # ValueError naming the field
         self.enforce_eager = enforce_eager
-        self.device = check_device(device)
-        if max_num_seqs is None:
-            max_num_seqs = DEFAULT_MAX_NUM_SEQS[self.device.type]
-        _check_positive_int("max_num_seqs", max_num_seqs)
-        if max_model_len is not None:
-            _check_positive_int("max_model_len", max_model_len)
-        _check_positive_int("block_size", block_size)
-        if block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {block_size}")
-        memory.check_utilization(gpu_memory_utilization)
-        if kv_cache_memory is not None:
-            kv_cache_memory = memory.parse_bytes(kv_cache_memory)
-        if max_num_batched_tokens is not None:
-            _check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        if prefill_attention_budget is not None:
-            _check_positive_int("prefill_attention_budget", prefill_attention_budget)
-        if isinstance(speculative_config, dict):
-            if speculative_config.get("method") == "none":
-                speculative_config = None
-            else:
-                speculative_config = SpeculativeConfig.from_dict(speculative_config)
-        elif speculative_config is not None and not isinstance(
-            speculative_config, SpeculativeConfig
-        ):
-            raise ValueError(
-                f"speculative_config must be a SpeculativeConfig, a dict or None, "
-                f"got {speculative_config!r}"
-            )
-        if speculative_config is not None and speculative_config.tree_parents is not None:
-            # token trees run on the CPU path of one process (docs/design.md §16); the
-            # SpeculativeDecoder checks the models (attention-only target and draft)
-            if self.device.type != "cpu":
-                raise ValueError("speculative_token_tree: token trees run on the CPU path only; "
-                                 "the flat (GPU) layout does not verify trees yet")
-            if tensor_parallel_size > 1:
-                raise ValueError("speculative_token_tree: token trees do not run with tensor "
-                                 "parallelism yet")
-        self.speculative_config = speculative_config
-        if speculative_config is not None and speculative_config.is_synthetic:
-            warn_once(logger, "synthetic", SYNTHETIC_WARNING)
-
+        self.device = args.device
+        self.speculative_config = args.speculative_config
         if tensor_parallel_size > 1:  # before any process starts
             check_tensor_parallel(model, tensor_parallel_size)
         # Ranks 1.. of a tensor-parallel engine (spawned here unless under torchrun) build
@@ -221,11 +123,8 @@ class LLM(StepLoop):
             tensor_parallel_size, self.device, LLM, engine_kwargs)
         self.tensor_parallel_size = tensor_parallel_size
         try:
-            self._init_engine(model, dtype, max_model_len, max_num_seqs, speculative_config,
-                              enforce_eager, batch_invariant, block_size,
-                              gpu_memory_utilization, kv_cache_memory, max_num_batched_tokens,
-                              enable_prefix_caching, enable_chunked_prefill, load_format,
-                              prefill_attention_budget)
+            args.device = self.device  # this rank's
+            self._init_engine(args)
             if self._workers is not None:
                 self._workers.wait_ready()
         except BaseException as e:
@@ -236,18 +135,19 @@ class LLM(StepLoop):
                 raise workers.WorkerDied(failure) from e
             raise
 
-    def _init_engine(self, model, dtype, max_model_len, max_num_seqs, speculative_config,
-                     enforce_eager, batch_invariant, block_size, gpu_memory_utilization,
-                     kv_cache_memory, max_num_batched_tokens, enable_prefix_caching,
-                     enable_chunked_prefill, load_format, prefill_attention_budget) -> None:
+    def _init_engine(self, args: EngineArgs) -> None:
+        dtype, max_model_len, max_num_seqs = args.dtype, args.max_model_len, args.max_num_seqs
+        max_num_batched_tokens = args.max_num_batched_tokens
+        speculative_config = args.speculative_config
         self._tp = workers.with_peer_all_reduce(
             self._tp, self.device, parse_dtype("bfloat16" if dtype is None else dtype))
-        self.loaded = load_model(model, dtype, self.device, tp=self._tp, load_format=load_format)
+        self.loaded = load_model(args.model, dtype, self.device, tp=self._tp,
+                                 load_format=args.load_format)
         config = self.loaded.config
-        self.enable_prefix_caching = _feature("enable_prefix_caching", enable_prefix_caching,
-                                              config)
-        self.enable_chunked_prefill = _feature("enable_chunked_prefill", enable_chunked_prefill,
-                                               config)
+        self.enable_prefix_caching = feature("enable_prefix_caching",
+                                             args.enable_prefix_caching, config)
+        self.enable_chunked_prefill = feature("enable_chunked_prefill",
+                                              args.enable_chunked_prefill, config)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS[self.enable_chunked_prefill]
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -273,15 +173,15 @@ class LLM(StepLoop):
         # The runner starts on a pool of a few blocks; the memory plan sizes it once the
         # proposer (whose caches share the blocks) is built and a step has been measured.
         self.runner = ModelRunner(self.loaded.model, max_num_seqs, max_model_len, self.device,
-                                  max_step_tokens=max_drafts + 1, enforce_eager=enforce_eager,
-                                  batch_invariant=batch_invariant, block_size=block_size,
+                                  max_step_tokens=max_drafts + 1, enforce_eager=args.enforce_eager,
+                                  batch_invariant=args.batch_invariant, block_size=args.block_size,
                                   num_blocks=2)
         self.sampler = Sampler()
         self.options = SamplingOptions(max_num_seqs, config.vocab_size, self.device)
         self.spec = None if speculative_config is None else SpeculativeDecoder(
             speculative_config, self.runner, config.vocab_size, max_num_seqs, max_model_len,
             tokenizer=self.tokenizer, tp=self._tp, options=self.options,
-            load_format=load_format,
+            load_format=args.load_format,
         )
         # Longer forwards run in pieces: the memory plan measures a step of this many tokens.
         self.runner.max_forward_tokens = max_num_batched_tokens
@@ -294,7 +194,7 @@ class LLM(StepLoop):
             max_num_batched_tokens=max_num_batched_tokens,
             verify_rows=max_num_seqs * (max_drafts + 1),
             captured_query_counts=self._captured_query_counts,
-            utilization=gpu_memory_utilization, kv_bytes=kv_cache_memory, tp=self._tp)
+            utilization=args.gpu_memory_utilization, kv_bytes=args.kv_cache_memory, tp=self._tp)
         logger.info("%s", self.kv_plan.summary())
         # (a function of the proposer, not a method of the engine: no reference cycle keeps a
         # dropped engine and its CUDA graphs alive until a garbage collection, which could then
@@ -309,7 +209,7 @@ class LLM(StepLoop):
                                    lookahead=max_drafts + 1, on_preempt=on_preempt,
                                    chunked_prefill=self.enable_chunked_prefill,
                                    prefix_cache=prefix_cache,
-                                   prefill_attention_budget=prefill_attention_budget)
+                                   prefill_attention_budget=args.prefill_attention_budget)
         # CUDA graphs (no-op on CPU and with enforce_eager): decode, verify, the proposer's draft
         self.runner.capture(self._captured_query_counts)
         if self.spec is not None:
