@@ -216,6 +216,11 @@ def _value(buf, pos: int, kind: int) -> tuple[object, int]:
         pos += 12
         if elem in _SCALARS:
             return count, pos + count * struct.calcsize(_SCALARS[elem])
+        if elem == 8:  # skipped, not decoded: the tokenizer's ~100 000 strings
+            length = struct.Struct("<Q").unpack_from
+            for _ in range(count):
+                pos += 8 + length(buf, pos)[0]
+            return count, pos
         for _ in range(count):
             _, pos = _value(buf, pos, elem)
         return count, pos
