@@ -15,6 +15,7 @@ import os
 import re
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -307,8 +308,14 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
     gguf_path = None if load_format == "dummy" else quantized_gguf(model, dtype, device, tp)
+    tokenizer = None
     if gguf_path is not None:
-        net, config, model_dir = load_quantized(gguf_path)
+        # the tokenizer (mostly importing transformers: Python) loads on a thread while the
+        # weights are packed (numpy copies, which release the GIL)
+        with ThreadPoolExecutor(1) as pool:
+            tokenizer = pool.submit(_load_tokenizer, gguf.gguf_meta_dir(gguf_path))
+            net, config, model_dir = load_quantized(gguf_path)
+            tokenizer = tokenizer.result()
     else:
         torch_dtype = parse_dtype("bfloat16" if dtype is None else dtype)
         model_dir = resolve_model_path(model)
@@ -326,7 +333,7 @@ def load_model(
                 model_dir, None if not tp.enabled
                 else functools.partial(tensor_parallel_slice, config, tp)))
         net.eval()
-    tokenizer = _load_tokenizer(model_dir)
+        tokenizer = _load_tokenizer(model_dir)
     return LoadedModel(net, config, tokenizer, _eos_token_ids(model_dir, config, tokenizer),
                        model_dir)
 

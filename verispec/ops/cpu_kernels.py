@@ -64,8 +64,8 @@ from verispec.paths import cache_root
 
 logger = logging.getLogger("verispec")
 
-_SOURCES = [Path(__file__).with_name(name)
-            for name in ("bf16_linear.c", "attention.c", "rms_norm.c", "sampling.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in (
+    "bf16_linear.c", "attention.c", "rms_norm.c", "sampling.c", "thread_pool.c")]
 _X512_SOURCE = Path(__file__).with_name("bf16_linear_avx512.c")
 # The quantised-weight linear layer (AVX-512; verispec.ops.quant): built with the AVX-512 kernels.
 _QUANT_SOURCE = Path(__file__).with_name("quant_linear.c")

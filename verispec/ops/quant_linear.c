@@ -26,8 +26,8 @@
  * Work: 64 output features x 64 inputs of weights are dequantised into a float32 panel (16 KiB,
  * L1), then multiplied by up to 128 input rows, four at a time (16 accumulator vectors); a panel
  * is dequantised once per 128 rows, so a long prefill runs at the float32 FMA rate and a decode
- * step at the rate the quantised weights stream in. Output features are split over the OpenMP
- * threads in tiles of 64.
+ * step at the rate the quantised weights stream in. Output features are split over the
+ * threads of thread_pool.c (not OpenMP's: why is said there) in tiles of 64.
  *
  * Why not torch's own CPU weight-only kernels: ``_weight_int4pack_mm_for_cpu`` takes 4-bit
  * weights only, with bfloat16 scales (an fp16 scale is not exact in bfloat16); with float32
@@ -37,8 +37,11 @@
  * in docs/benchmarks.md ("GGUF quantised weights on the CPU").
  */
 #include <immintrin.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "cpu_kernels.h"
 
 #define X512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define NR 16 /* output features a vector holds */
@@ -203,37 +206,54 @@ static X512 void panel_block(const float *panel, int64_t kc, const float *x, int
     }
 }
 
-/* y [M, N] = x [M, K] @ w.T (+ bias [N] or NULL), w quantised as above (bits 4 or 8; group 32,
- * or 16 for 8 bits). N % 64 == 0 (ops/quant.py pads), K % 32 == 0. */
-X512 void quant_linear(const float *x, const void *qs, const float *so, const float *bias,
-                       float *y, int64_t M, int64_t N, int64_t K, int bits, int64_t group,
-                       int num_threads) {
-    int64_t num_tiles = N / NT;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float panel[KC * NT] __attribute__((aligned(64)));
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            int64_t rows = M - m0 < MB ? M - m0 : MB;
-#pragma omp for schedule(static)
-            for (int64_t tile = 0; tile < num_tiles; tile++) {
-                float *yt = y + m0 * N + tile * NT;
-                if (rows <= MR) { /* decode and short verify steps: no panel */
-                    fused_block(qs, so, bits, group, K, tile, x + m0 * K, rows, yt, N);
-                } else {
-                    for (int64_t k0 = 0; k0 < K; k0 += KC) {
-                        int64_t kc = K - k0 < KC ? K - k0 : KC;
-                        if (bits == 4)
-                            dequant_q4((const uint8_t *)qs, so, K, tile, k0, kc, panel);
-                        else
-                            dequant_q8((const int8_t *)qs, so, K, group, tile, k0, kc, panel);
-                        panel_block(panel, kc, x + m0 * K + k0, K, rows, yt, N, k0 == 0,
-                                    bits == 4);
-                    }
-                }
-                if (bias)
-                    for (int64_t m = 0; m < rows; m++)
-                        for (int64_t n = 0; n < NT; n++) yt[m * N + n] += bias[tile * NT + n];
+struct quant_args {
+    const float *x;
+    const void *qs;
+    const float *so;
+    const float *bias;
+    float *y;
+    int64_t M, N, K, group;
+    int bits;
+    _Atomic int64_t next; /* the next (row block, tile) item to take */
+};
+
+/* A thread's share of quant_linear: (row block, 64-feature tile) items taken one at a time as
+ * the thread comes free (a loaded core takes fewer); an item's outputs are computed the same
+ * way whichever thread takes it. */
+static X512 void quant_linear_part(void *p, int thread, int num_threads) {
+    struct quant_args *a = p;
+    (void)thread, (void)num_threads;
+    const int64_t N = a->N, K = a->K, num_tiles = N / NT;
+    const int64_t items = (a->M + MB - 1) / MB * num_tiles;
+    float panel[KC * NT] __attribute__((aligned(64)));
+    for (int64_t item; (item = atomic_fetch_add_explicit(&a->next, 1, memory_order_relaxed))
+                       < items;) {
+        int64_t m0 = item / num_tiles * MB, tile = item % num_tiles;
+        int64_t rows = a->M - m0 < MB ? a->M - m0 : MB;
+        const float *x = a->x + m0 * K;
+        float *yt = a->y + m0 * N + tile * NT;
+        if (rows <= MR) { /* decode and short verify steps: no panel */
+            fused_block(a->qs, a->so, a->bits, a->group, K, tile, x, rows, yt, N);
+        } else {
+            for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                int64_t kc = K - k0 < KC ? K - k0 : KC;
+                if (a->bits == 4)
+                    dequant_q4((const uint8_t *)a->qs, a->so, K, tile, k0, kc, panel);
+                else
+                    dequant_q8((const int8_t *)a->qs, a->so, K, a->group, tile, k0, kc, panel);
+                panel_block(panel, kc, x + k0, K, rows, yt, N, k0 == 0, a->bits == 4);
             }
         }
+        if (a->bias)
+            for (int64_t m = 0; m < rows; m++)
+                for (int64_t n = 0; n < NT; n++) yt[m * N + n] += a->bias[tile * NT + n];
     }
+}
+
+/* y [M, N] = x [M, K] @ w.T (+ bias [N] or NULL), w quantised as above (bits 4 or 8; group 32,
+ * or 16 for 8 bits). N % 64 == 0 (ops/quant.py pads), K % 32 == 0. Threads: thread_pool.c. */
+void quant_linear(const float *x, const void *qs, const float *so, const float *bias, float *y,
+                  int64_t M, int64_t N, int64_t K, int bits, int64_t group, int num_threads) {
+    struct quant_args a = {x, qs, so, bias, y, M, N, K, group, bits, 0};
+    pool_run(quant_linear_part, &a, num_threads);
 }
