@@ -192,6 +192,20 @@ class GGUFTensor:
     shape: tuple[int, ...]  # GGUF order: the innermost (input) dimension first
     tensor_type: object  # gguf.GGMLQuantizationType
     data: np.ndarray  # [rows, bytes per row] uint8 (float32 / float16 values for those types)
+    file: mmap.mmap | None = None  # the mapping ``data`` views
+    offset: int = 0  # of ``data`` in the file
+
+    def release(self) -> None:
+        """Drop the pages of ``data`` from this process's resident memory once it has been
+        copied (they stay in the page cache, and ``data`` reads them again if used): loading
+        holds one tensor's pages at a time rather than the whole file beside its packed copy."""
+        if self.file is None:
+            return
+        page = mmap.PAGESIZE
+        first = -(-self.offset // page) * page
+        last = (self.offset + self.data.nbytes) // page * page
+        if last > first:
+            self.file.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
@@ -272,7 +286,7 @@ def read_tensors(gguf_path: str) -> tuple[dict[str, object], list[GGUFTensor]]:
             raw = raw.view(np.float32 if qtype.name == "F32" else np.float16)
             if len(dims) == 1:
                 raw = raw.reshape(-1)
-        tensors.append(GGUFTensor(name, tuple(dims), qtype, raw))
+        tensors.append(GGUFTensor(name, tuple(dims), qtype, raw, buf, start + offset))
     return meta, tensors
 
 
