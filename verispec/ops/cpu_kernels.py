@@ -157,7 +157,8 @@ def _library() -> ctypes.CDLL | None:
     if hasattr(library, "quant_linear"):
         library.quant_isa.restype = ctypes.c_int
         library.quant_linear.restype = None
-        library.quant_linear.argtypes = [ptr] * 5 + [i64] * 3 + [ctypes.c_int, i64, ctypes.c_int]
+        library.quant_linear.argtypes = ([ptr] * 5 + [i64] * 3
+                                         + [ctypes.c_int, i64, ctypes.c_int, ctypes.c_int])
     library.f32_linear.restype = None
     library.f32_linear.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]
     library.rms_norm.restype = None
@@ -249,7 +250,7 @@ def quant_linear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor,
         _library().quant_linear(
             x.data_ptr(), qs.data_ptr(), scales.data_ptr(),
             None if bias is None else bias.data_ptr(), y.data_ptr(), rows, out_features,
-            in_features, bits, group, torch.get_num_threads())
+            in_features, bits, group, torch.get_num_threads(), scales.dtype == torch.float16)
     return y
 
 

@@ -17,8 +17,9 @@ Q6_K          8     16     d * sc (int8 sc)             0 (q - 32 stored)
 ============  ====  =====  ===========================  =======================
 
 ``pack_gguf`` converts a tensor's blocks once, at load, into the layout of
-``ops/quant_linear.c`` (16 output features interleaved; float32 scale and offset per group;
-4-bit types as nibbles, the others as int8). ``QuantizedWeight`` holds it:
+``ops/quant_linear.c`` (16 output features interleaved; a scale and offset per group, float16
+where they all are float16 values, else float32; 4-bit types as nibbles, the others as int8).
+``QuantizedWeight`` holds it:
 
 - ``linear(x, bias)``: ``x @ w.T (+ bias)`` in float32 through the compiled kernel (one chain of
   fused multiply-adds over the inputs per output, in an order fixed by the layout, whatever the
@@ -122,7 +123,9 @@ class QuantizedWeight(nn.Module):
         super().__init__()
         # 4 bits: [Np/16, K/32, 16, 16] uint8; 8 bits: [Np/16, K, 16] int8 (Np: N padded)
         self.register_buffer("qs", qs)
-        self.register_buffer("scales", scales)  # [Np/16, K/G, 2, 16] float32: scales, offsets
+        # [Np/16, K/G, 2, 16] scales then offsets: float32, or float16 where all are float16
+        # values (Q4_0, Q4_1, Q8_0: half the bytes, the same numbers)
+        self.register_buffer("scales", scales)
         self.shape = torch.Size(shape)
         self.bits, self.group, self.qtype = bits, group, qtype
         self.dtype = torch.float32
@@ -145,7 +148,7 @@ class QuantizedWeight(nn.Module):
             q = torch.cat((b & 15, b >> 4), dim=-1).reshape(len(idx), k)
         else:
             q = self.qs[g, :, r]  # [R, K]
-        so = self.scales[g, :, :, r]  # [R, K/G, 2]
+        so = self.scales[g, :, :, r].float()  # [R, K/G, 2]
         return q.float(), so.repeat_interleave(self.group, dim=1)
 
     def dequantize(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
@@ -270,6 +273,9 @@ def _pack(q: list[np.ndarray], scale: list[np.ndarray], offset: list[np.ndarray]
     else:
         qs = qs.reshape(groups, NR, k).transpose(0, 2, 1)  # [g, k, r]
     so = so.reshape(groups, NR, k // group, 2).transpose(0, 2, 3, 1)  # [g, K/G, 2, r]
+    half = so.astype(np.float16)
+    if np.array_equal(half.astype(np.float32), so):  # every scale and offset a float16 value
+        so = half
     return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(qs)),
                            torch.from_numpy(np.ascontiguousarray(so)), (n, k), bits, group,
                            qtype)
