@@ -348,7 +348,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     large allocation's pages zeroed as they are first written, so a pool costs time and resident
     memory as it fills rather than at start (``torch.zeros`` writes every byte: ~0.7 s and
     1 GiB resident for the default CPU pool before the first token)."""
-    if device.type != "cpu":
+    if device.type != "cpu" or 0 in shape:
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.empty((), dtype=dtype).element_size()
     raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
