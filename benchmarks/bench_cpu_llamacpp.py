@@ -16,8 +16,10 @@ whole call, prefill included, summed over the set) of:
 Systems alternate per prompt, ``--repeats`` times, the fastest run of each counting (the least
 disturbed on a shared machine). Then the time to first token of a ``--long-prompt-tokens``
 prompt (verispec quantised; HF transformers' bfloat16 forward over the same weights; llama.cpp
-if installed), and memory: the packed weights against the GGUF file, and the resident memory
-one quantised engine adds (weights, KV pool, scratch) against the GGUF file plus its KV pool.
+if installed), and memory, each in a fresh process after the long prompt and 128 new tokens:
+the resident memory one quantised engine adds to its process's imports (weights, tokenizer, KV
+pool, scratch) at the speed runs' settings, and the peak of a whole process at ``verispec
+generate``'s defaults, each against the GGUF file plus its KV pool.
 Prints a table, then one JSON line.
 
     python benchmarks/bench_cpu_llamacpp.py
@@ -30,6 +32,8 @@ import argparse
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 import time
 from functools import partial
 
@@ -77,7 +81,9 @@ def long_prompt(tokenizer, num_tokens: int) -> list[int]:
 
 
 def time_to_first_token(args, plain: LLM, llamacpp) -> dict:
-    ids = long_prompt(plain.tokenizer, args.long_prompt_tokens)
+    # each repeat its own prompt (a window one token further on), so no repeat is served from
+    # the prefix cache of the one before
+    all_ids = long_prompt(plain.tokenizer, args.long_prompt_tokens + args.repeats)
     one = SamplingParams(temperature=0.0, max_tokens=1)
     times: dict[str, list[float]] = {"ours_ttft_s": [], "hf_bf16_forward_s": []}
     hf = None
@@ -90,7 +96,8 @@ def time_to_first_token(args, plain: LLM, llamacpp) -> dict:
                                                   dtype=torch.bfloat16).eval()
     if llamacpp is not None:
         times["llamacpp_ttft_s"] = []
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
+        ids = all_ids[repeat:repeat + args.long_prompt_tokens]
         start = time.perf_counter()
         plain.generate(ids, one)
         times["ours_ttft_s"].append(time.perf_counter() - start)
@@ -104,34 +111,69 @@ def time_to_first_token(args, plain: LLM, llamacpp) -> dict:
             start = time.perf_counter()
             llamacpp.create_completion(ids, max_tokens=1, temperature=0.0)
             times["llamacpp_ttft_s"].append(time.perf_counter() - start)
-    row = {"prompt_tokens": len(ids), **{k: min(v) for k, v in times.items() if v}}
+    row = {"prompt_tokens": args.long_prompt_tokens,
+           **{k: min(v) for k, v in times.items() if v}}
     if hf is not None:
         row["ttft_vs_hf_bf16"] = row["ours_ttft_s"] / row["hf_bf16_forward_s"]
     return row
 
 
-def resident_mb() -> float:
-    """This process's resident memory now (VmRSS), MiB."""
+def status_mb(key: str) -> float:
+    """This process's ``key`` line of /proc/self/status (VmRSS: resident now, VmHWM: peak),
+    MiB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
 
-def memory_row(plain: LLM, gguf_path: str, rss_before: float, rss_after: float) -> dict:
-    model = plain.runner.model
+def memory_child(args) -> None:
+    """Run in a fresh process (``--memory-child``): what ``verispec generate`` holds. Imports
+    as the CLI does, builds one engine (``max_model_len`` 2048, one request, as the speed runs;
+    then ``verispec generate``'s own defaults), runs the ``--long-prompt-tokens`` prompt and 128
+    new tokens through it (the KV pool's pages are written as they fill), and prints one JSON
+    line: resident memory after the imports, the process's peak, the packed weights and the
+    KV pool."""
+    import transformers  # noqa: F401  (the tokenizer's: part of every engine's process)
+
+    from verispec.models.loader import resolve_model_path  # noqa: F401
+
+    imports = status_mb("VmRSS")
+    kwargs = {} if args.memory_child == "generate" else {"max_model_len": 2048,
+                                                          "max_num_seqs": 1}
+    llm = LLM(**kwargs)
+    ids = long_prompt(llm.tokenizer, args.long_prompt_tokens)
+    llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True))
+    model = llm.runner.model
     packed = sum(b.numel() * b.element_size() for m in model.modules()
                  if isinstance(m, QuantizedWeight) for b in m.buffers())
-    dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    cache = plain.runner.kv_cache
+    cache = llm.runner.kv_cache
     kv = sum(t.numel() * t.element_size() for t in (cache.k, cache.v))
+    print(json.dumps({"imports_mb": imports, "peak_mb": status_mb("VmHWM"),
+                      "packed_weights_mb": packed / 2**20, "kv_pool_mb": kv / 2**20}))
+
+
+def memory_row(args, gguf_path: str) -> dict:
+    """Resident memory of one quantised engine (a fresh process each, ``memory_child``): what
+    it adds to its process's imports at the speed runs' settings, and the whole process of
+    ``verispec generate``'s defaults, each against the GGUF file plus the KV pool."""
     file_mb = os.path.getsize(gguf_path) / 2**20
-    return {"gguf_file_mb": file_mb, "packed_weights_mb": packed / 2**20,
-            "float_params_mb": dense / 2**20, "kv_pool_mb": kv / 2**20,
-            "engine_rss_mb": rss_after - rss_before,
-            "weights_vs_file": (packed + dense) / 2**20 / file_mb,
-            "engine_rss_vs_file_plus_kv": (rss_after - rss_before) / (file_mb + kv / 2**20)}
+    row = {"gguf_file_mb": file_mb}
+    for kind in ("engine", "generate"):
+        out = subprocess.run([sys.executable, __file__, "--memory-child", kind,
+                              "--long-prompt-tokens", str(args.long_prompt_tokens)],
+                             check=True, capture_output=True, text=True).stdout
+        m = json.loads(out.strip().splitlines()[-1])
+        if kind == "engine":
+            engine = m["peak_mb"] - m["imports_mb"]
+            row.update(packed_weights_mb=m["packed_weights_mb"], kv_pool_mb=m["kv_pool_mb"],
+                       engine_rss_mb=engine,
+                       engine_rss_vs_file_plus_kv=engine / (file_mb + m["kv_pool_mb"]))
+        else:
+            row.update(generate_kv_pool_mb=m["kv_pool_mb"], generate_peak_rss_mb=m["peak_mb"],
+                       generate_peak_vs_file_plus_kv=m["peak_mb"] / (file_mb + m["kv_pool_mb"]))
+    return row
 
 
 def main() -> None:
@@ -147,27 +189,28 @@ def main() -> None:
     parser.add_argument("--long-prompt-tokens", type=int, default=1750)
     parser.add_argument("--skip-hf", action="store_true", help="no HF bfloat16 prefill baseline")
     parser.add_argument("--skip-bf16", action="store_true", help="no bfloat16 verispec engine")
+    parser.add_argument("--memory-child", choices=("engine", "generate"), default=None,
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.memory_child:
+        return memory_child(args)
     gguf_path = bundled_gguf_path()
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
              "prompt_lookup_max": 4}
-    import transformers  # noqa: F401  (imported by every engine: not the engine's memory)
-
-    rss_before = resident_mb()
-    plain = LLM(max_model_len=2048, max_num_seqs=1)
-    rss_after = resident_mb()
+    # no prefix caching: a repeat of a prompt prefills it again, as llama.cpp's (reset) does
+    engine = {"max_model_len": 2048, "max_num_seqs": 1, "enable_prefix_caching": False}
+    plain = LLM(**engine)
     runners = {"ours_plain": partial(run_ours, plain, tokens=args.tokens),
-               "ours_ngram": partial(run_ours, LLM(max_model_len=2048, max_num_seqs=1,
-                                                   speculative_config=ngram),
+               "ours_ngram": partial(run_ours, LLM(**engine, speculative_config=ngram),
                                      tokens=args.tokens)}
     if args.eagle_head:
-        eagle = LLM(max_model_len=2048, max_num_seqs=1, speculative_config={
+        eagle = LLM(**engine, speculative_config={
             "method": "eagle3", "model": args.eagle_head, "num_speculative_tokens": args.k})
         runners["ours_eagle3"] = partial(run_ours, eagle, tokens=args.tokens)
     if not args.skip_bf16:
         runners["ours_bf16_plain"] = partial(
-            run_ours, LLM(dtype="bfloat16", max_model_len=2048, max_num_seqs=1),
+            run_ours, LLM(dtype="bfloat16", **engine),
             tokens=args.tokens)
     llamacpp = None
     if importlib.util.find_spec("llama_cpp") is not None:
@@ -205,7 +248,7 @@ def main() -> None:
         rows.append(row)
         print_table(rows[-1:])
     ttft = time_to_first_token(args, plain, llamacpp)
-    memory = memory_row(plain, gguf_path, rss_before, rss_after)
+    memory = memory_row(args, gguf_path)
     print(f"\nmachine: {machine_description()}; {args.threads} threads, batch 1, greedy, up to "
           f"{args.tokens} tokens, {args.num_prompts} prompts per set, best of {args.repeats}; "
           f"n-gram k={args.k}; llama.cpp: "

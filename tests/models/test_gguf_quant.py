@@ -152,3 +152,30 @@ def test_bundled_quantised_greedy_agrees_with_float32():
     dense = LLM(dtype="float32", max_model_len=512, max_num_seqs=4)
     assert ([o.token_ids for o in quant.generate(prompts, params)]
             == [o.token_ids for o in dense.generate(prompts, params)])
+
+
+@requires_bundled
+def test_cached_gguf_tokenizer_is_autotokenizers():
+    """A GGUF's cached directory loads its tokenizer by the class its tokenizer_config names
+    (no AutoTokenizer lookup, ~1 s of start): the same class, ids, chat text and decoded text
+    as AutoTokenizer gives."""
+    from transformers import AutoTokenizer
+
+    from verispec.models import gguf as gguf_files
+    from verispec.models.loader import _load_tokenizer
+
+    model_dir = gguf_files.gguf_meta_dir(gguf_files.bundled_gguf_path())
+    assert gguf_files.cached_tokenizer_class(model_dir) is not None
+    fast, auto = _load_tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    assert type(fast) is type(auto)
+    assert (fast.eos_token_id, fast.bos_token_id, fast.pad_token_id) == (
+        auto.eos_token_id, auto.bos_token_id, auto.pad_token_id)
+    assert fast.get_vocab() == auto.get_vocab()
+    chat = [{"role": "user", "content": "Add a docstring to: def f(x): return x * 2 <|im_end|>"}]
+    text = fast.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    ids = fast.encode(text, add_special_tokens=False)
+    assert ids == auto.encode(text, add_special_tokens=False)
+    assert fast.encode("héllo wörld") == auto.encode("héllo wörld")
+    assert (fast.decode(ids, skip_special_tokens=True)
+            == auto.decode(ids, skip_special_tokens=True))

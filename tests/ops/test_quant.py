@@ -5,7 +5,8 @@ package (Q4_0, Q4_1 and Q8_0 quantised by its ``gguf.quants.quantize``; the K-qu
 cannot quantise, as random blocks with small fp16 scales), read back by our own reader, packed,
 and checked against the gguf package's ``dequantize`` of the same blocks:
 
-- the dequantised weights are the gguf package's values exactly;
+- the dequantised weights are the gguf package's values exactly (the scales of the types with
+  fp16 fields packed as float16, the others mostly as float32: both layouts run);
 - the linear layer is the float32 product of those weights within the error bound of a
   sequential float32 sum (K * 2^-24 * sum_k |x_k w_k|), the kernel's order (one fused
   multiply-add chain over the inputs per output);
@@ -103,6 +104,8 @@ def test_dequantize_is_the_gguf_packages_values(gguf_file, qtype):
         _, blocks = found[f"{qtype}.{rows}x{cols}"]
         w = quant.pack_gguf([(qtype, blocks)], cols)
         assert w.shape == (rows, cols) and w.out_padded % quant.TILE == 0
+        if qtype in ("Q4_0", "Q4_1", "Q8_0"):  # fp16 fields: scales kept in float16
+            assert w.scales.dtype == torch.float16
         assert torch.equal(w.dequantize(), reference(qtype, blocks, cols))
         ids = torch.tensor([[0, rows - 1], [rows // 2, 3]])
         assert torch.equal(w.embedding(ids), reference(qtype, blocks, cols)[ids])

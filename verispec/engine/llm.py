@@ -42,6 +42,13 @@ from verispec.sampling_params import SamplingParams
 
 logger = logging.getLogger("verispec")
 
+# On the CPU a forward of more tokens runs in pieces of at most this many (the same bits: every
+# row is computed alike): the kernels reach their rate at a few hundred rows (ops/quant_linear.c
+# takes 128 at a time), and a 1 750-token prompt held ~35 MiB more activations in one piece than
+# in pieces of 512 (docs/benchmarks.md).
+CPU_MAX_FORWARD_TOKENS = 512
+
+
 class LLM(StepLoop):
     """A model ready to generate.
 
@@ -184,10 +191,12 @@ class LLM(StepLoop):
             load_format=args.load_format,
         )
         # Longer forwards run in pieces: the memory plan measures a step of this many tokens.
-        self.runner.max_forward_tokens = max_num_batched_tokens
+        forward_tokens = (max_num_batched_tokens if self.device.type != "cpu"
+                          else min(max_num_batched_tokens, CPU_MAX_FORWARD_TOKENS))
+        self.runner.max_forward_tokens = forward_tokens
         draft_runner = None if self.spec is None else self.spec.proposer.runner
         if draft_runner is not None and draft_runner is not self.runner:
-            draft_runner.max_forward_tokens = max_num_batched_tokens
+            draft_runner.max_forward_tokens = forward_tokens
         self._captured_query_counts = [1] if self.spec is None else [1, k + 1]
         self.kv_plan = memory.plan_kv_pool(
             self.runner, max_num_seqs=max_num_seqs, max_model_len=max_model_len,

@@ -169,6 +169,21 @@ def gguf_meta_dir(gguf_path: str) -> str:
     return out
 
 
+def cached_tokenizer_class(model_dir: str) -> str | None:
+    """The tokenizer class named in ``model_dir``'s tokenizer_config.json where ``model_dir`` is
+    a GGUF's cached directory (the class AutoTokenizer chose when ``_write_tokenizer`` saved
+    it), else None."""
+    parent = os.path.dirname(os.path.abspath(model_dir))
+    if parent != os.path.abspath(os.path.join(cache_root(), "gguf")):
+        return None
+    try:
+        with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return None if "auto_map" in config else config.get("tokenizer_class")
+
+
 @dataclass
 class GGUFTensor:
     """One tensor of a GGUF file, as ``gguf.ReaderTensor`` names its fields."""
@@ -177,10 +192,54 @@ class GGUFTensor:
     shape: tuple[int, ...]  # GGUF order: the innermost (input) dimension first
     tensor_type: object  # gguf.GGMLQuantizationType
     data: np.ndarray  # [rows, bytes per row] uint8 (float32 / float16 values for those types)
+    file: mmap.mmap | None = None  # the mapping ``data`` views
+    offset: int = 0  # of ``data`` in the file
+
+    def release(self) -> None:
+        """Drop the pages of ``data`` from this process's resident memory once it has been
+        copied (they stay in the page cache, and ``data`` reads them again if used): loading
+        holds one tensor's pages at a time rather than the whole file beside its packed copy."""
+        if self.file is None:
+            return
+        page = mmap.PAGESIZE
+        first = -(-self.offset // page) * page
+        last = (self.offset + self.data.nbytes) // page * page
+        if last > first:
+            self.file.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}
+
+
+def _string(buf, pos: int) -> tuple[str, int]:
+    """(the GGUF string at ``pos``, the position after it)."""
+    (n,) = struct.unpack_from("<Q", buf, pos)
+    return bytes(buf[pos + 8:pos + 8 + n]).decode("utf-8", "replace"), pos + 8 + n
+
+
+def _value(buf, pos: int, kind: int) -> tuple[object, int]:
+    """(the GGUF metadata value of type ``kind`` at ``pos``: an array gives its number of
+    elements, the position after it). Module functions, not closures over the mapped file: a
+    recursive closure is a reference cycle that keeps the file's pages mapped and resident until
+    the cyclic collector runs."""
+    if kind == 8:
+        return _string(buf, pos)
+    if kind == 9:
+        elem, count = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        if elem in _SCALARS:
+            return count, pos + count * struct.calcsize(_SCALARS[elem])
+        if elem == 8:  # skipped, not decoded: the tokenizer's ~100 000 strings
+            length = struct.Struct("<Q").unpack_from
+            for _ in range(count):
+                pos += 8 + length(buf, pos)[0]
+            return count, pos
+        for _ in range(count):
+            _, pos = _value(buf, pos, elem)
+        return count, pos
+    fmt = _SCALARS[kind]
+    return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
 
 
 def read_tensors(gguf_path: str) -> tuple[dict[str, object], list[GGUFTensor]]:
@@ -197,39 +256,14 @@ def read_tensors(gguf_path: str) -> tuple[dict[str, object], list[GGUFTensor]]:
             raise ValueError("bad magic")
         _, num_tensors, num_kv = struct.unpack_from("<IQQ", buf, 4)
         pos = 24
-
-        def string() -> str:
-            nonlocal pos
-            (n,) = struct.unpack_from("<Q", buf, pos)
-            pos += 8 + n
-            return bytes(buf[pos - n:pos]).decode("utf-8", "replace")
-
-        def value(kind: int):
-            nonlocal pos
-            if kind == 8:
-                return string()
-            if kind == 9:
-                elem, count = struct.unpack_from("<IQ", buf, pos)
-                pos += 12
-                if elem in _SCALARS:
-                    pos += count * struct.calcsize(_SCALARS[elem])
-                else:
-                    for _ in range(count):
-                        value(elem)
-                return count  # an array: its number of elements
-            fmt = _SCALARS[kind]
-            pos += struct.calcsize(fmt)
-            return struct.unpack_from(fmt, buf, pos - struct.calcsize(fmt))[0]
-
         meta = {}
         for _ in range(num_kv):
-            key = string()
+            key, pos = _string(buf, pos)
             (kind,) = struct.unpack_from("<I", buf, pos)
-            pos += 4
-            meta[key] = value(kind)
+            meta[key], pos = _value(buf, pos + 4, kind)
         infos = []
         for _ in range(num_tensors):
-            name = string()
+            name, pos = _string(buf, pos)
             (n_dims,) = struct.unpack_from("<I", buf, pos)
             dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
             kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
@@ -252,7 +286,7 @@ def read_tensors(gguf_path: str) -> tuple[dict[str, object], list[GGUFTensor]]:
             raw = raw.view(np.float32 if qtype.name == "F32" else np.float16)
             if len(dims) == 1:
                 raw = raw.reshape(-1)
-        tensors.append(GGUFTensor(name, tuple(dims), qtype, raw))
+        tensors.append(GGUFTensor(name, tuple(dims), qtype, raw, buf, start + offset))
     return meta, tensors
 
 

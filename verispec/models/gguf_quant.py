@@ -90,13 +90,15 @@ def load_quantized(gguf_path: str) -> tuple[nn.Module, ModelConfig, str]:
     with torch.device("meta"):
         net = arch_entry.model_cls(config, dtype=torch.float32)
     hidden = config.hidden_size
-    grouped: dict[tuple, dict[int, tuple[str, np.ndarray]]] = {}
+    grouped: dict[tuple, dict[int, gguf_files.GGUFTensor]] = {}
     for t in tensors:
         name = t.name
         if name == "token_embd.weight":
             _set(net, "embed_weight", _matrix([_rows(t, arch, None)], hidden))
+            t.release()
         elif name == "output.weight":
             _set(net, "lm_head_weight", _matrix([_rows(t, arch, None)], hidden))
+            t.release()
         elif name == "output_norm.weight":
             net.norm.weight = nn.Parameter(torch.from_numpy(_dense(t)), requires_grad=False)
         elif name.startswith("blk."):
@@ -107,18 +109,20 @@ def load_quantized(gguf_path: str) -> tuple[nn.Module, ModelConfig, str]:
                 norm.weight = nn.Parameter(torch.from_numpy(_dense(t)), requires_grad=False)
             elif kind in _LAYER_TENSORS:
                 module, fused, part = _LAYER_TENSORS[kind]
-                heads = {"attn_q": config.num_attention_heads,
-                         "attn_k": config.num_key_value_heads}.get(kind)
                 key = (int(layer), module, f"{fused}_{suffix}")
-                grouped.setdefault(key, {})[part] = _rows(t, arch, heads)
+                grouped.setdefault(key, {})[part] = t
     for (layer, module, attr), parts in grouped.items():
         target = net.layers[layer].get_submodule(module)
-        ordered = [parts[i] for i in sorted(parts)]
+        heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+        ordered = [_rows(parts[i], arch, heads.get(parts[i].name.split(".")[2]))
+                   for i in sorted(parts)]
         if attr.endswith("_bias"):
             bias = np.concatenate([data.reshape(-1) for _, data in ordered])
             _set(target, attr, nn.Parameter(torch.from_numpy(bias), requires_grad=False))
         else:
             _set(target, attr, _matrix(ordered, getattr(target, attr).shape[1]))
+        for t in parts.values():
+            t.release()
     if config.tie_word_embeddings:
         _set(net, "lm_head_weight", net.embed_weight)
     missing = [n for n, p in [*net.named_parameters(), *net.named_buffers()] if p.is_meta]

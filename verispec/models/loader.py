@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import functools
 import glob
+import importlib
 import json
 import os
 import re
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from verispec.models import gguf
 from verispec.models.config import ModelConfig, read_hf_config
 from verispec.models.gguf_quant import load_quantized
 from verispec.models.llama import LlamaForCausalLM
@@ -51,8 +54,6 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def resolve_model_path(model: str | None) -> str:
     """The HF directory to load for ``model`` (None = the bundled GGUF), converting GGUF files."""
-    from verispec.models import gguf
-
     if model is None:
         return gguf.gguf_to_hf_dir(gguf.bundled_gguf_path())
     if not isinstance(model, (str, os.PathLike)):
@@ -231,9 +232,23 @@ def load_weights(model, config: ModelConfig,
         raise ValueError(f"checkpoint is missing weights for {missing[:8]}")
 
 
+# tokenizer_config.json's class -> (module, name) of the transformers classes that a GGUF's cached
+# directory may name (models.gguf._write_tokenizer)
+_CACHED_TOKENIZER_CLASSES = {
+    "TokenizersBackend": ("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
+    "PreTrainedTokenizerFast": ("transformers.tokenization_utils_fast", "PreTrainedTokenizerFast"),
+}
+
+
 def _load_tokenizer(model_dir: str):
     if not any(os.path.isfile(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
         return None
+    cached = _CACHED_TOKENIZER_CLASSES.get(gguf.cached_tokenizer_class(model_dir))
+    if cached is not None:
+        # AutoTokenizer chose this class when it wrote the directory; naming it skips
+        # AutoTokenizer's config and model-class lookup, which imports transformers' model
+        # machinery: ~1 s and ~55 MB of a GGUF's start (docs/benchmarks.md)
+        return getattr(importlib.import_module(cached[0]), cached[1]).from_pretrained(model_dir)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
@@ -268,8 +283,6 @@ def quantized_gguf(model: str | None, dtype: str | torch.dtype | None,
     if dtype is not None or torch.device(device).type != "cpu" or tp.enabled:
         return None
     if model is None:
-        from verispec.models import gguf
-
         path = gguf.bundled_gguf_path()
     elif isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".gguf") \
             and os.path.isfile(model):
@@ -295,8 +308,14 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
     gguf_path = None if load_format == "dummy" else quantized_gguf(model, dtype, device, tp)
+    tokenizer = None
     if gguf_path is not None:
-        net, config, model_dir = load_quantized(gguf_path)
+        # the tokenizer (mostly importing transformers: Python) loads on a thread while the
+        # weights are packed (numpy copies, which release the GIL)
+        with ThreadPoolExecutor(1) as pool:
+            tokenizer = pool.submit(_load_tokenizer, gguf.gguf_meta_dir(gguf_path))
+            net, config, model_dir = load_quantized(gguf_path)
+            tokenizer = tokenizer.result()
     else:
         torch_dtype = parse_dtype("bfloat16" if dtype is None else dtype)
         model_dir = resolve_model_path(model)
@@ -314,7 +333,7 @@ def load_model(
                 model_dir, None if not tp.enabled
                 else functools.partial(tensor_parallel_slice, config, tp)))
         net.eval()
-    tokenizer = _load_tokenizer(model_dir)
+        tokenizer = _load_tokenizer(model_dir)
     return LoadedModel(net, config, tokenizer, _eos_token_ids(model_dir, config, tokenizer),
                        model_dir)
 

@@ -10,13 +10,13 @@
  * float32; scores, softmax and the weighted sum run in float32. It reads each key and value
  * row where it lies in the cache (no gathered copy) and needs no layout change of q: what
  * torch's SDPA costs at one query per request is mostly fixed overhead, plus the casts around
- * it (docs/benchmarks.md). One (token, head) per OpenMP work item, taken as
- * threads come free; each sums its rows in order, so its result depends on nothing else in the
- * batch (batch invariance). Built and loaded by verispec/ops/cpu_kernels.py.
+ * it (docs/benchmarks.md). One (token, head) per work item, taken as threads (thread_pool.c)
+ * come free; each sums its rows in order, so its result depends on nothing else in the batch
+ * (batch invariance). Built and loaded by verispec/ops/cpu_kernels.py.
  */
 #include <immintrin.h>
 #include <math.h>
-#include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,22 +49,40 @@ static inline void axpy(float *acc, float w, const float *v, int64_t n) {
 #define ROW(table, j, block_size) \
     ((int64_t)(table)[(j) / (block_size)] * (block_size) + (j) % (block_size))
 
-/* Returns 0, or -1 when scratch memory cannot be allocated. num_threads >= 1. */
-int cache_attention(const void *q, int64_t q_token_stride, void *out, int io_bf16,
-                    const float *k_cache, const float *v_cache, const int32_t *block_tables,
-                    int64_t bt_stride, int64_t block_size, int64_t batch, int64_t seq,
-                    int64_t num_heads,
-                    int64_t num_kv_heads, int64_t head_dim, int64_t kv_len,
-                    const uint8_t *mask, int causal, float scale, int num_threads) {
-    int64_t items = batch * seq * num_heads;
-    int64_t group = num_heads / num_kv_heads;
-    int64_t row_stride = num_kv_heads * head_dim; /* between cache rows */
-    size_t per_thread = (size_t)(kv_len + 2 * head_dim + 16);
-    float *scratch = malloc(sizeof(float) * per_thread * (size_t)num_threads);
-    if (scratch == NULL) return -1;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t item = 0; item < items; item++) {
-        float *p = scratch + per_thread * (size_t)omp_get_thread_num();
+struct attention_args {
+    const void *q;
+    int64_t q_token_stride;
+    void *out;
+    int io_bf16;
+    const float *k_cache, *v_cache;
+    const int32_t *block_tables;
+    int64_t bt_stride, block_size, batch, seq, num_heads, num_kv_heads, head_dim, kv_len;
+    const uint8_t *mask;
+    int causal;
+    float scale;
+    float *scratch;
+    size_t per_thread;
+    _Atomic int64_t next; /* the next (token, head) item to take */
+};
+
+/* A thread's share: (token, head) items taken one at a time as the thread comes free. */
+static void attention_part(void *arg, int thread, int num_threads) {
+    struct attention_args *a = arg;
+    (void)num_threads;
+    const void *q = a->q;
+    void *out = a->out;
+    const int io_bf16 = a->io_bf16, causal = a->causal;
+    const int64_t q_token_stride = a->q_token_stride, bt_stride = a->bt_stride;
+    const int64_t block_size = a->block_size, seq = a->seq, num_heads = a->num_heads;
+    const int64_t head_dim = a->head_dim, kv_len = a->kv_len;
+    const int64_t items = a->batch * seq * num_heads, group = num_heads / a->num_kv_heads;
+    const int64_t row_stride = a->num_kv_heads * head_dim; /* between cache rows */
+    const float *k_cache = a->k_cache, *v_cache = a->v_cache, scale = a->scale;
+    const int32_t *block_tables = a->block_tables;
+    const uint8_t *mask = a->mask;
+    float *p = a->scratch + a->per_thread * (size_t)thread;
+    for (int64_t item;
+         (item = atomic_fetch_add_explicit(&a->next, 1, memory_order_relaxed)) < items;) {
         float *qf = p + kv_len, *acc = qf + head_dim;
         int64_t t = item / num_heads, h = item % num_heads;
         int64_t b = t / seq, s = t % seq;
@@ -106,6 +124,23 @@ int cache_attention(const void *q, int64_t q_token_stride, void *out, int io_bf1
                 ((float *)out)[out_at + i] = acc[i];
         }
     }
+}
+
+/* Returns 0, or -1 when scratch memory cannot be allocated. num_threads >= 1. Threads:
+ * thread_pool.c, as quant_linear.c's (a decode step runs no OpenMP region). */
+int cache_attention(const void *q, int64_t q_token_stride, void *out, int io_bf16,
+                    const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                    int64_t bt_stride, int64_t block_size, int64_t batch, int64_t seq,
+                    int64_t num_heads,
+                    int64_t num_kv_heads, int64_t head_dim, int64_t kv_len,
+                    const uint8_t *mask, int causal, float scale, int num_threads) {
+    size_t per_thread = (size_t)(kv_len + 2 * head_dim + 16);
+    float *scratch = malloc(sizeof(float) * per_thread * (size_t)num_threads);
+    if (scratch == NULL) return -1;
+    struct attention_args a = {q, q_token_stride, out, io_bf16, k_cache, v_cache, block_tables,
+                               bt_stride, block_size, batch, seq, num_heads, num_kv_heads,
+                               head_dim, kv_len, mask, causal, scale, scratch, per_thread, 0};
+    pool_run(attention_part, &a, num_threads);
     free(scratch);
     return 0;
 }

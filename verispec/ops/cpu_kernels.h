@@ -1,5 +1,5 @@
-/* Helpers shared by the CPU kernels (bf16_linear.c, attention.c): bfloat16 <-> float32 and a
- * horizontal sum. */
+/* Helpers shared by the CPU kernels (bf16_linear.c, attention.c, quant_linear.c): bfloat16 <->
+ * float32, a horizontal sum, and the thread pool (thread_pool.c). */
 #ifndef VERISPEC_CPU_KERNELS_H
 #define VERISPEC_CPU_KERNELS_H
 
@@ -23,6 +23,10 @@ static inline uint16_t round_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
+
+/* Calls task(arg, i, n) on this thread (i = 0) and the pool's workers that come; returns when
+ * those calls are done (thread_pool.c). */
+void pool_run(void (*task)(void *arg, int thread, int num_threads), void *arg, int num_threads);
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -64,8 +64,8 @@ from verispec.paths import cache_root
 
 logger = logging.getLogger("verispec")
 
-_SOURCES = [Path(__file__).with_name(name)
-            for name in ("bf16_linear.c", "attention.c", "rms_norm.c", "sampling.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in (
+    "bf16_linear.c", "attention.c", "rms_norm.c", "sampling.c", "thread_pool.c")]
 _X512_SOURCE = Path(__file__).with_name("bf16_linear_avx512.c")
 # The quantised-weight linear layer (AVX-512; verispec.ops.quant): built with the AVX-512 kernels.
 _QUANT_SOURCE = Path(__file__).with_name("quant_linear.c")
@@ -157,7 +157,8 @@ def _library() -> ctypes.CDLL | None:
     if hasattr(library, "quant_linear"):
         library.quant_isa.restype = ctypes.c_int
         library.quant_linear.restype = None
-        library.quant_linear.argtypes = [ptr] * 5 + [i64] * 3 + [ctypes.c_int, i64, ctypes.c_int]
+        library.quant_linear.argtypes = ([ptr] * 5 + [i64] * 3
+                                         + [ctypes.c_int, i64, ctypes.c_int, ctypes.c_int])
     library.f32_linear.restype = None
     library.f32_linear.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]
     library.rms_norm.restype = None
@@ -249,7 +250,7 @@ def quant_linear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor,
         _library().quant_linear(
             x.data_ptr(), qs.data_ptr(), scales.data_ptr(),
             None if bias is None else bias.data_ptr(), y.data_ptr(), rows, out_features,
-            in_features, bits, group, torch.get_num_threads())
+            in_features, bits, group, torch.get_num_threads(), scales.dtype == torch.float16)
     return y
 
 

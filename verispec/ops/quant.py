@@ -17,8 +17,9 @@ Q6_K          8     16     d * sc (int8 sc)             0 (q - 32 stored)
 ============  ====  =====  ===========================  =======================
 
 ``pack_gguf`` converts a tensor's blocks once, at load, into the layout of
-``ops/quant_linear.c`` (16 output features interleaved; float32 scale and offset per group;
-4-bit types as nibbles, the others as int8). ``QuantizedWeight`` holds it:
+``ops/quant_linear.c`` (16 output features interleaved; a scale and offset per group, float16
+where they all are float16 values, else float32; 4-bit types as nibbles, the others as int8).
+``QuantizedWeight`` holds it:
 
 - ``linear(x, bias)``: ``x @ w.T (+ bias)`` in float32 through the compiled kernel (one chain of
   fused multiply-adds over the inputs per output, in an order fixed by the layout, whatever the
@@ -50,8 +51,8 @@ TILE = 64  # the kernel's output tile: out_features are padded to a multiple of 
 
 
 def _f16(a: np.ndarray) -> np.ndarray:
-    """[n, 2] uint8 -> [n, 1] float32 (exact)."""
-    return a.copy().view(np.float16).astype(np.float32)
+    """[..., 2] uint8 -> [..., 1] float32 (exact)."""
+    return np.ascontiguousarray(a).view(np.float16).astype(np.float32)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -122,7 +123,9 @@ class QuantizedWeight(nn.Module):
         super().__init__()
         # 4 bits: [Np/16, K/32, 16, 16] uint8; 8 bits: [Np/16, K, 16] int8 (Np: N padded)
         self.register_buffer("qs", qs)
-        self.register_buffer("scales", scales)  # [Np/16, K/G, 2, 16] float32: scales, offsets
+        # [Np/16, K/G, 2, 16] scales then offsets: float32, or float16 where all are float16
+        # values (Q4_0, Q4_1, Q8_0: half the bytes, the same numbers)
+        self.register_buffer("scales", scales)
         self.shape = torch.Size(shape)
         self.bits, self.group, self.qtype = bits, group, qtype
         self.dtype = torch.float32
@@ -145,7 +148,7 @@ class QuantizedWeight(nn.Module):
             q = torch.cat((b & 15, b >> 4), dim=-1).reshape(len(idx), k)
         else:
             q = self.qs[g, :, r]  # [R, K]
-        so = self.scales[g, :, :, r]  # [R, K/G, 2]
+        so = self.scales[g, :, :, r].float()  # [R, K/G, 2]
         return q.float(), so.repeat_interleave(self.group, dim=1)
 
     def dequantize(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
@@ -190,46 +193,89 @@ class QuantizedWeight(nn.Module):
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
+# bytes before a block's 16 bytes of nibbles, for the types whose byte j holds inputs j (low
+# nibble) and j + 16 (high) of the block: the 4-bit layout's own pairing
+_PAIRED_NIBBLES = {"Q4_0": 2, "Q4_1": 4}
+
+
+# bytes before a block's 16 bytes of nibbles, for the types whose byte j holds inputs j (low
+# nibble) and j + 16 (high) of the block: the 4-bit layout's own pairing
+_PAIRED_NIBBLES = {"Q4_0": 2, "Q4_1": 4}
+
+
 def pack_gguf(parts: list[tuple[str, np.ndarray]], in_features: int) -> QuantizedWeight:
     """GGUF tensors' blocks stacked along out_features (a fused q|k|v or gate|up): each part is
     (type name, uint8 [rows, bytes per row] as ``gguf.GGUFReader`` gives them, rows in any order
     the caller chose). Parts of different types meet in the widest layout (8 bits, the smaller
-    group), which holds each exactly."""
-    bits = max(BITS[qtype] for qtype, _ in parts)
+    group), which holds each exactly. Q4_0 and Q4_1 blocks already pair their nibbles as the
+    4-bit layout does: their bytes are moved, not unpacked (a third of the bundled model's
+    start)."""
+    qtype = "+".join(dict.fromkeys(qtype for qtype, _ in parts))
+    if all(part_type in _PAIRED_NIBBLES for part_type, _ in parts):
+        q, scale, offset = [], [], []
+        for part_type, blocks in parts:
+            head = _PAIRED_NIBBLES[part_type]
+            b = blocks.reshape(blocks.shape[0], in_features // 32, head + 16)
+            d = _f16(b[:, :, :2])[..., 0]
+            q.append(b[:, :, head:])
+            scale.append(d)
+            offset.append(-8 * d if part_type == "Q4_0" else _f16(b[:, :, 2:4])[..., 0])
+        return _pack(q, scale, offset, 4, 32, qtype)
+    bits = max(BITS[part_type] for part_type, _ in parts)
     decoded = []
-    for qtype, blocks in parts:
+    for part_type, blocks in parts:
         rows = blocks.shape[0]
-        block_size = 32 if qtype in ("Q4_0", "Q4_1", "Q8_0") else 256
+        block_size = 32 if part_type in ("Q4_0", "Q4_1", "Q8_0") else 256
         q, scale, offset, group = _decode(
-            qtype, blocks.reshape(rows * (in_features // block_size), -1))
+            part_type, blocks.reshape(rows * (in_features // block_size), -1))
         decoded.append((q.reshape(rows, in_features), scale.reshape(rows, -1),
                         offset.reshape(rows, -1), group))
     group = min(d[3] for d in decoded)
-    q = np.concatenate([d[0].astype(np.int8 if bits == 8 else np.uint8) for d in decoded])
-    scale, offset = (np.concatenate([np.repeat(d[i], d[3] // group, axis=1) for d in decoded])
-                     for i in (1, 2))
-    qtype = "+".join(dict.fromkeys(qtype for qtype, _ in parts))
-    return pack_values(q, scale, offset, bits, group, qtype)
+    return _pack([_paired(d[0]) if bits == 4 else d[0] for d in decoded],
+                 *([np.repeat(d[i], d[3] // group, axis=1) if d[3] != group else d[i]
+                    for d in decoded] for i in (1, 2)), bits, group, qtype)
+
+
+def _paired(q: np.ndarray) -> np.ndarray:
+    """[N, K] 4-bit values -> [N, K/32, 16] uint8: byte j of a block of 32 holds input j in the
+    low nibble, j + 16 in the high one."""
+    q = q.astype(np.uint8).reshape(q.shape[0], -1, 2, 16)
+    return q[:, :, 0] | (q[:, :, 1] << 4)
 
 
 def pack_values(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, bits: int, group: int,
                 qtype: str) -> QuantizedWeight:
     """q [N, K] integers (0..15 for 4 bits, int8 otherwise), scale and offset [N, K / group]
     float32 -> ``QuantizedWeight`` (N padded with zero rows to a multiple of 64)."""
-    n, k = q.shape
-    pad = -n % TILE
-    if pad:
-        q = np.concatenate([q, np.zeros((pad, k), q.dtype)])
-        scale = np.concatenate([scale, np.zeros((pad, scale.shape[1]), np.float32)])
-        offset = np.concatenate([offset, np.zeros((pad, offset.shape[1]), np.float32)])
-    groups = (n + pad) // NR
+    return _pack([_paired(q) if bits == 4 else q], [scale], [offset], bits, group, qtype)
+
+
+def _pack(q: list[np.ndarray], scale: list[np.ndarray], offset: list[np.ndarray], bits: int,
+          group: int, qtype: str) -> QuantizedWeight:
+    """Parts stacked along out_features into the layout, each array written once: q [rows,
+    K/32, 16] paired nibbles (4 bits) or [rows, K] int8 values (8 bits), scale and offset
+    [rows, K / group] float32; the rows padded with zeros to a multiple of 64."""
+    n = sum(part.shape[0] for part in q)
+    k = scale[0].shape[1] * group
+    padded = n + (-n % TILE)
+    groups = padded // NR
+    qs = np.zeros((padded, k // 32, 16) if bits == 4 else (padded, k),
+                  np.uint8 if bits == 4 else np.int8)
+    so = np.zeros((padded, k // group, 2), np.float32)
+    row = 0
+    for part, part_scale, part_offset in zip(q, scale, offset):
+        rows = part.shape[0]
+        qs[row:row + rows] = part
+        so[row:row + rows, :, 0], so[row:row + rows, :, 1] = part_scale, part_offset
+        row += rows
     if bits == 4:
-        q = q.astype(np.uint8).reshape(groups, NR, k // 32, 2, 16)
-        qs = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).transpose(0, 2, 3, 1)  # [g, b, j, r]
+        qs = qs.reshape(groups, NR, k // 32, 16).transpose(0, 2, 3, 1)  # [g, b, j, r]
     else:
-        qs = q.astype(np.int8).reshape(groups, NR, k).transpose(0, 2, 1)  # [g, k, r]
-    so = np.stack([scale, offset], axis=-1).astype(np.float32)  # [N, K/G, 2]
+        qs = qs.reshape(groups, NR, k).transpose(0, 2, 1)  # [g, k, r]
     so = so.reshape(groups, NR, k // group, 2).transpose(0, 2, 3, 1)  # [g, K/G, 2, r]
+    half = so.astype(np.float16)
+    if np.array_equal(half.astype(np.float32), so):  # every scale and offset a float16 value
+        so = half
     return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(qs)),
                            torch.from_numpy(np.ascontiguousarray(so)), (n, k), bits, group,
                            qtype)

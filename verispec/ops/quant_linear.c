@@ -9,9 +9,10 @@
  * holds the same input of 16 features:
  *
  * - 4-bit (Q4_0, Q4_1, Q4_K): byte [g][b][j][r] holds q[16 g + r, 32 b + j] in its low nibble and
- *   q[16 g + r, 32 b + 16 + j] in its high one; 5 / 8 bytes a weight with the float32 scales;
+ *   q[16 g + r, 32 b + 16 + j] in its high one;
  * - 8-bit (Q8_0, Q5_K, Q6_K): int8 [g][k][r];
- * - scales: float32 [g][k / G][2][16], the 16 features' scales then their offsets.
+ * - scales: [g][k / G][2][16], the 16 features' scales then their offsets: float32, or float16
+ *   where all of a weight's are float16 values (the fp16 fields of Q4_0, Q4_1, Q8_0).
  *
  * fma(scale, q, offset) equals the gguf package's dequantisation bit for bit: there scale * q is
  * exact in float32 (an fp16 scale times a few-bit integer) and one rounding follows.
@@ -26,8 +27,8 @@
  * Work: 64 output features x 64 inputs of weights are dequantised into a float32 panel (16 KiB,
  * L1), then multiplied by up to 128 input rows, four at a time (16 accumulator vectors); a panel
  * is dequantised once per 128 rows, so a long prefill runs at the float32 FMA rate and a decode
- * step at the rate the quantised weights stream in. Output features are split over the OpenMP
- * threads in tiles of 64.
+ * step at the rate the quantised weights stream in. Output features are split over the
+ * threads of thread_pool.c (not OpenMP's: why is said there) in tiles of 64.
  *
  * Why not torch's own CPU weight-only kernels: ``_weight_int4pack_mm_for_cpu`` takes 4-bit
  * weights only, with bfloat16 scales (an fp16 scale is not exact in bfloat16); with float32
@@ -37,8 +38,11 @@
  * in docs/benchmarks.md ("GGUF quantised weights on the CPU").
  */
 #include <immintrin.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "cpu_kernels.h"
 
 #define X512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define NR 16 /* output features a vector holds */
@@ -54,17 +58,26 @@ int quant_isa(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 }
 
+/* The 16 scales (or offsets) from element `at` of the layout's scales: float32, or float16
+ * widened (exact) where every scale and offset of the weight is a float16 value (ops/quant.py:
+ * Q4_0, Q4_1 and Q8_0 always are; 4 instead of 8 bytes a group of 32 weights). */
+static inline X512 __attribute__((always_inline)) __m512 load16(const void *so, int64_t at,
+                                                                int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)so + at)))
+                : _mm512_loadu_ps((const float *)so + at);
+}
+
 /* panel[p][NT] = w of the tile's NT features for inputs [k0, k0 + kc), 4-bit layout, in the
  * kernel's order (panel row 32 b + 2 j + h holds input 32 b + 16 h + j). */
-static X512 void dequant_q4(const uint8_t *qs, const float *so, int64_t K, int64_t tile,
-                            int64_t k0, int64_t kc, float *panel) {
+static X512 void dequant_q4(const uint8_t *qs, const void *so, int half, int64_t K,
+                            int64_t tile, int64_t k0, int64_t kc, float *panel) {
     const __m512i low = _mm512_set1_epi32(15);
     for (int gi = 0; gi < NG; gi++) {
         int64_t g = tile * NG + gi;
         const uint8_t *q = qs + (g * (K / 32) + k0 / 32) * 256;
-        const float *s = so + (g * (K / 32) + k0 / 32) * 32;
+        int64_t s = (g * (K / 32) + k0 / 32) * 32;
         for (int64_t b = 0; b < kc / 32; b++, q += 256, s += 32) {
-            __m512 scale = _mm512_loadu_ps(s), offset = _mm512_loadu_ps(s + 16);
+            __m512 scale = load16(so, s, half), offset = load16(so, s + 16, half);
             float *p = panel + 32 * b * NT + NR * gi;
             for (int j = 0; j < 16; j++) {
                 __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * j)));
@@ -78,14 +91,14 @@ static X512 void dequant_q4(const uint8_t *qs, const float *so, int64_t K, int64
 }
 
 /* The same for the 8-bit layout with groups of `group` (16 or 32) inputs; k0 % group == 0. */
-static X512 void dequant_q8(const int8_t *qs, const float *so, int64_t K, int64_t group,
-                            int64_t tile, int64_t k0, int64_t kc, float *panel) {
+static X512 void dequant_q8(const int8_t *qs, const void *so, int half, int64_t K,
+                            int64_t group, int64_t tile, int64_t k0, int64_t kc, float *panel) {
     for (int gi = 0; gi < NG; gi++) {
         int64_t g = tile * NG + gi;
         const int8_t *q = qs + (g * K + k0) * 16;
-        const float *s = so + (g * (K / group) + k0 / group) * 32;
+        int64_t s = (g * (K / group) + k0 / group) * 32;
         for (int64_t c = 0; c < kc; c += group, s += 32) {
-            __m512 scale = _mm512_loadu_ps(s), offset = _mm512_loadu_ps(s + 16);
+            __m512 scale = load16(so, s, half), offset = load16(so, s + 16, half);
             for (int64_t k = c; k < c + group; k++, q += 16) {
                 __m512 v = _mm512_cvtepi32_ps(
                     _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
@@ -98,7 +111,7 @@ static X512 void dequant_q8(const int8_t *qs, const float *so, int64_t K, int64_
 /* A few rows (1..MR, a constant after inlining) times a whole tile, the weights dequantised in
  * registers (no panel): the same fma chain per output as panel_rows, so the same bits. */
 static inline X512 __attribute__((always_inline)) void fused_rows(
-    const void *qs, const float *so, int bits, int64_t group, int64_t K, int64_t tile,
+    const void *qs, const void *so, int half, int bits, int64_t group, int64_t K, int64_t tile,
     const float *x, int rows, float *y, int64_t ldy) {
     __m512 acc[MR][NG];
     for (int r = 0; r < rows; r++)
@@ -110,8 +123,8 @@ static inline X512 __attribute__((always_inline)) void fused_rows(
             const uint8_t *q[NG];
             for (int g = 0; g < NG; g++) {
                 int64_t gg = tile * NG + g;
-                const float *s = so + (gg * (K / 32) + b) * 32;
-                scale[g] = _mm512_loadu_ps(s), offset[g] = _mm512_loadu_ps(s + 16);
+                int64_t s = (gg * (K / 32) + b) * 32;
+                scale[g] = load16(so, s, half), offset[g] = load16(so, s + 16, half);
                 q[g] = (const uint8_t *)qs + (gg * (K / 32) + b) * 256;
             }
             for (int j = 0; j < 16; j++) { /* inputs 32 b + j, then 32 b + 16 + j */
@@ -135,8 +148,8 @@ static inline X512 __attribute__((always_inline)) void fused_rows(
         for (int64_t c = 0; c < K; c += group) {
             __m512 scale[NG], offset[NG];
             for (int g = 0; g < NG; g++) {
-                const float *s = so + ((tile * NG + g) * (K / group) + c / group) * 32;
-                scale[g] = _mm512_loadu_ps(s), offset[g] = _mm512_loadu_ps(s + 16);
+                int64_t s = ((tile * NG + g) * (K / group) + c / group) * 32;
+                scale[g] = load16(so, s, half), offset[g] = load16(so, s + 16, half);
             }
             for (int64_t k = c; k < c + group; k++)
                 for (int g = 0; g < NG; g++) {
@@ -155,14 +168,14 @@ static inline X512 __attribute__((always_inline)) void fused_rows(
         for (int g = 0; g < NG; g++) _mm512_storeu_ps(y + r * ldy + NR * g, acc[r][g]);
 }
 
-static X512 void fused_block(const void *qs, const float *so, int bits, int64_t group,
+static X512 void fused_block(const void *qs, const void *so, int half, int bits, int64_t group,
                              int64_t K, int64_t tile, const float *x, int64_t rows, float *y,
                              int64_t ldy) {
     switch (rows) {
-    case 1: fused_rows(qs, so, bits, group, K, tile, x, 1, y, ldy); break;
-    case 2: fused_rows(qs, so, bits, group, K, tile, x, 2, y, ldy); break;
-    case 3: fused_rows(qs, so, bits, group, K, tile, x, 3, y, ldy); break;
-    default: fused_rows(qs, so, bits, group, K, tile, x, 4, y, ldy); break;
+    case 1: fused_rows(qs, so, half, bits, group, K, tile, x, 1, y, ldy); break;
+    case 2: fused_rows(qs, so, half, bits, group, K, tile, x, 2, y, ldy); break;
+    case 3: fused_rows(qs, so, half, bits, group, K, tile, x, 3, y, ldy); break;
+    default: fused_rows(qs, so, half, bits, group, K, tile, x, 4, y, ldy); break;
     }
 }
 
@@ -203,37 +216,58 @@ static X512 void panel_block(const float *panel, int64_t kc, const float *x, int
     }
 }
 
-/* y [M, N] = x [M, K] @ w.T (+ bias [N] or NULL), w quantised as above (bits 4 or 8; group 32,
- * or 16 for 8 bits). N % 64 == 0 (ops/quant.py pads), K % 32 == 0. */
-X512 void quant_linear(const float *x, const void *qs, const float *so, const float *bias,
-                       float *y, int64_t M, int64_t N, int64_t K, int bits, int64_t group,
-                       int num_threads) {
-    int64_t num_tiles = N / NT;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float panel[KC * NT] __attribute__((aligned(64)));
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            int64_t rows = M - m0 < MB ? M - m0 : MB;
-#pragma omp for schedule(static)
-            for (int64_t tile = 0; tile < num_tiles; tile++) {
-                float *yt = y + m0 * N + tile * NT;
-                if (rows <= MR) { /* decode and short verify steps: no panel */
-                    fused_block(qs, so, bits, group, K, tile, x + m0 * K, rows, yt, N);
-                } else {
-                    for (int64_t k0 = 0; k0 < K; k0 += KC) {
-                        int64_t kc = K - k0 < KC ? K - k0 : KC;
-                        if (bits == 4)
-                            dequant_q4((const uint8_t *)qs, so, K, tile, k0, kc, panel);
-                        else
-                            dequant_q8((const int8_t *)qs, so, K, group, tile, k0, kc, panel);
-                        panel_block(panel, kc, x + m0 * K + k0, K, rows, yt, N, k0 == 0,
-                                    bits == 4);
-                    }
-                }
-                if (bias)
-                    for (int64_t m = 0; m < rows; m++)
-                        for (int64_t n = 0; n < NT; n++) yt[m * N + n] += bias[tile * NT + n];
+struct quant_args {
+    const float *x;
+    const void *qs;
+    const void *so;
+    int half;
+    const float *bias;
+    float *y;
+    int64_t M, N, K, group;
+    int bits;
+    _Atomic int64_t next; /* the next (row block, tile) item to take */
+};
+
+/* A thread's share of quant_linear: (row block, 64-feature tile) items taken one at a time as
+ * the thread comes free (a loaded core takes fewer); an item's outputs are computed the same
+ * way whichever thread takes it. */
+static X512 void quant_linear_part(void *p, int thread, int num_threads) {
+    struct quant_args *a = p;
+    (void)thread, (void)num_threads;
+    const int64_t N = a->N, K = a->K, num_tiles = N / NT;
+    const int64_t items = (a->M + MB - 1) / MB * num_tiles;
+    float panel[KC * NT] __attribute__((aligned(64)));
+    for (int64_t item; (item = atomic_fetch_add_explicit(&a->next, 1, memory_order_relaxed))
+                       < items;) {
+        int64_t m0 = item / num_tiles * MB, tile = item % num_tiles;
+        int64_t rows = a->M - m0 < MB ? a->M - m0 : MB;
+        const float *x = a->x + m0 * K;
+        float *yt = a->y + m0 * N + tile * NT;
+        if (rows <= MR) { /* decode and short verify steps: no panel */
+            fused_block(a->qs, a->so, a->half, a->bits, a->group, K, tile, x, rows, yt, N);
+        } else {
+            for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                int64_t kc = K - k0 < KC ? K - k0 : KC;
+                if (a->bits == 4)
+                    dequant_q4((const uint8_t *)a->qs, a->so, a->half, K, tile, k0, kc,
+                               panel);
+                else
+                    dequant_q8((const int8_t *)a->qs, a->so, a->half, K, a->group, tile, k0,
+                               kc, panel);
+                panel_block(panel, kc, x + k0, K, rows, yt, N, k0 == 0, a->bits == 4);
             }
         }
+        if (a->bias)
+            for (int64_t m = 0; m < rows; m++)
+                for (int64_t n = 0; n < NT; n++) yt[m * N + n] += a->bias[tile * NT + n];
     }
+}
+
+/* y [M, N] = x [M, K] @ w.T (+ bias [N] or NULL), w quantised as above (bits 4 or 8; group 32,
+ * or 16 for 8 bits). N % 64 == 0 (ops/quant.py pads), K % 32 == 0. Threads: thread_pool.c. */
+void quant_linear(const float *x, const void *qs, const void *so, const float *bias, float *y,
+                  int64_t M, int64_t N, int64_t K, int bits, int64_t group, int num_threads,
+                  int half) {
+    struct quant_args a = {x, qs, so, half, bias, y, M, N, K, group, bits, 0};
+    pool_run(quant_linear_part, &a, num_threads);
 }

@@ -32,7 +32,6 @@ import json
 from collections.abc import Sequence
 
 import llguidance
-import llguidance.hf
 import numpy as np
 
 from verispec.sampling_params import StructuredOutputsParams
@@ -67,6 +66,11 @@ class GrammarCompiler:
         if tokenizer is None:
             raise ValueError("structured_outputs needs the model's tokenizer, and this model "
                              "has none")
+        # imported here, not at the top: llguidance.hf imports transformers' model machinery
+        # (torch.distributed.tensor, sympy: ~1 s, ~40 MB), which only engines that see a
+        # grammar need
+        import llguidance.hf
+
         return cls(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size), vocab_size)
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
