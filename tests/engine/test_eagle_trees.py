@@ -15,7 +15,8 @@ Strategy: the tiny random target of the engine tests and random EAGLE-1 / EAGLE-
   would not show through token equality with plain decoding alone;
 - a seeded sampled request emits the same tokens alone and batched;
 - at temperature 1 with sampled drafts, the first token and the second given the first follow
-  the target's distribution (chi-square; slow);
+  the target's distribution (chi-square; slow), and verifying the dynamic tree's distinct
+  children as i.i.d. ones fails that test;
 - the combinations trees do not run with are refused, naming the field.
 """
 
@@ -85,10 +86,10 @@ def plain_greedy(target_dir):
     return generate(target_dir, None, prompts, params)[1]
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-@pytest.mark.parametrize("tree, draft", [(STATIC, "greedy"), (DYNAMIC, "greedy"),
-                                         (STATIC, "probabilistic"), (DYNAMIC, "probabilistic")],
-                         ids=["static", "dynamic", "static-sampled", "dynamic-sampled"])
+@pytest.mark.parametrize("method, tree, draft", [
+    ("eagle", STATIC, "greedy"), ("eagle", DYNAMIC, "probabilistic"),
+    ("eagle3", DYNAMIC, "greedy"), ("eagle3", STATIC, "probabilistic"),
+], ids=["eagle-static", "eagle-dynamic-sampled", "eagle3-dynamic", "eagle3-static-sampled"])
 def test_greedy_tree_equals_plain_greedy(target_dir, heads, plain_greedy, method, tree, draft):
     prompts, params = workload(temperature=0.0)
     llm, tokens = generate(target_dir, spec(heads, method, tree, draft), prompts, params)
@@ -96,11 +97,10 @@ def test_greedy_tree_equals_plain_greedy(target_dir, heads, plain_greedy, method
     assert llm.spec.stats.num_drafts > 0
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-@pytest.mark.parametrize("tree, draft", [
-    ({"speculative_token_tree": CHAIN}, "probabilistic"),
-    ({"speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}, "greedy"),
-], ids=["static-chain-sampled", "dynamic-topk1-greedy"])
+@pytest.mark.parametrize("method, tree, draft", [
+    ("eagle3", {"speculative_token_tree": CHAIN}, "probabilistic"),
+    ("eagle", {"speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}, "greedy"),
+], ids=["eagle3-static-chain-sampled", "eagle-dynamic-topk1-greedy"])
 def test_chain_shaped_tree_equals_chain(target_dir, heads, monkeypatch, method, tree, draft):
     """Sampled drafts of a static chain use the chain's draws (rank 0 at each depth); greedy
     drafts use no draws. So, k drafts every step, both emit the chain's tokens."""
@@ -113,9 +113,8 @@ def test_chain_shaped_tree_equals_chain(target_dir, heads, monkeypatch, method, 
     assert chain_llm.spec.stats.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("tree, draft", [(STATIC, "probabilistic"), (DYNAMIC, "probabilistic"),
-                                         (DYNAMIC, "greedy")],
-                         ids=["static-sampled", "dynamic-sampled", "dynamic-greedy"])
+@pytest.mark.parametrize("tree, draft", [(STATIC, "probabilistic"), (DYNAMIC, "probabilistic")],
+                         ids=["static-sampled", "dynamic-sampled"])
 def test_sampled_alone_equals_batched(target_dir, heads, tree, draft):
     prompts, params = workload()
     llm, batched = generate(target_dir, spec(heads, "eagle3", tree, draft), prompts, params)
@@ -123,15 +122,11 @@ def test_sampled_alone_equals_batched(target_dir, heads, tree, draft):
     assert alone == batched
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("tree", [
-    {"speculative_token_tree": [(0,), (1,), (2,), (0, 0), (1, 0), (0, 1)]},
-    {"speculative_eagle_topk": 3, "speculative_num_draft_tokens": 7},
-], ids=["static", "dynamic"])
-def test_first_tokens_distribution(target_dir, heads, tree):
-    """Temperature 1, drafts sampled from the EAGLE-3 head's tree: the first token of 3000
-    seeded requests follows the target's softmax at the prompt, and the second, among the
-    requests whose first token was the commonest, its softmax after that token."""
+def first_two_tokens_p_values(target_dir, heads, tree) -> list[float]:
+    """Temperature 1, drafts sampled from the EAGLE-3 head's tree: chi-square p-values of the
+    first token of 3000 seeded requests against the target's softmax at the prompt, and of
+    the second, among the requests whose first token was the commonest, against its softmax
+    after that token."""
     from transformers import AutoModelForCausalLM
 
     prompt = [7, 21, 33, 5]
@@ -154,8 +149,36 @@ def test_first_tokens_distribution(target_dir, heads, tree):
             counts = np.bincount(emitted, minlength=VOCAB)
             assert counts.sum() >= 200
             values.append(chi_square_p_value(counts, reference_probs(logits)))
-    record(f"eagle3 tree {sorted(tree)[0]}, first two tokens", n, values)
+    return values
+
+
+DISTRIBUTION_TREES = {
+    "static": {"speculative_token_tree": [(0,), (1,), (2,), (0, 0), (1, 0), (0, 1)]},
+    "dynamic": {"speculative_eagle_topk": 3, "speculative_num_draft_tokens": 7},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(DISTRIBUTION_TREES))
+def test_first_tokens_distribution(target_dir, heads, name):
+    values = first_two_tokens_p_values(target_dir, heads, DISTRIBUTION_TREES[name])
+    record(f"eagle3 {name} tree, first two tokens", 3000, values)
     assert min(values) > P_VALUE_THRESHOLD
+
+
+@pytest.mark.slow
+def test_distinct_children_verified_as_iid_fails(target_dir, heads, monkeypatch):
+    """The test of the test: the dynamic tree's distinct children verified with the i.i.d.
+    rule (q not updated after a rejected sibling) must fail it."""
+    verify = spec_decode.ops_tree_rejection.tree_rejection_sample
+
+    def as_iid(*args, **kwargs):
+        return verify(*args, **dict(kwargs, without_replacement=False))
+
+    monkeypatch.setattr(spec_decode.ops_tree_rejection, "tree_rejection_sample", as_iid)
+    values = first_two_tokens_p_values(target_dir, heads, DISTRIBUTION_TREES["dynamic"])
+    record("eagle3 dynamic tree, distinct children as i.i.d. (must fail)", 3000, values)
+    assert min(values) < P_VALUE_THRESHOLD
 
 
 def test_refusals(target_dir, heads):
