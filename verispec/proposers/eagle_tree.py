@@ -119,9 +119,14 @@ class EagleTreeDrafting:
     def _children(self, levels: _Levels, rows: np.ndarray, logits: torch.Tensor, depth: int,
                   m: int, node_ids: torch.Tensor | None):
         """``m`` children of each of the P parents of ``rows`` (``logits`` [R, P, V_draft]) at
-        ``depth``: (target ids [R, P, m] int64 (-1: past q's support), q [R, P, V_draft],
-        the children's probability under the parent's distribution [R, P, m])."""
+        ``depth``: (target ids [R, P, m] int64 (-1: past q's support), q [R, P, V_draft] or
+        None (greedy drafting), the j-th largest probability of each parent's distribution
+        [R, P, m])."""
         num_rows, num_parents, vocab = logits.shape
+        if self.greedy:  # the top m of the logits, no draws; softmax scores the children
+            values, ids = torch.topk(logits.float(), m, dim=-1)
+            top = torch.exp(values - torch.logsumexp(logits.float(), -1, keepdim=True))
+            return self._to_target(ids), None, top
         index = torch.from_numpy(rows)
         ids, q = tree.sample_children(
             logits.reshape(-1, vocab), levels.temperature[index].repeat_interleave(num_parents),
@@ -172,7 +177,7 @@ class EagleTreeDrafting:
         num_active = depth_a.size
         n_max = shape.num_nodes(int(depth_a.max()))
         tokens = np.full((num_active, n_max), -1, dtype=np.int64)
-        probs = torch.zeros(num_active, n_max, logits.shape[-1])
+        probs = torch.zeros(num_active, n_max, 0 if self.greedy else logits.shape[-1])
         parents = np.broadcast_to(shape.parents[:n_max], (num_active, n_max))
         level_rows = np.arange(num_active)  # the requests whose last level was fed
         for t in range(1, int(depth_a.max()) + 1):
@@ -187,7 +192,8 @@ class EagleTreeDrafting:
             which = torch.from_numpy(shape.parents[lo:hi] + 1 - parent_slots[0])
             rank = torch.from_numpy(shape.sibling_rank[lo:hi])
             tokens[rows, lo:hi] = child_ids[:, which, rank].numpy()
-            probs[torch.from_numpy(rows)[:, None], torch.arange(lo, hi)[None, :]] = q[:, which]
+            if q is not None:
+                probs[torch.from_numpy(rows)[:, None], torch.arange(lo, hi)[None, :]] = q[:, which]
             parent_out = out[keep][:, which]  # [R, hi - lo, H]
             deeper = depth_a[rows] > t
             if not deeper.any():
@@ -224,7 +230,7 @@ class EagleTreeDrafting:
         cand_parents = np.full((num_active, num_candidates), -1, dtype=np.int64)
         cand_scores = torch.full((num_active, num_candidates), float("-inf"))
         cand_q = np.zeros((num_active, num_candidates), dtype=np.int64)  # row of q_rows
-        q_rows = torch.zeros(num_active, 1 + (max_depth - 1) * width, vocab)
+        q_rows = torch.zeros(num_active, 1 + (max_depth - 1) * width, 0 if self.greedy else vocab)
         fed_parents = np.full((num_active, (max_depth - 1) * width), -1, dtype=np.int64)
         # the level's parents: candidate index (-1 the root), fed index, score, q row
         parent_cand = np.full((num_active, 1), -1, dtype=np.int64)
@@ -245,7 +251,8 @@ class EagleTreeDrafting:
             cand_parents[rows, first:first + size] = np.repeat(parent_cand, width, axis=1)
             cand_scores[index, first:first + size] = scores
             cand_q[rows, first:first + size] = np.repeat(parent_q, width, axis=1)
-            q_rows[index[:, None], torch.from_numpy(parent_q)] = q
+            if q is not None:
+                q_rows[index[:, None], torch.from_numpy(parent_q)] = q
             deeper = depth_a[rows] > t
             if not deeper.any():
                 break
