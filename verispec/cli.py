@@ -175,6 +175,17 @@ SPEC_FLAGS: dict[str, tuple[str, dict]] = {
                                                 "default: none)")),
     "draft_sample_method": ("--draft-sample-method", dict(choices=["greedy", "probabilistic"],
                                                           help="(default: greedy)")),
+    "speculative_token_tree": ("--speculative-token-tree", dict(
+        help="a static token tree in vLLM's format, a list of paths of child indices, e.g. "
+        "'[(0,), (1,), (0, 0), (1, 0)]'; its depth is k (draft_model, eagle, eagle3; CPU; "
+        "default: a chain)")),
+    "speculative_eagle_topk": ("--speculative-eagle-topk", dict(
+        type=int, help="EAGLE-2's dynamic tree: children per node and nodes expanded per "
+        "level, k levels (eagle, eagle3; CPU; with --speculative-num-draft-tokens; default: "
+        "a chain)")),
+    "speculative_num_draft_tokens": ("--speculative-num-draft-tokens", dict(
+        type=int, help="the dynamic tree's tokens verified per request, the last committed "
+        "one included, as in SGLang (default: none)")),
     "prompt_lookup_min": ("--prompt-lookup-min", dict(type=int, help="(ngram; default: 5)")),
     "prompt_lookup_max": ("--prompt-lookup-max", dict(type=int, help="(ngram; default: 5)")),
     "synthetic_acceptance_length": ("--synthetic-acceptance-length", dict(
@@ -383,6 +394,13 @@ def run_bench(args: argparse.Namespace) -> int:
         if config.is_synthetic and config.synthetic_acceptance_rates is not None and k != len(
                 config.synthetic_acceptance_rates):
             raise ValueError("--k-values cannot change k with --synthetic-acceptance-rates")
+        if config.speculative_token_tree is not None and k != config.num_speculative_tokens:
+            raise ValueError("--k-values cannot change k with --speculative-token-tree (its "
+                             "depth is k)")
+        if config.is_tree:  # a tree is measured beside the chain of the same k
+            chain = dict(fields, speculative_token_tree=None, speculative_eagle_topk=None,
+                         speculative_num_draft_tokens=None)
+            configs.append(type(config)(**dict(chain, num_speculative_tokens=k)))
         configs.append(type(config)(**dict(fields, num_speculative_tokens=k)))
     if args.prompts == "random":
         prompts = RandomPrompts(args.num_prompts or RANDOM_NUM_PROMPTS, args.prompt_len)
@@ -390,7 +408,7 @@ def run_bench(args: argparse.Namespace) -> int:
         prompts = get_prompts(args.prompts)[: args.num_prompts]
     rows = bench(engine_kwargs(args), configs, prompts, sampling_params(args), args.batch_size,
                  chat=not args.no_chat)
-    columns = ["method", "k", "tokens_per_s", "speedup", "mean_acceptance_length",
+    columns = ["method", "k", "tree", "tokens_per_s", "speedup", "mean_acceptance_length",
                "acceptance_rate_per_pos", "draft_rate", "predicted_speedup",
                "measured_over_predicted", "c", "verify_cost", "step_cost"]
     print_table([{c: r.get(c) for c in columns} for r in rows])

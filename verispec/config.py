@@ -13,7 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from verispec.ops.tree import parents_from_paths
+from verispec.ops.tree import (
+    MAX_DYNAMIC_CANDIDATES,
+    DynamicTree,
+    StaticTree,
+    parents_from_paths,
+)
 
 REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -87,13 +92,17 @@ MAX_SPECULATIVE_TOKENS = 32
 # Method-specific keys (with their defaults) and the methods that use them.
 METHOD_KEYS_DEFAULTS = {"model": None, "prompt_lookup_min": None, "prompt_lookup_max": None,
                         "num_draft_layers": None, "draft_sample_method": "greedy",
-                        "speculative_token_tree": None}
+                        "speculative_token_tree": None, "speculative_eagle_topk": None,
+                        "speculative_num_draft_tokens": None}
+# EAGLE-2's dynamic tree (SGLang's key names and meanings)
+DYNAMIC_TREE_KEYS = {"speculative_eagle_topk", "speculative_num_draft_tokens"}
 METHOD_KEYS = {
     "ngram": {"prompt_lookup_min", "prompt_lookup_max"},
     "draft_model": {"model", "draft_sample_method", "speculative_token_tree"},
     "early_exit": {"num_draft_layers", "draft_sample_method"},
-    "eagle": {"model", "draft_sample_method"},  # model: the EAGLE head's directory
-    "eagle3": {"model", "draft_sample_method"},
+    # model: the EAGLE head's directory
+    "eagle": {"model", "draft_sample_method", "speculative_token_tree"} | DYNAMIC_TREE_KEYS,
+    "eagle3": {"model", "draft_sample_method", "speculative_token_tree"} | DYNAMIC_TREE_KEYS,
 }
 
 
@@ -122,6 +131,12 @@ class SpeculativeConfig:
     # A static token tree (docs/design.md §16), vLLM's format: a list of paths of child indices
     # from the root, or its string form; its depth must be num_speculative_tokens.
     speculative_token_tree: str | Sequence[Sequence[int]] | None = None
+    # EAGLE-2's dynamic tree (docs/design.md §16), SGLang's keys: num_speculative_tokens levels,
+    # speculative_eagle_topk children per expanded node and speculative_eagle_topk nodes
+    # expanded per level, pruned to speculative_num_draft_tokens tokens verified per request
+    # (the last committed token included, as in SGLang: the tree keeps that many - 1 drafts).
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
     # Derived in __post_init__: the unconditional rates a_1..a_k for synthetic mode.
     unconditional_rates: tuple[float, ...] | None = field(default=None, init=False, repr=False)
 
@@ -156,6 +171,7 @@ class SpeculativeConfig:
         self._check_prompt_lookup()
         self._check_synthetic()
         self._check_token_tree()
+        self._check_dynamic_tree()
 
     def _check_method_keys(self) -> None:
         """A key the method does not use is an error, not silently ignored (methods registered
@@ -247,6 +263,66 @@ class SpeculativeConfig:
             raise ValueError("speculative_token_tree: token trees are verified by the standard "
                              "rule, not rejection_sample_method='synthetic'")
         object.__setattr__(self, "speculative_token_tree", paths)
+
+    def _check_dynamic_tree(self) -> None:
+        topk, total = self.speculative_eagle_topk, self.speculative_num_draft_tokens
+        if topk is None and total is None:
+            return
+        if topk is None or total is None:
+            raise ValueError(
+                "an EAGLE dynamic tree needs both speculative_eagle_topk and "
+                f"speculative_num_draft_tokens, got speculative_eagle_topk={topk!r} and "
+                f"speculative_num_draft_tokens={total!r}")
+        if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+            raise ValueError(f"speculative_eagle_topk must be an integer >= 1, got {topk!r}")
+        k = self.num_speculative_tokens
+        most = 1 + DynamicTree.num_candidates(k, topk)
+        if isinstance(total, bool) or not isinstance(total, int) or not 2 <= total <= most:
+            raise ValueError(
+                f"speculative_num_draft_tokens (tokens verified per request, the last committed "
+                f"one included) must be an integer in [2, {most}] for num_speculative_tokens="
+                f"{k} and speculative_eagle_topk={topk}, got {total!r}")
+        if most - 1 > MAX_DYNAMIC_CANDIDATES:
+            raise ValueError(
+                f"speculative_eagle_topk={topk} over num_speculative_tokens={k} levels drafts "
+                f"{most - 1} candidates, more than {MAX_DYNAMIC_CANDIDATES}")
+        if self.speculative_token_tree is not None:
+            raise ValueError("speculative_token_tree (a static tree) and speculative_eagle_topk "
+                             "/ speculative_num_draft_tokens (a dynamic tree) exclude each other")
+        if self.is_synthetic:
+            raise ValueError("speculative_eagle_topk: token trees are verified by the standard "
+                             "rule, not rejection_sample_method='synthetic'")
+
+    @property
+    def is_tree(self) -> bool:
+        """Token trees (a static or a dynamic one) instead of a chain of k drafts."""
+        return self.speculative_token_tree is not None or self.speculative_eagle_topk is not None
+
+    @property
+    def tree_key(self) -> str:
+        """The key that asked for token trees (error messages name it)."""
+        return ("speculative_eagle_topk" if self.speculative_eagle_topk is not None
+                else "speculative_token_tree")
+
+    @property
+    def max_tree_tokens(self) -> int:
+        """The most draft tokens one request verifies in a step: k for a chain, else a tree's
+        nodes."""
+        if self.speculative_token_tree is not None:
+            return len(self.speculative_token_tree)
+        if self.speculative_eagle_topk is not None:
+            return self.speculative_num_draft_tokens - 1
+        return self.num_speculative_tokens
+
+    def tree_shape(self):
+        """The engine's tree: ``ops.tree.StaticTree``, ``ops.tree.DynamicTree`` or None (a
+        chain)."""
+        if self.speculative_token_tree is not None:
+            return StaticTree(self.tree_parents)
+        if self.speculative_eagle_topk is not None:
+            return DynamicTree(self.num_speculative_tokens, self.speculative_eagle_topk,
+                               self.speculative_num_draft_tokens - 1)
+        return None
 
     @property
     def tree_parents(self) -> list[int] | None:

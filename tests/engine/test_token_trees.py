@@ -129,7 +129,7 @@ def test_refusals(target_dir, draft_dir):
             tensor_parallel_size=2)
     with pytest.raises(ValueError, match="speculative_token_tree"):
         LLM(target_dir, max_model_len=MAX_MODEL_LEN, speculative_config={
-            "method": "eagle3", "model": draft_dir, "num_speculative_tokens": 3,
+            "method": "early_exit", "num_draft_layers": 1, "num_speculative_tokens": 3,
             "speculative_token_tree": BINARY})
     llm = LLM(target_dir, max_model_len=MAX_MODEL_LEN, speculative_config=spec)
     output = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, presence_penalty=0.5))[0]

@@ -159,6 +159,16 @@ def _baseline_row(llm: LLM, prompts: Sequence[Any], params: SamplingParams,
     return row, decode_s / max(m.num_steps - prefill.num_steps, 1), prefill.seconds
 
 
+def tree_label(config: SpeculativeConfig) -> str:
+    """How a configuration drafts: ``chain``, ``static N`` (a tree of N nodes) or ``topk K,
+    N`` (EAGLE-2's dynamic tree, N tokens verified)."""
+    if config.speculative_token_tree is not None:
+        return f"static {len(config.speculative_token_tree)}"
+    if config.speculative_eagle_topk is not None:
+        return f"topk {config.speculative_eagle_topk}, {config.speculative_num_draft_tokens}"
+    return "chain"
+
+
 def _speculative_row(engine_kwargs: dict, config: SpeculativeConfig, prompts: Sequence[Any],
                      params: SamplingParams, batch_size: int, base_tps: float,
                      plain_step_s: float, prefill_s: float) -> dict:
@@ -191,6 +201,7 @@ def _speculative_row(engine_kwargs: dict, config: SpeculativeConfig, prompts: Se
         "verify_cost": verify_cost,
         "step_cost": step_cost,
         "label": config.method,
+        "tree": tree_label(config),
     }
     if stats.num_drafts:
         row.update(leviathan_prediction(stats.acceptance_rate_per_pos, c, verify_cost,

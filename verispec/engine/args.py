@@ -130,14 +130,14 @@ class EngineArgs:
         elif config is not None and not isinstance(config, SpeculativeConfig):
             raise ValueError(f"speculative_config must be a SpeculativeConfig, a dict or None, "
                              f"got {config!r}")
-        if config is not None and config.tree_parents is not None:
+        if config is not None and config.is_tree:
             # token trees run on the CPU path of one process (docs/design.md §16); the
             # SpeculativeDecoder checks the models (attention-only target and draft)
             if self.device.type != "cpu":
-                raise ValueError("speculative_token_tree: token trees run on the CPU path only; "
-                                 "the flat (GPU) layout does not verify trees yet")
+                raise ValueError(f"{config.tree_key}: token trees run on the CPU path only; the "
+                                 "flat (GPU) layout does not verify trees yet")
             if self.tensor_parallel_size > 1:
-                raise ValueError("speculative_token_tree: token trees do not run with tensor "
+                raise ValueError(f"{config.tree_key}: token trees do not run with tensor "
                                  "parallelism yet")
         if config is not None and config.is_synthetic:
             warn_once(logger, "synthetic", SYNTHETIC_WARNING)

@@ -175,8 +175,8 @@ class LLM(StepLoop):
         self.num_speculative_tokens = k
         # the most drafts a request verifies in a step: k, or a token tree's nodes
         max_drafts = k
-        if speculative_config is not None and speculative_config.tree_parents is not None:
-            max_drafts = len(speculative_config.tree_parents)
+        if speculative_config is not None:
+            max_drafts = speculative_config.max_tree_tokens
         # The runner starts on a pool of a few blocks; the memory plan sizes it once the
         # proposer (whose caches share the blocks) is built and a step has been measured.
         self.runner = ModelRunner(self.loaded.model, max_num_seqs, max_model_len, self.device,
@@ -275,9 +275,9 @@ class LLM(StepLoop):
                                                sorted(self.eos_token_ids), self.tokenizer,
                                                self._grammars)
         if request.options is not None and self.spec is not None and self.spec.tree is not None:
-            raise ValueError("speculative_token_tree: logits options (penalties, logit_bias, "
-                             "allowed_token_ids, min_tokens, bad_words, structured outputs) are "
-                             "not applied over token trees yet")
+            raise ValueError(f"{self.speculative_config.tree_key}: logits options (penalties, "
+                             "logit_bias, allowed_token_ids, min_tokens, bad_words, structured "
+                             "outputs) are not applied over token trees yet")
         return request
 
     # ----------------------------------------------------------------- the step loop

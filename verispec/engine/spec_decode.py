@@ -58,10 +58,9 @@ from verispec.engine.request import Request
 from verispec.models.parallel import SINGLE, TensorParallel
 from verispec.ops import cpu_kernels
 from verispec.ops import tree_rejection as ops_tree_rejection
-from verispec.ops.tree import StaticTree
 from verispec.proposers import ProposerContext, build_proposer
 from verispec.runtime.model_runner import ModelRunner
-from verispec.runtime.tree_verify import commit_tree_path, verify_tree
+from verispec.runtime.tree_verify import commit_tree_path, keep_path_hidden, verify_tree
 from verispec.sample.options import SamplingOptions
 from verispec.sample.rejection_sampler import RejectionSampler
 from verispec.sample.sampler import Sampler, SamplingTensors
@@ -141,19 +140,23 @@ def best_num_drafts(alpha: float, max_n: int, costs: Sequence[float]) -> int:
 
 def check_tree_support(runner: ModelRunner, proposer, tp: TensorParallel) -> None:
     """ValueError where token trees do not run yet (docs/design.md §16): the CPU path of an
-    attention-only target with a draft model, one process."""
+    attention-only target with a draft model or an EAGLE head, one process; a dynamic tree
+    with an EAGLE head only."""
+    key = proposer.config.tree_key
     if runner.flat or runner.device.type != "cpu":
-        raise ValueError("speculative_token_tree: token trees run on the CPU path only; the "
-                         "flat (GPU) layout does not verify trees yet")
+        raise ValueError(f"{key}: token trees run on the CPU path only; the flat (GPU) "
+                         "layout does not verify trees yet")
     if runner.hybrid:
-        raise ValueError("speculative_token_tree: token trees need an attention-only target: a "
-                         "hybrid model's recurrent state cannot branch")
+        raise ValueError(f"{key}: token trees need an attention-only target: a hybrid "
+                         "model's recurrent state cannot branch")
     if tp.size > 1:
-        raise ValueError("speculative_token_tree: token trees do not run with tensor "
-                         "parallelism yet")
+        raise ValueError(f"{key}: token trees do not run with tensor parallelism yet")
     if not hasattr(proposer, "propose_tree") or getattr(proposer.runner, "hybrid", False):
-        raise ValueError("speculative_token_tree: only an attention-only draft model drafts "
-                         "token trees")
+        raise ValueError(f"{key}: only an attention-only draft model or an EAGLE head "
+                         "drafts token trees")
+    if proposer.config.speculative_eagle_topk is not None and not getattr(
+            proposer, "drafts_dynamic_trees", False):
+        raise ValueError("speculative_eagle_topk: only an EAGLE head drafts dynamic trees")
 
 
 class SpeculativeDecoder:
@@ -217,9 +220,8 @@ class SpeculativeDecoder:
         self._steps_off = np.zeros(max_num_seqs, dtype=np.int64)
         self._probe_interval = np.full(max_num_seqs, REPROBE_STEPS)  # per slot
         self._probing = np.zeros(max_num_seqs, dtype=bool)
-        # A static token tree (docs/design.md §16), None for chains
-        parents = config.tree_parents
-        self.tree = None if parents is None else StaticTree(parents)
+        # A static or a dynamic token tree (docs/design.md §16), None for chains
+        self.tree = config.tree_shape()
         if self.tree is not None:
             check_tree_support(runner, self.proposer, tp)
 
@@ -418,6 +420,7 @@ class SpeculativeDecoder:
             all_greedy=sampling.all_greedy, check=False)
         accepted_nodes = accepted_nodes.cpu().numpy()
         commit_tree_path(cache, slots, starts, accepted_nodes)
+        keep_path_hidden(self.runner, accepted_nodes)  # what an EAGLE head reads next
         self.proposer.commit_tree(slots, [r.num_tokens for r in batch], accepted_nodes)
         outputs = [[t for t in row if t != -1] for row in token_ids.tolist()]
         # output token j of request r came from the row of its path's slot at depth j

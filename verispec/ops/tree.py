@@ -159,6 +159,7 @@ def sample_children(
     positions: torch.Tensor,
     num_children: int,
     without_replacement: bool,
+    node_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft the children of one node per row.
 
@@ -173,6 +174,10 @@ def sample_children(
     without_replacement : draw distinct children: the order of ``q_v / E_v`` (``E_v ~ Exp(1)``,
         one draw per token) is a sample of q without replacement, first to last. Else i.i.d.:
         child j is ``argmax_v q_v / E_jv`` with its own draws (``SIBLING_INDEX_STRIDE``).
+    node_ids : [R] int64 or None. None: the rows' nodes share the draws of their position (a
+        static shape). Else, without replacement only, each row races with draws of its own,
+        at indices ``node_ids * SIBLING_INDEX_STRIDE + v``: a dynamic tree, whose shape
+        depends on other nodes' children, needs every node's children independent of them.
 
     Returns
     -------
@@ -183,7 +188,12 @@ def sample_children(
     q = draft_probs(logits, temperature)
     greedy_ids = torch.topk(logits.to(torch.float32), num_children, dim=-1).indices
     if without_replacement:
-        noise = philox.exponential(seeds, positions, philox.DRAFT_STREAM, vocab_size)
+        if node_ids is None:
+            noise = philox.exponential(seeds, positions, philox.DRAFT_STREAM, vocab_size)
+        else:
+            vocab = torch.arange(vocab_size, device=logits.device)
+            noise = philox.exponential_at(seeds, positions, philox.DRAFT_STREAM,
+                                          node_ids[:, None] * SIBLING_INDEX_STRIDE + vocab)
         scores, random_ids = torch.topk(q / noise, num_children, dim=-1)
         random_ids = torch.where(scores > 0, random_ids, -1)
     else:
@@ -296,3 +306,50 @@ class StaticTree:
     def max_depth_within(self, max_nodes: int) -> int:
         """The deepest cut with at most ``max_nodes`` nodes."""
         return int(np.searchsorted(self.level_starts, max_nodes, side="right") - 1)
+
+
+# The most candidates a dynamic tree drafts per request: its node ids (the root 0, candidate i
+# as i + 1) index the draft stream's draws below the two-level race's block draws (2**33).
+MAX_DYNAMIC_CANDIDATES = 500
+
+
+class DynamicTree:
+    """EAGLE-2's dynamic tree (docs/design.md §16): drafted level by level, ``topk`` children
+    for each of the ``topk`` candidates of the level above with the highest path score (the
+    root alone at depth 1), to ``depth`` levels; then the ``num_nodes_total`` candidates with
+    the highest path score are kept (the proposer drafts it: ``EagleProposer.propose_tree``).
+
+    The path score of child j (0-based) of node A is ``score(A) * q_A^(j)``, with ``q_A^(j)``
+    the j-th largest probability of the proposer's distribution at A (greedy drafting:
+    softmax(logits), whose top m are the children, so the score is the path's probability as
+    in EAGLE-2; sampled drafting: q, a score that does not depend on which token child j is).
+    A child's score is at most its parent's and at most its earlier siblings', so the kept set
+    holds every kept node's parent and earlier siblings (ties go to the earlier candidate).
+
+    The same interface as ``StaticTree`` for the engine: ``depth``, ``max_width``,
+    ``num_nodes_total``, ``num_nodes(depth)`` (the most nodes a tree cut to ``depth`` keeps)
+    and ``max_depth_within``.
+    """
+
+    def __init__(self, depth: int, topk: int, num_nodes: int) -> None:
+        self.depth = int(depth)
+        self.max_width = int(topk)
+        self.num_nodes_total = int(num_nodes)
+
+    @staticmethod
+    def num_candidates(depth: int, topk: int) -> int:
+        """Candidates drafted to ``depth`` levels: topk, then topk * topk per level."""
+        return 0 if depth <= 0 else topk + (depth - 1) * topk * topk
+
+    def num_nodes(self, depth: int) -> int:
+        """The most nodes of the tree cut to ``depth`` (0: none)."""
+        depth = max(0, min(depth, self.depth))
+        return min(self.num_nodes_total, self.num_candidates(depth, self.max_width))
+
+    def max_depth_within(self, max_nodes: int) -> int:
+        """The deepest cut with at most ``max_nodes`` nodes."""
+        best = 0
+        for depth in range(1, self.depth + 1):
+            if self.num_nodes(depth) <= max_nodes:
+                best = depth
+        return best

@@ -72,6 +72,7 @@ from verispec.ops.rejection import PLACEHOLDER_TOKEN_ID
 from verispec.ops.sampling import first_argmax
 from verispec.proposers.base import ProposalRequest, ProposerContext, register_proposer
 from verispec.proposers.draft_model import ModelProposer, _AheadDraft
+from verispec.proposers.eagle_tree import EagleTreeDrafting
 from verispec.runtime.cuda_graphs import StepInput
 from verispec.runtime.model_runner import ModelRunner
 
@@ -83,9 +84,10 @@ CATCH_UP_PENDING = 16
 
 
 @register_proposer("eagle")
-class EagleProposer(ModelProposer):
+class EagleProposer(EagleTreeDrafting, ModelProposer):
     """An EAGLE head from ``config.model`` drafting from ``context.target_model``, the
-    target's ``ModelRunner`` (whose hidden states it reads)."""
+    target's ``ModelRunner`` (whose hidden states it reads); token trees on the CPU path
+    (``verispec.proposers.eagle_tree``)."""
 
     shifted_inputs = True  # head position p: the target's hidden state at p, the token at p + 1
 
@@ -350,20 +352,7 @@ class EagleProposer(ModelProposer):
         """Forward 0 over the pending pairs, n_r - 1 draft forwards, then every slot back to
         the pairs fed with target hidden states (the module docstring)."""
         cache = self.runner.kv_cache
-        num_tokens = np.array([len(requests[r].token_ids) for r in active], dtype=np.int64)
-        feeds, pending = [], []
-        for r, slot, n in zip(active.tolist(), slots.tolist(), num_tokens.tolist()):
-            num_cached = cache.length(slot)
-            if num_cached + self.num_pending[slot] != n - 1 or self.num_pending[slot] == 0:
-                raise RuntimeError(
-                    f"EAGLE proposer: slot {slot} has {num_cached} positions cached and "
-                    f"{self.num_pending[slot]} target hidden states pending, but its request "
-                    f"holds {n} tokens (on_commit must follow every step)")
-            feeds.append(np.asarray(requests[r].token_ids[num_cached + 1 : n], dtype=np.int64))
-            parts = self._pending[slot]
-            pending.append(parts[0] if len(parts) == 1 else torch.cat(parts))
-            self._pending[slot] = []
-            self.num_pending[slot] = 0
+        num_tokens, feeds, pending = self._take_pending(requests, active, slots)
         graphs = self.runner.graphs
         if graphs is not None and graphs.has(self.graph_name) and graphs.fits(
                 self.graph_name, active.size):
@@ -406,6 +395,27 @@ class EagleProposer(ModelProposer):
         finally:
             for slot, n in zip(slot_list, num_tokens.tolist()):
                 cache.truncate(slot, n - 1)  # only rows fed with target hidden states stay
+
+    def _take_pending(self, requests, active: np.ndarray, slots: np.ndarray
+                      ) -> tuple[np.ndarray, list[np.ndarray], list[torch.Tensor]]:
+        """Each active request's committed length N, and its pending pairs (tokens, target
+        hidden states [n, D]) for forward 0, taken out of the pending list."""
+        cache = self.runner.kv_cache
+        num_tokens = np.array([len(requests[r].token_ids) for r in active], dtype=np.int64)
+        feeds, pending = [], []
+        for r, slot, n in zip(active.tolist(), slots.tolist(), num_tokens.tolist()):
+            num_cached = cache.length(slot)
+            if num_cached + self.num_pending[slot] != n - 1 or self.num_pending[slot] == 0:
+                raise RuntimeError(
+                    f"EAGLE proposer: slot {slot} has {num_cached} positions cached and "
+                    f"{self.num_pending[slot]} target hidden states pending, but its request "
+                    f"holds {n} tokens (on_commit must follow every step)")
+            feeds.append(np.asarray(requests[r].token_ids[num_cached + 1 : n], dtype=np.int64))
+            parts = self._pending[slot]
+            pending.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+            self._pending[slot] = []
+            self.num_pending[slot] = 0
+        return num_tokens, feeds, pending
 
     def propose(self, requests: Sequence[ProposalRequest]):
         self._catch_up_idle(requests)

@@ -7,6 +7,11 @@ depth) and the attention mask (context + ancestors) differ (``ops.tree.tree_atte
 verification the accepted path's rows are copied down to ``start_b + 1 ..`` and the slot is
 rolled back to the context, the root and the path (``commit_tree_path``); the recovered or bonus
 token is the next step's root, as with chains.
+
+With an EAGLE head (the runner's ``capture_layers``) the verify forward keeps the hidden states
+of the root and of every node; ``keep_path_hidden`` then leaves those of the root and the
+accepted path, in path order: the rows of the positions the request committed, which the head
+reads next (``EagleProposer.on_commit``), as after a chain's verify.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 
 from verispec.ops import tree
 from verispec.runtime.kv_cache import KVCache
-from verispec.runtime.model_runner import ModelRunner
+from verispec.runtime.model_runner import CapturedHidden, ModelRunner
 
 
 @torch.inference_mode()
@@ -54,8 +59,6 @@ def verify_tree(
     if runner.hybrid:
         raise ValueError("token trees need an attention-only target: a hybrid model's "
                          "recurrent state cannot branch")
-    if runner.capture_layers:
-        raise ValueError("token trees: EAGLE heads do not draft trees yet")
     cache = runner.kv_cache
     counts = np.asarray(num_draft_tokens, dtype=np.int64) + 1
     starts = cache.lengths_np[slots].copy()
@@ -76,8 +79,9 @@ def verify_tree(
     meta = dataclasses.replace(meta, cos=runner.cos[rope].unsqueeze(2),
                                sin=runner.sin[rope].unsqueeze(2),
                                attn_mask=attn_mask.to(runner.device), is_causal=False)
-    hidden = runner.model(torch.from_numpy(ids).to(runner.device), meta, cache.k_layers,
-                          cache.v_layers)
+    hidden = runner._capture(slots, starts, counts, meta.valid_index, runner.model(
+        torch.from_numpy(ids).to(runner.device), meta, cache.k_layers, cache.v_layers,
+        **runner._capture_kwargs()))
     cache.advance(slots, counts.tolist())
     rows = hidden.reshape(-1, hidden.shape[-1])
     if valid_index is not None:
@@ -112,3 +116,21 @@ def commit_tree_path(cache: KVCache, slots: list[int], starts: np.ndarray,
         cache.copy_positions(np.asarray(slots, np.int64)[row[moved]], src[moved], dst[moved])
     for b, slot in enumerate(slots):
         cache.truncate(slot, int(starts[b] + 1 + depth[b]))
+
+
+def keep_path_hidden(runner: ModelRunner, accepted_nodes: np.ndarray) -> None:
+    """After ``verify_tree`` with ``capture_layers``: keep, of request b's captured rows, the
+    root's and those of its accepted path's nodes (``accepted_nodes`` [B, max_depth], local
+    indices root to leaf, -1 padded), in that order: positions ``start_b .. start_b + d_b``,
+    the rows a chain's verify leaves for the same committed tokens. No-op without captured
+    hidden states."""
+    captured = runner.captured_hidden
+    if captured is None:
+        return
+    accepted_nodes = np.asarray(accepted_nodes, dtype=np.int64)
+    rows = [captured.row_start[b] + np.concatenate([[0], 1 + path[path >= 0]])
+            for b, path in enumerate(accepted_nodes)]
+    counts = np.array([r.size for r in rows], dtype=np.int64)
+    index = torch.from_numpy(np.concatenate(rows)).to(captured.rows.device)
+    runner.captured_hidden = CapturedHidden(list(captured.slots), captured.starts.copy(), counts,
+                                            np.cumsum(counts) - counts, captured.rows[index])
