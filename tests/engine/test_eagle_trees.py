@@ -27,14 +27,12 @@ import pytest
 import torch
 
 from tests.engine.test_preemption import save_target
+from tests.engine.test_token_trees import MAX_MODEL_LEN, VOCAB, generate, workload
 from tests.proposers.test_eagle_loader import eagle_checkpoint, write_checkpoint
 from tests.sample.stats import P_VALUE_THRESHOLD, chi_square_p_value, record, reference_probs
 from verispec import LLM, SamplingParams
 from verispec.engine import spec_decode
 from verispec.models import load_model
-
-VOCAB = 64
-MAX_MODEL_LEN = 96
 
 CHAIN = [(0,), (0, 0), (0, 0, 0)]
 BINARY = [(0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1), (0, 0, 0), (0, 1, 0)]
@@ -61,23 +59,6 @@ def heads(target_dir, tmp_path_factory):
 def spec(heads, method="eagle3", tree=None, draft="greedy", k=3):
     return {"method": method, "model": heads[method], "num_speculative_tokens": k,
             "draft_sample_method": draft, **(tree or {})}
-
-
-def workload(temperature=None):
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (7, 19, 4, 30, 12)]
-    prompts.append(rng.integers(3, VOCAB, size=MAX_MODEL_LEN - 6).tolist())  # max_model_len
-    params = [SamplingParams(max_tokens=m, ignore_eos=True, seed=50 + i,
-                             temperature=(0.0 if i % 2 else 0.9) if temperature is None
-                             else temperature)
-              for i, m in enumerate((25, 2, 17, 30, 1, 40))]
-    return prompts, params
-
-
-def generate(target_dir, config, prompts, params, max_num_seqs=8):
-    llm = LLM(target_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
-              speculative_config=config)
-    return llm, [o.token_ids for o in llm.generate(prompts, params)]
 
 
 @pytest.fixture(scope="module")
