@@ -25,6 +25,7 @@ returns); workers exit when rank 0's process goes away.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import multiprocessing
@@ -112,6 +113,9 @@ def start(size: int, device: torch.device, engine_cls: type, engine_kwargs: dict
         _set_device(device, local_rank)
         dist.init_process_group(_backend(device), init_method="env://", rank=rank,
                                 world_size=size, timeout=COLLECTIVE_TIMEOUT)
+        # The group this engine formed is left at exit, before the interpreter tears down
+        # the backend's threads (gloo's, left alive, can abort the process at exit).
+        atexit.register(leave_group)
     else:
         rank = local_rank = 0
         _rank_device(device, size - 1)  # every rank has a GPU
