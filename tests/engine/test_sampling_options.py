@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from tests.engine.test_preemption import (
     BLOCK_SIZE,
@@ -26,6 +27,9 @@ from tests.engine.test_preemption import (
     speculative_config,
 )
 from verispec import LLM, SamplingParams
+from verispec.engine import llm as llm_module
+from verispec.runtime.model_runner import ModelRunner
+from verispec.sample.options import SamplingOptions
 
 
 class LetterTokenizer:
@@ -157,3 +161,66 @@ def test_a_bad_option_fails_its_request_only(target_dir):
     assert "allowed_token_ids" in outputs[2].error and str(10**9) in outputs[2].error
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.generate(prompts[0], SamplingParams(stop_token_ids=[10**9]))
+
+
+class _FlatRunner(ModelRunner):
+    """The GPU path's runner (flat layout, captured steps run eagerly on their static buffers)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("flat_layout", True)
+        super().__init__(*args, **kwargs)
+
+
+def _recording(llm):
+    """Record the processed logits of every step of ``llm`` (and whether its forward applied
+    the penalties)."""
+    steps = []
+    real_process = llm.options.process
+
+    def process(logits, batch, num_drafts=None, draft_token_ids=None, penalties=None):
+        out = real_process(logits, batch, num_drafts, draft_token_ids, penalties)
+        steps.append((out.clone(), penalties is not None and penalties.applied))
+        return out
+
+    llm.options.process = process
+    return steps
+
+
+@pytest.mark.parametrize("method", [None, "ngram"])
+def test_captured_steps_apply_penalties_with_the_same_bits(method, target_dir, monkeypatch):
+    """On the GPU path the captured decode and verify forwards apply the penalties themselves
+    (``ops.apply_penalties``); a request that also has a logit_bias keeps them after its bias.
+    Every step's processed logits equal, bit for bit, those of the same engine whose captured
+    steps leave the penalties to the eager pass after the forward; the captured steps did apply
+    them, and seeded tokens equal the CPU path's."""
+    spec = None if method is None else speculative_config(method, None, None)
+    prompts = workload(2)
+    # penalties that favour repeats, so that the n-gram proposer finds drafts
+    kinds = [dict(repetition_penalty=0.6, frequency_penalty=-0.4, presence_penalty=0.3),
+             dict(repetition_penalty=0.7, logit_bias={4: 1.5, 9: -2.0}),
+             dict(frequency_penalty=-0.8, bad_words=["ab"], min_tokens=5, ignore_eos=False),
+             dict()]
+    params = [SamplingParams(**{"temperature": 0.9, "seed": 40 + i, "max_tokens": 30,
+                                "ignore_eos": True, **kind})
+              for i, kind in enumerate(kinds)]
+    want = [o.token_ids for o in engine(target_dir, spec).generate(prompts, params)]
+    runs = {}
+    for in_graph in (False, True):
+        with monkeypatch.context() as patch:
+            patch.setattr(llm_module, "ModelRunner", _FlatRunner)
+            if not in_graph:  # the same captured steps, without the penalties
+                patch.setattr(SamplingOptions, "attach", lambda self, runner: None)
+            llm = engine(target_dir, spec)
+        assert llm.runner.graphs is not None
+        assert (llm.runner.penalty_counts is not None) == in_graph
+        steps = _recording(llm)
+        runs[in_graph] = ([o.token_ids for o in llm.generate(prompts, params)], steps)
+    (eager_tokens, eager_steps), (tokens, steps) = runs[False], runs[True]
+    assert tokens == eager_tokens == want
+    assert len(steps) == len(eager_steps)
+    for (got, _), (expected, _) in zip(steps, eager_steps):
+        assert torch.equal(got, expected)
+    assert any(applied for _, applied in steps)
+    assert not any(applied for _, applied in eager_steps)
+    if spec is not None:
+        assert llm.get_metrics()["spec_decoding"]["num_accepted_tokens"] > 0

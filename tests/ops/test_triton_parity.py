@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from verispec.ops import philox, rejection, sampling, triton_ops  # noqa: E402
+from verispec.ops import options, philox, rejection, sampling, triton_ops  # noqa: E402
 
 K = 4
 
@@ -507,7 +507,8 @@ def test_backend_registry_and_signatures():
     assert backend.name == "triton"
     for name, twin in [("rejection_sample", rejection.rejection_sample),
                        ("sample", sampling.sample), ("sample_draft", sampling.sample_draft),
-                       ("processed_probs", sampling.processed_probs)]:
+                       ("processed_probs", sampling.processed_probs),
+                       ("apply_penalties", options.apply_penalties)]:
         ours = inspect.signature(getattr(backend, name)).parameters.values()
         theirs = inspect.signature(twin).parameters.values()
         assert [(p.name, p.kind, p.default) for p in ours] == [

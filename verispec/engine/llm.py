@@ -185,6 +185,7 @@ class LLM(StepLoop):
                                   num_blocks=2)
         self.sampler = Sampler()
         self.options = SamplingOptions(max_num_seqs, config.vocab_size, self.device)
+        self.options.attach(self.runner)  # before the memory plan: the counts are in use
         self.spec = None if speculative_config is None else SpeculativeDecoder(
             speculative_config, self.runner, config.vocab_size, max_num_seqs, max_model_len,
             tokenizer=self.tokenizer, tp=self._tp, options=self.options,

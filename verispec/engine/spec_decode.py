@@ -334,13 +334,14 @@ class SpeculativeDecoder:
             return self._plain_step(batch, sampling, start)
         proposed = time.perf_counter()
         # The drafts stay on the device: the verify forward scatters them into its inputs.
+        penalties = self.options.step_penalties(batch)
         target_logits = self.runner.verify([r.slot for r in batch],
                                            [r.last_token_id for r in batch],
-                                           proposal.draft_token_ids, num_drafts)
+                                           proposal.draft_token_ids, num_drafts, penalties)
         # Row i of a request sees its drafts d_1..d_i (penalties, min_tokens, bad_words):
         # the distribution a plain step would use there (docs/design.md §15).
         target_logits = self.options.process(target_logits, batch, num_drafts,
-                                             proposal.draft_token_ids)
+                                             proposal.draft_token_ids, penalties)
         first_rows = np.concatenate([[0], np.cumsum(num_drafts + 1)[:-1]])
         self.step_logits = (target_logits, first_rows)
         # Draft i of request r occupies position num_tokens + i (num_tokens counts the prompt).
@@ -466,8 +467,10 @@ class SpeculativeDecoder:
                     start: float) -> list[list[int]]:
         """Nobody drafted: one decode row per request, sampled as its bonus token would be."""
         proposed = time.perf_counter()
-        logits = self.runner.forward([r.slot for r in batch], [[r.last_token_id] for r in batch])
-        logits = self.options.process(logits, batch)
+        penalties = self.options.step_penalties(batch)
+        logits = self.runner.forward([r.slot for r in batch], [[r.last_token_id] for r in batch],
+                                     penalties=penalties)
+        logits = self.options.process(logits, batch, penalties=penalties)
         self.step_logits = (logits, np.arange(len(batch)))
         positions = ops.to_device([r.num_tokens for r in batch], self.runner.device)
         token_ids = self.sampler(logits, sampling, positions).tolist()  # the one host sync

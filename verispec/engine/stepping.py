@@ -114,9 +114,11 @@ class StepLoop:
                   for r, n in prefills]
         # a chunk of a request asking for prompt logprobs needs the logits of every position
         every = any(r.needs_prompt_logprobs for r, _ in prefills)
+        # a step of decodes alone may replay a captured forward, which applies their penalties
+        penalties = None if prefills else self.options.step_penalties(decodes)
         logits = self.runner.forward([r.slot for r in decodes] + [r.slot for r, _ in prefills],
                                      [[r.last_token_id] for r in decodes] + chunks,
-                                     logits="all" if every else "last")
+                                     logits="all" if every else "last", penalties=penalties)
         if every:
             ends = len(decodes) + np.cumsum([n for _, n in prefills])  # [P] row after chunk i
             fill_prompt_logprobs(prefills, logits, ends - [n for _, n in prefills])
@@ -134,7 +136,7 @@ class StepLoop:
         if batch:
             if len(rows) < logits.shape[0]:
                 logits = logits[ops.to_device(rows, logits.device)]
-            logits = self.options.process(logits, batch)
+            logits = self.options.process(logits, batch, penalties=penalties)
             outputs = [[t] for t in self._sample(batch, logits)]
             finished = self._commit_all(batch, outputs, logits, np.arange(len(batch)))
         if self.spec is not None:

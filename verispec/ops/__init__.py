@@ -35,6 +35,11 @@ def rejection_sample(target_logits: torch.Tensor, *args, **kwargs) -> torch.Tens
     return get_backend(target_logits.device).rejection_sample(target_logits, *args, **kwargs)
 
 
+def apply_penalties(logits: torch.Tensor, *args, **kwargs) -> None:
+    """A captured step's penalties, in place: ``verispec.ops.options.apply_penalties``."""
+    get_backend(logits.device).apply_penalties(logits, *args, **kwargs)
+
+
 def sample(logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """Sample one token per row; see ``verispec.ops.sampling.sample``."""
     return get_backend(logits.device).sample(logits, *args, **kwargs)
@@ -57,6 +62,7 @@ __all__ = [
     "RESIDUAL_STREAM",
     "SAMPLE_STREAM",
     "Backend",
+    "apply_penalties",
     "few_rows_on_one_thread",
     "get_backend",
     "num_output_tokens",

@@ -24,6 +24,7 @@ class Backend:
     sample: Callable[..., torch.Tensor]
     sample_draft: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rejection_sample: Callable[..., torch.Tensor]
+    apply_penalties: Callable[..., None]
 
 
 _FACTORIES: dict[str, Callable[[], Backend]] = {}
@@ -100,7 +101,7 @@ def _few_rows_on_one_thread(op: Callable) -> Callable:
 
 
 def _torch_backend() -> Backend:
-    from verispec.ops import rejection, sampling
+    from verispec.ops import options, rejection, sampling
 
     return Backend(
         name="torch",
@@ -108,6 +109,7 @@ def _torch_backend() -> Backend:
         sample=_few_rows_on_one_thread(sampling.sample),
         sample_draft=_few_rows_on_one_thread(sampling.sample_draft),
         rejection_sample=_few_rows_on_one_thread(rejection.rejection_sample),
+        apply_penalties=options.apply_penalties,
     )
 
 

@@ -19,8 +19,15 @@ on the device and are read through index tensors, so the op needs no host sync. 
                         z_v -= freq * c_v + pres * [c_v > 0]
 
 It is written in torch ops only: on the CPU it is the path itself, on a GPU the same ops run on
-the device between the verify forward and the rejection sampler (eagerly, outside the captured
-forward). Each piece is skipped when no row of the step uses it.
+the device between the verify forward and the rejection sampler. Each piece is skipped when no
+row of the step uses it.
+
+``apply_penalties`` is the penalties alone, in the padded layout of a captured step (B requests
+of S rows each, the step's own input ids as the drafts), with the same float operations as
+``apply_options``'s: the captured decode and verify forwards run it (``runtime.model_runner``),
+so a step of penalised requests needs no eager pass over their rows. A row whose request also
+has a finite ``logit_bias`` is left to ``apply_options`` (the bias comes before the penalties
+and does not commute with them); the masks (-inf) do commute, so they may follow.
 """
 
 from __future__ import annotations
@@ -124,6 +131,39 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     words = bitmask[:, vocab >> 5]  # [G, V] int32
     allowed = ((words >> (vocab & 31)) & 1).bool()  # [G, V]
     logits[rows] = logits[rows].masked_fill(~allowed, NEG_INF)
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [B * S, V] float32, modified in place
+    token_ids: torch.Tensor,  # [B, S] int64, the step's input ids: last token, d_1 .. d_{S-1}
+    slots: torch.Tensor,  # [B] int64, rows of the counts; -1: the request has no penalty here
+    params: torch.Tensor,  # [B, 3] float32: repetition, frequency, presence
+    output_counts: torch.Tensor,  # [N, V] int32, committed output per slot
+    prompt_mask: torch.Tensor,  # [N, V] bool, tokens of the prompt per slot
+) -> None:
+    """The penalties of ``apply_options`` on a captured step's logits, in place: row i of
+    request b counts its committed output plus ``token_ids[b, 1..i]`` (the drafts before it).
+    Rows of requests with slot -1 are left as they are. Capturable (no host sync, no shape that
+    depends on values); the Triton twin (``ops.triton_options``) gives the same bits."""
+    B, S = token_ids.shape
+    V = logits.shape[1]
+    on = slots >= 0  # [B]
+    counts = output_counts[slots.clamp_min(0)]  # [B, V] int32, a copy
+    counts = counts[:, None, :].expand(B, S, V).clone()  # [B, S, V]
+    if S > 1:  # row i adds drafts 1..i: a running sum of one-hot drafts
+        drafts = torch.zeros((B, S, V), dtype=counts.dtype, device=counts.device)
+        drafts[:, 1:].scatter_(2, token_ids[:, 1:, None], 1)
+        counts += drafts.cumsum(1, dtype=counts.dtype)
+    counts = counts.view(B * S, V)
+    present = counts > 0
+    seen = present | prompt_mask[slots.clamp_min(0)].repeat_interleave(S, 0)
+    rows = params.repeat_interleave(S, 0)  # [B * S, 3]
+    rep, freq, pres = rows[:, 0:1], rows[:, 1:2], rows[:, 2:3]
+    z = logits
+    penalised = torch.where(seen, torch.where(z > 0, z / rep, z * rep), z)
+    penalised = penalised - freq * counts
+    penalised = penalised - pres * present
+    logits.copy_(torch.where(on.repeat_interleave(S, 0)[:, None], penalised, z))
 
 
 def _penalize(z: torch.Tensor, o: OptionTensors) -> torch.Tensor:

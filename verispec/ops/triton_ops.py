@@ -21,7 +21,7 @@ import inspect
 import torch
 import triton
 
-from verispec.ops import philox, sampling
+from verispec.ops import philox, sampling, triton_options
 from verispec.ops.backend import Backend
 from verispec.ops.rejection import check_draft_token_ids, check_inputs, check_rows
 from verispec.ops.triton_kernels import INTERPRET
@@ -463,6 +463,7 @@ BACKEND = Backend(
     sample=sample,
     sample_draft=sample_draft,
     rejection_sample=rejection_sample,
+    apply_penalties=triton_options.apply_penalties,
 )
 
 __all__ = ["BACKEND", "chunk_size", "processed_probs", "rejection_sample", "sample",

@@ -170,6 +170,10 @@ class CUDAGraphRunner:
             return 0
         return torch.cuda.memory_reserved(self.device)
 
+    def takes(self, name: str, key: str) -> bool:
+        """Whether step ``name`` has the input ``key``."""
+        return key in self._specs.get(name, ())
+
     def fits(self, name: str, batch_size: int) -> bool:
         return name in self._steps and 0 < batch_size <= self.max_batch_size
 

@@ -21,15 +21,21 @@ are padded to S' (the padding tokens write positions past the request's last rea
 dead — in the request's own blocks, or in the scratch block past them — and are never attended by
 a real token, all of which come before them). Prefill and steps
 larger than every graph run the same layout eagerly.
+
+Penalties (docs/design.md §15). Once ``penalty_counts`` is set (before ``capture``), the captured
+full-model steps also apply the repetition, frequency and presence penalties to their logits
+(``ops.apply_penalties``) for the requests a ``StepPenalties`` names; a step that runs eagerly
+leaves them to the caller, and says which it did in ``StepPenalties.applied``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from verispec import ops
 from verispec.models.llama import AttentionMetadata, FlatBatch
 from verispec.models.rope import rope_tables
 from verispec.ops import cpu_kernels, to_device
@@ -53,6 +59,18 @@ class CapturedHidden:
     counts: np.ndarray  # [B] int64
     row_start: np.ndarray  # [B] int64
     rows: torch.Tensor  # [>= sum(counts), len(capture_layers) * hidden] model dtype
+@dataclass
+class StepPenalties:
+    """The penalties a captured step applies (``ops.apply_penalties``), one entry per request
+    of the step in its order: ``slots[b]`` the request's row of the counts (-1: none here),
+    ``params[b]`` its (repetition, frequency, presence). The runner sets ``applied`` when the
+    step replayed a graph that applied them; otherwise they are still to be applied."""
+
+    slots: np.ndarray  # [B] int64
+    params: np.ndarray  # [B, 3] float32
+    applied: bool = field(default=False)
+
+
 # bfloat16 CPU matmuls of this many rows or more run in float32 (prefill; see models.llama.linear).
 # Decode and verify steps keep a bfloat16 matmul: widening the LM head every step costs more than
 # it saves there. With the compiled bfloat16 kernel (ops.cpu_kernels) the crossover is later
@@ -102,6 +120,9 @@ class ModelRunner:
         # output; every forward then keeps them in ``captured_hidden`` (captured steps too).
         self.capture_layers: tuple[int, ...] = ()
         self.captured_hidden: CapturedHidden | None = None
+        # (output_counts [num_slots, V] int32, prompt_mask [num_slots, V] bool): set before
+        # ``capture``, the captured full-model steps apply penalties (module docstring)
+        self.penalty_counts: tuple[torch.Tensor, torch.Tensor] | None = None
         # Forwards of more new tokens than this (prefills) run in pieces of at most this many
         # (``_forward_in_pieces``); None: any size in one forward.
         self.max_forward_tokens: int | None = None
@@ -178,6 +199,9 @@ class ModelRunner:
                       "starts": StepInput(1, torch.int64, 0)}
             if self.hybrid:
                 inputs["counts"] = StepInput(1, torch.int64, 1)
+            if self.penalty_counts is not None and num_layers is None:
+                inputs["penalty_slots"] = StepInput(1, torch.int64, -1)
+                inputs["penalty_params"] = StepInput(3, torch.float32, 1.0)
             self.graphs.add(name, inputs, lambda x, s=num_queries: self._captured_step(
                 x, s, num_layers))
 
@@ -193,6 +217,9 @@ class ModelRunner:
             x["ids"].view(-1), batch, self.kv_cache.k_layers, self.kv_cache.v_layers,
             num_layers, **kwargs))
         logits = self.compute_logits(hidden)
+        if "penalty_slots" in x:
+            ops.apply_penalties(logits, x["ids"], x["penalty_slots"].view(-1),
+                                x["penalty_params"], *self.penalty_counts)
         return logits if aux is None else (logits, aux)
 
     def fixed_batch(self, slot_ids: torch.Tensor, starts: torch.Tensor,
@@ -242,7 +269,8 @@ class ModelRunner:
 
     def _forward_flat(self, slots: list[int], counts: np.ndarray, ids: np.ndarray,
                       scatter: tuple[np.ndarray, torch.Tensor] | None, logits: str,
-                      num_layers: int | None) -> torch.Tensor | None:
+                      num_layers: int | None,
+                      penalties: StepPenalties | None = None) -> torch.Tensor | None:
         """The flat-layout forward: ``ids`` [B, width] host (row b's first counts[b] are real),
         ``scatter`` = (flat indices into it, device token ids) overwrites some of them on the
         device (drafts that never visit the host)."""
@@ -263,6 +291,14 @@ class ModelRunner:
             rows = {"ids": ids_in, "slots": slots_np, "starts": starts[:, None]}
             if self.hybrid:
                 rows["counts"] = counts[:, None]
+            if self.graphs.takes(self.graph_name(num_queries, num_layers), "penalty_slots"):
+                if penalties is None:
+                    rows["penalty_slots"] = np.full((B, 1), -1, dtype=np.int64)
+                    rows["penalty_params"] = np.ones((B, 3), dtype=np.float32)
+                else:
+                    rows["penalty_slots"] = penalties.slots[:, None]
+                    rows["penalty_params"] = penalties.params
+                    penalties.applied = True
             outputs, _ = self.graphs.run(self.graph_name(num_queries, num_layers), rows)
             row_start = np.arange(B) * num_queries
             all_logits = outputs
@@ -317,10 +353,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def verify(self, slots: list[int], last_token_ids: list[int], draft_token_ids: torch.Tensor,
-               num_draft_tokens: np.ndarray) -> torch.Tensor:
+               num_draft_tokens: np.ndarray,
+               penalties: StepPenalties | None = None) -> torch.Tensor:
         """The verify forward: request b feeds its last committed token and its n_b drafts
         (``draft_token_ids`` [sum n_b] on the device, docs/design.md §2 order). Returns the
-        ``sum(n_b + 1)`` rows of target logits, float32, in the flattened layout."""
+        ``sum(n_b + 1)`` rows of target logits, float32, in the flattened layout; a captured
+        step also applies ``penalties`` (module docstring)."""
         counts = np.asarray(num_draft_tokens, dtype=np.int64) + 1
         if not self.flat:
             drafts = draft_token_ids.tolist()
@@ -332,7 +370,8 @@ class ModelRunner:
         ids = np.zeros((len(slots), width), dtype=np.int64)
         ids[:, 0] = last_token_ids
         index = np.concatenate([b * width + 1 + np.arange(n - 1) for b, n in enumerate(counts)])
-        return self._forward_flat(slots, counts, ids, (index, draft_token_ids), "all", None)
+        return self._forward_flat(slots, counts, ids, (index, draft_token_ids), "all", None,
+                                  penalties)
 
     def _metadata(
         self, slots: list[int], counts: np.ndarray, starts: np.ndarray, width: int
@@ -395,6 +434,7 @@ class ModelRunner:
         token_ids: list[list[int]],
         logits: str = "last",
         num_layers: int | None = None,
+        penalties: StepPenalties | None = None,
     ) -> torch.Tensor | None:
         """Append ``token_ids[i]`` to slot ``slots[i]`` and run the model over them.
 
@@ -406,6 +446,7 @@ class ModelRunner:
             ``"all"`` -> [sum(len(t)), vocab] float32, request-major (docs/design.md §2 layout);
             ``"none"`` -> None (fill the cache only)
         num_layers : run only the first N layers (early exit); default all
+        penalties : the requests' penalties, applied by a captured step (module docstring)
 
         Each slot's committed length grows by ``len(token_ids[i])``; roll back with
         ``self.kv_cache.truncate``.
@@ -427,7 +468,8 @@ class ModelRunner:
             for row, t in enumerate(token_ids):
                 ids_np[row, : len(t)] = t
         if self.flat:
-            return self._forward_flat(slots, counts, ids_np, None, logits, num_layers)
+            return self._forward_flat(slots, counts, ids_np, None, logits, num_layers,
+                                      penalties)
         meta, _, valid_index = self._metadata(slots, counts, starts, width)
         input_ids = torch.from_numpy(ids_np).to(self.device)
         hidden = self._capture(slots, starts, counts, meta.valid_index, self.model(

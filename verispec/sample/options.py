@@ -17,6 +17,12 @@ each step the tokens a request committed since its last step are added (a few pe
 request used last is counted afresh from its tokens (a new or a recomputed request). A row adds
 its own drafts d_1..d_i on the device, in a copy of its slot's counts. Requests without any
 option cost nothing: a step where no request uses one skips all of this.
+
+Captured steps. With CUDA graphs the counts exist from the start (``attach``: the graphs read
+them), and the captured decode and verify forwards apply the penalties themselves
+(``step_penalties`` names the requests, ``runtime.model_runner.StepPenalties``); ``process`` then
+skips them for those requests, and a request with nothing else costs nothing after the forward.
+A request with a finite ``logit_bias`` keeps its penalties here, after its bias.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 
 from verispec import ops
 from verispec.ops.options import NEG_INF, WILDCARD, OptionTensors, apply_options
+from verispec.runtime.model_runner import ModelRunner, StepPenalties
 from verispec.sample.grammar import GrammarCompiler, GrammarMatcher
 from verispec.sampling_params import SamplingParams
 
@@ -79,6 +86,18 @@ class RequestOptions:
             grammar=grammar,
         )
 
+    @property
+    def graph_penalties(self) -> bool:
+        """Whether a captured step may apply this request's penalties (module docstring)."""
+        return self.params.uses_penalties and not self.bias_ids.size
+
+    @property
+    def beyond_penalties(self) -> bool:
+        """Whether the request has an option other than the penalties."""
+        return bool(self.bias_ids.size or self.allowed_ids is not None
+                    or self.min_tokens_ids.size or self.bad_single_ids.size or self.bad_words
+                    or self.grammar is not None)
+
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
     """ValueError naming the field for a token id of the options outside the vocabulary."""
@@ -116,6 +135,34 @@ class SamplingOptions:
         self.prompt_mask: torch.Tensor | None = None  # [max_num_seqs, V] bool, lazily
         self._owner = np.full(max_num_seqs, -1, dtype=np.int64)  # request id counted per slot
         self._num_counted = np.zeros(max_num_seqs, dtype=np.int64)  # its output tokens counted
+        self.attached = False  # a runner's captured steps apply penalties (``attach``)
+
+    def attach(self, runner: ModelRunner) -> None:
+        """Let ``runner``'s captured steps apply penalties (call before its ``capture``): the
+        counts are allocated now, as the graphs read them. No-op for a runner without graphs."""
+        if runner.graphs is None or runner.graphs.max_batch_size < 1:
+            return
+        self._allocate()
+        runner.penalty_counts = (self.output_counts, self.prompt_mask)
+        self.attached = True
+
+    def step_penalties(self, batch: Sequence) -> StepPenalties | None:
+        """The penalties a captured step may apply for ``batch`` (its counts brought up to
+        date), or None when no request of it has any, or nothing is attached."""
+        if not self.attached or not any(
+                r.options is not None and r.options.graph_penalties for r in batch):
+            return None
+        slots = np.full(len(batch), -1, dtype=np.int64)
+        params = np.ones((len(batch), 3), dtype=np.float32)
+        counted = []
+        for b, r in enumerate(batch):
+            if r.options is not None and r.options.graph_penalties:
+                p = r.options.params
+                slots[b] = r.slot
+                params[b] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+                counted.append(r)
+        self._count(counted)
+        return StepPenalties(slots, params)
 
     @staticmethod
     def sync_grammars(batch: Sequence) -> None:
@@ -126,22 +173,30 @@ class SamplingOptions:
                 r.options.grammar.sync(r.output_token_ids)
 
     def process(self, logits: torch.Tensor, batch: Sequence, num_drafts: np.ndarray | None = None,
-                draft_token_ids: torch.Tensor | None = None) -> torch.Tensor:
+                draft_token_ids: torch.Tensor | None = None,
+                penalties: StepPenalties | None = None) -> torch.Tensor:
         """``logits`` [R, V] of a step after each request's options; ``logits`` itself when no
         request of ``batch`` uses one. ``num_drafts`` [B] (host): request b owns
         ``num_drafts[b] + 1`` rows (None: one row each, a plain step); ``draft_token_ids``
-        [sum(num_drafts)] on the device, the drafts in batch order."""
-        if not any(r.options is not None for r in batch):
+        [sum(num_drafts)] on the device, the drafts in batch order. ``penalties``: those the
+        step's forward was given (``step_penalties``); the ones it applied are skipped."""
+        done = np.zeros(len(batch), dtype=bool)
+        if penalties is not None and penalties.applied:
+            done = penalties.slots >= 0
+        if not any(r.options is not None and (not done[b] or r.options.beyond_penalties)
+                   for b, r in enumerate(batch)):
             return logits
         if num_drafts is None:
             num_drafts = np.zeros(len(batch), dtype=np.int64)
-        options = self.build(batch, np.asarray(num_drafts), draft_token_ids)
+        options = self.build(batch, np.asarray(num_drafts), draft_token_ids, done)
         with ops.few_rows_on_one_thread(logits.device, logits.numel()):  # as the sampling ops
             return apply_options(logits, options)
 
     def build(self, batch: Sequence, num_drafts: np.ndarray,
-              draft_token_ids: torch.Tensor | None) -> OptionTensors:
-        """The per-row inputs of ``apply_options`` for ``batch`` (see the module docstring)."""
+              draft_token_ids: torch.Tensor | None,
+              penalised: np.ndarray | None = None) -> OptionTensors:
+        """The per-row inputs of ``apply_options`` for ``batch`` (see the module docstring);
+        ``penalised`` [B] bool: requests whose penalties are applied already."""
         rows_per_request = num_drafts + 1
         first_rows = np.concatenate([[0], np.cumsum(rows_per_request)[:-1]])
         first_drafts = np.concatenate([[0], np.cumsum(num_drafts)[:-1]])
@@ -198,7 +253,7 @@ class SamplingOptions:
                     prefix[width - len(word) + 1:] = word[:-1]
                     bad.append((rows, np.full(n + 1, word[-1]), np.tile(prefix, (n + 1, 1)),
                                 context))
-            if p.uses_penalties:
+            if p.uses_penalties and (penalised is None or not penalised[b]):
                 penalty.append((rows, np.full(n + 1, r.slot),
                                 np.full(n + 1, p.repetition_penalty, dtype=np.float32),
                                 np.full(n + 1, p.frequency_penalty, dtype=np.float32),
@@ -208,6 +263,7 @@ class SamplingOptions:
                 num_penalty_rows += n + 1
         if penalty:
             self._count([batch[b] for b in members if batch[b].options.params.uses_penalties])
+
         grammar = None if not grammar_rows else (np.concatenate(grammar_rows),
                                                  np.concatenate(grammar_masks))
         return self._tensors(tails, draft_token_ids, none_index, add, allowed, allowed_pairs,
@@ -260,12 +316,15 @@ class SamplingOptions:
             fields["prompt_mask"] = self.prompt_mask
         return OptionTensors(**fields)
 
-    def _count(self, requests: Sequence) -> None:
-        """Bring the per-slot counts of ``requests`` up to their committed tokens."""
+    def _allocate(self) -> None:
         if self.output_counts is None:
             shape = (self.max_num_seqs, self.vocab_size)
             self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
             self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+
+    def _count(self, requests: Sequence) -> None:
+        """Bring the per-slot counts of ``requests`` up to their committed tokens."""
+        self._allocate()
         slots, tokens = [], []
         for r in requests:
             slot = r.slot
