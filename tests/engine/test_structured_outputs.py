@@ -5,12 +5,15 @@ grammar engine sees a real vocabulary while the model is fast.
 - The output follows the request: JSON that parses and validates against the schema, a string
   the regex matches in full, one of the choices, a sentence of the grammar.
 - Greedy speculation with a grammar (n-gram; a draft model with probabilistic and with greedy
-  drafts) emits exactly the plain greedy tokens: verify row i is masked by the matcher advanced
-  along d_1..d_i, so it is the row a plain step uses, and the matcher rolls back to what was
-  accepted.
+  drafts; random EAGLE-1 and EAGLE-3 heads, the EAGLE-3 one over a draft vocabulary of its own)
+  emits exactly the plain greedy tokens: verify row i is masked by the matcher advanced along
+  d_1..d_i, so it is the row a plain step uses, and the matcher rolls back to what was accepted.
+  Every draft an EAGLE head proposes is one the grammar allows, read from the proposer's own
+  proposals (unless the grammar allows no token of the head's vocabulary there).
 - Grammar-aware drafting raises the acceptance rate on JSON-schema output (the random one-layer
-  draft model: none accepted without it, most with it; n-gram: fewer drafts refused) and keeps
-  greedy speculation equal to plain greedy with it and without it.
+  draft model and the random heads: next to none accepted without it, most with it; n-gram:
+  fewer drafts refused) and keeps greedy speculation equal to plain greedy with it and without
+  it.
 - A grammar the engine cannot compile is a ValueError naming the field, and fails its own
   request only in a batch.
 """
@@ -19,10 +22,14 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 
 from tests.models.utils import copy_bundled_tokenizer, requires_bundled, save_tiny_model
+from tests.proposers.test_eagle_loader import eagle_checkpoint, write_checkpoint
 from verispec import LLM, SamplingParams, StructuredOutputsParams
 
 jsonschema = pytest.importorskip("jsonschema")  # a test extra (pyproject): skip where absent
@@ -76,6 +83,30 @@ def draft_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def eagle_dirs(model_dir, plain_tokens, tmp_path_factory) -> dict[str, str]:
+    """Random heads on the target: EAGLE-1, and EAGLE-3 over 2048 of the 49152 tokens, every
+    token of the plain outputs among them (else the grammar's tokens are often outside the
+    head's vocabulary, and the head drafts unmasked)."""
+    with open(f"{model_dir}/config.json") as f:
+        hf = json.load(f)
+    target = SimpleNamespace(hidden_size=hf["hidden_size"], vocab_size=hf["vocab_size"])
+    dirs = {}
+    for method in ("eagle", "eagle3"):
+        vocab = 2048 if method == "eagle3" else None
+        config, state = eagle_checkpoint(method, target, seed=5, draft_vocab_size=vocab,
+                                         aux_layer_ids=(0, 1, 1) if vocab else None)
+        if vocab:
+            used = sorted({t for outputs in plain_tokens.values() for o in outputs for t in o})
+            rest = np.setdiff1d(np.random.default_rng(0).permutation(hf["vocab_size"]), used)
+            ids = torch.from_numpy(np.sort(np.concatenate([used, rest[:vocab - len(used)]])))
+            state["d2t"] = ids - torch.arange(vocab)
+            state["t2d"] = torch.zeros(hf["vocab_size"], dtype=torch.bool)
+            state["t2d"][ids] = True
+        dirs[method] = write_checkpoint(tmp_path_factory.mktemp(method), config, state)
+    return dirs
+
+
 def engine(model_dir, spec=None):
     return LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
                speculative_config=spec)
@@ -109,18 +140,64 @@ def test_outputs_follow_the_grammar_when_sampled(model_dir):
                 check(name, sample.text)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_model_greedy"])
-def test_greedy_speculation_with_a_grammar_equals_plain(method, model_dir, draft_dir,
-                                                       plain_tokens):
-    spec = {"method": method.removesuffix("_greedy"), "num_speculative_tokens": 3}
-    if method == "ngram":
+def spec_config(method: str, draft_dir: str, eagle_dirs: dict[str, str]) -> dict:
+    """``method``, ``_greedy`` appended for greedy drafts (model-based proposers)."""
+    name = method.removesuffix("_greedy")
+    spec = {"method": name, "num_speculative_tokens": 3}
+    if name == "ngram":
         spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
     else:
-        spec.update(model=draft_dir, draft_sample_method="greedy" if "greedy" in method
-                    else "probabilistic")
+        spec.update(model=eagle_dirs.get(name, draft_dir),
+                    draft_sample_method="greedy" if "greedy" in method else "probabilistic")
+    return spec
+
+
+def engine_for(model_dir, spec: dict) -> LLM:
     llm = engine(model_dir, spec)
-    if method != "ngram":  # the tiny draft costs about what the target does: draft anyway
+    if spec["method"] != "ngram":  # the tiny draft costs about what the target does: draft anyway
         llm.spec.costs = tuple(1.0 + 1e-3 * n for n in range(len(llm.spec.costs)))
+    return llm
+
+
+def check_drafts_in_grammar(proposer, eos_token_ids) -> dict[str, int]:
+    """Wrap ``proposer.propose``: every draft of a request with a grammar must be one its
+    matcher (at the committed output, after the walk rolled back) accepts after the drafts
+    before it, unless a draft before it ended the output (EOS: what follows is never
+    verified) or the grammar allows no token of the head's vocabulary there (the head then
+    drafts unmasked; verification rejects the draft). Returns the counts of drafts the grammar
+    accepts and of refused ones, filled as it runs."""
+    propose, seen = proposer.propose, {"drafts": 0, "refused": 0}
+    head_ids = getattr(proposer, "draft_to_target_np", None)
+
+    def checked(requests):
+        proposal = propose(requests)
+        cu = proposal.cu_num_draft_tokens.tolist()
+        ids = proposal.draft_token_ids.tolist()
+        for r, request in enumerate(requests):
+            drafts, grammar = ids[cu[r]:cu[r + 1]], request.grammar
+            if grammar is None or not drafts:
+                continue
+            num_valid = grammar.num_valid(drafts)
+            seen["drafts"] += num_valid
+            if num_valid < len(drafts) and drafts[num_valid - 1] not in eos_token_ids:
+                seen["refused"] += 1  # nothing of the head's vocabulary is allowed there
+                mask = grammar.masks(drafts[:num_valid])[-1]
+                tokens = np.arange(grammar.vocab_size) if head_ids is None else head_ids
+                assert not ((mask[tokens >> 5] >> (tokens & 31)) & 1).any(), (
+                    drafts, num_valid)
+        return proposal
+
+    proposer.propose = checked
+    return seen
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_model_greedy", "eagle_greedy",
+                                    "eagle3", "eagle3_greedy"])
+def test_greedy_speculation_with_a_grammar_equals_plain(method, model_dir, draft_dir,
+                                                       eagle_dirs, plain_tokens):
+    llm = engine_for(model_dir, spec_config(method, draft_dir, eagle_dirs))
+    seen = (check_drafts_in_grammar(llm.spec.proposer, llm.eos_token_ids) if "eagle" in method
+            else None)
     for name in CASES:
         outputs = llm.generate(PROMPTS, params(name))
         assert [o.token_ids for o in outputs] == plain_tokens[name], name
@@ -128,25 +205,25 @@ def test_greedy_speculation_with_a_grammar_equals_plain(method, model_dir, draft
     assert metrics["num_drafts"] > 0
     if method == "ngram":  # the random draft model's drafts (and the grammar) reject nearly all
         assert metrics["num_accepted_tokens"] > 0
+    if seen is not None:
+        print(method, seen)
+        assert seen["drafts"] > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_grammar_aware_drafting_raises_acceptance(method, model_dir, draft_dir, plain_tokens):
-    spec = {"method": method, "num_speculative_tokens": 3}
-    if method == "ngram":
-        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
-    else:
-        spec.update(model=draft_dir, draft_sample_method="probabilistic")
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
+def test_grammar_aware_drafting_raises_acceptance(method, model_dir, draft_dir, eagle_dirs,
+                                                  plain_tokens):
+    spec = spec_config(method, draft_dir, eagle_dirs)
     rates = {}
     for aware in (False, True):
-        llm = engine(model_dir, spec)
+        llm = engine_for(model_dir, spec)
         llm.spec.proposer.grammar_aware = aware
-        if method != "ngram":
-            llm.spec.costs = tuple(1.0 + 1e-3 * n for n in range(len(llm.spec.costs)))
         outputs = llm.generate(PROMPTS, params("json"))
         assert [o.token_ids for o in outputs] == plain_tokens["json"], aware
         metrics = llm.get_metrics()["spec_decoding"]
         rates[aware] = metrics["num_accepted_tokens"] / metrics["num_draft_tokens"]
+    print(f"{method}: draft acceptance rate without / with grammar-aware drafting "
+          f"{rates[False]:.3f} / {rates[True]:.3f}")
     assert rates[True] > rates[False] + 0.2, rates
 
 

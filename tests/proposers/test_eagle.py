@@ -9,6 +9,16 @@ counted. Engine: greedy speculation with a head emits exactly the plain greedy t
 the chi-square suite with the drafts and q of the real head (reduced draft vocabulary, q scattered
 onto the target vocabulary) and the real draft sampler, greedy and probabilistic, against the
 processed target distribution; a wrong q must fail the same test.
+
+Under a grammar (docs/design.md §15): the 29-token vocabulary and branching regex of
+tests/sample/test_grammar_exactness.py, a target over it and an EAGLE-3 head whose draft
+vocabulary leaves some of the grammar's tokens out. Many requests, each with its own matcher,
+draft through the real proposer (head logits masked by the matcher walked along the drafts,
+then the real draft sampler) and are verified by the real options processing and rejection
+sampler; every draft must be inside the grammar, q zero outside it, and each output position's
+distribution, given the accepted drafts before it, must follow one-token-at-a-time sampling
+from the masked target row (chi-square per group). The static-buffer (CUDA-graph) layout drafts
+such a batch eagerly, as the eager layout does, and drafts nothing ahead for it.
 """
 
 from __future__ import annotations
@@ -21,12 +31,15 @@ import torch
 
 from tests.proposers.test_draft_model import save_llama
 from tests.proposers.test_eagle_loader import eagle_checkpoint, eagle_proposer, write_checkpoint
+from tests.sample import test_grammar_exactness as grammar_case
 from tests.sample.stats import P_VALUE_THRESHOLD, chi_square_p_value, record, reference_probs
 from verispec import ops
 from verispec.engine.llm import LLM
 from verispec.models import load_model
 from verispec.runtime.model_runner import ModelRunner
-from verispec.sampling_params import SamplingParams
+from verispec.sample.grammar import GrammarMatcher
+from verispec.sample.options import SamplingOptions
+from verispec.sampling_params import SamplingParams, StructuredOutputsParams
 
 VOCAB = 64
 K = 3
@@ -289,3 +302,151 @@ def test_eagle3_on_the_quantised_bundled_model(tmp_path):
                                                       "num_speculative_tokens": 3})
     assert spec.generate(["Hello there"], params)[0].token_ids == expected
     assert spec.get_metrics()["spec_decoding"]["num_drafts"] > 0
+
+
+# ----------------------------------------------------------------- exactness under a grammar
+
+GRAMMAR_REQUESTS = 20_000
+GRAMMAR_TEMPERATURE = 0.8
+# the head's draft vocabulary: all of grammar_case's tokens but g..l and "yz" (the grammar's
+# choice (x|yz) is then drafted as x or y, z; its other letters are never drafted)
+HEAD_TOKENS = [t for t in range(grammar_case.V) if not 7 <= t <= 12 and t != 28]
+
+
+@pytest.fixture(scope="module")
+def grammar_head(tmp_path_factory) -> tuple[str, str]:
+    """(target directory, EAGLE-3 head directory) over grammar_case's 29 tokens."""
+    target_dir = save_llama(tmp_path_factory.mktemp("grammar_target"), num_layers=6,
+                            vocab_size=grammar_case.V)
+    config, state = eagle_checkpoint("eagle3", load_model(target_dir).config, seed=2,
+                                     draft_vocab_size=len(HEAD_TOKENS), scale=0.2)
+    ids = torch.tensor(HEAD_TOKENS)
+    state["d2t"] = ids - torch.arange(len(HEAD_TOKENS))
+    state["t2d"] = torch.zeros(grammar_case.V, dtype=torch.bool)
+    state["t2d"][ids] = True
+    return target_dir, write_checkpoint(tmp_path_factory.mktemp("grammar_head"), config, state)
+
+
+def _grammar_outputs(target_dir: str, head_dir: str) -> np.ndarray:
+    """[GRAMMAR_REQUESTS, K + 1] output tokens (-1 padded) of one verify step per request:
+    context grammar_case.PROMPT + OUTPUT, drafts from the head under each request's own
+    matcher, the target's fixed rows (``target_and_draft_logits``) masked along the drafts."""
+    V, temperature = grammar_case.V, GRAMMAR_TEMPERATURE
+    prompt, output = grammar_case.PROMPT, grammar_case.OUTPUT
+    runner = ModelRunner(load_model(target_dir).model, CHUNK, 8)
+    proposer = eagle_proposer(head_dir, "eagle3", runner, K, "probabilistic", max_num_seqs=CHUNK)
+    target_logits = torch.tensor(grammar_case.target_and_draft_logits("guided")[0],
+                                 dtype=torch.float32)  # [K + 1, V]
+    verify_request = grammar_case.make_request(temperature)  # its matcher: the verify masks
+    options = SamplingOptions(1, V, torch.device("cpu"))
+    # one compiled matcher, copied per request (compiling one takes milliseconds)
+    compiled = grammar_case.COMPILER.matcher(StructuredOutputsParams(regex=grammar_case.REGEX))
+    outputs, slots = [], list(range(CHUNK))
+    for start in range(0, GRAMMAR_REQUESTS, CHUNK):
+        requests = [Request(prompt + output, s, temperature=temperature, seed=start + s)
+                    for s in slots]
+        for r in requests:
+            r.grammar = GrammarMatcher(compiled.matcher.deep_copy(), V)
+            r.grammar.sync(np.array(output))
+            proposer.free(r.slot)
+            runner.kv_cache.free(r.slot)
+        runner.forward(slots, [prompt] * CHUNK, logits="none")  # the prompt's hidden states
+        proposer.on_commit(slots, [len(prompt) + len(output)] * CHUNK)
+        proposal = proposer.propose(requests)
+        draft_ids, q = proposal.draft_token_ids, proposal.draft_probs
+        assert proposal.cu_num_draft_tokens[-1] == CHUNK * K
+        drafts = draft_ids.view(CHUNK, K).numpy()
+        for r, d in zip(requests[:200], drafts):  # inside the grammar, q zero outside it
+            ends = np.flatnonzero(d == grammar_case.EOS)  # drafts after EOS are never verified
+            n = int(ends[0]) + 1 if ends.size else K
+            assert r.grammar.num_valid(d[:n].tolist()) == n, d
+            for i in range(n):
+                refused = ~grammar_case.allowed(output + d[:i].tolist())
+                assert not q[r.slot * K + i, refused].any(), (d, i)
+        logits = options.process(target_logits.repeat(CHUNK, 1), [verify_request] * CHUNK,
+                                 np.full(CHUNK, K), draft_ids)
+        seeds = torch.tensor([r.seed for r in requests])
+        outputs.append(ops.rejection_sample(
+            logits, draft_ids, proposal.cu_num_draft_tokens.to(torch.int32), q,
+            torch.full((CHUNK,), temperature), None, None, None, seeds,
+            torch.full((CHUNK,), len(prompt) + len(output), dtype=torch.int64), K).numpy())
+    return np.concatenate(outputs)
+
+
+def _grammar_requests(compiled, temperature: float = 0.8) -> list[Request]:
+    """Two requests after grammar_case's prompt and output, each with its own matcher."""
+    requests = [Request(grammar_case.PROMPT + grammar_case.OUTPUT, s, temperature=temperature,
+                        seed=40 + s) for s in range(2)]
+    for r in requests:
+        r.grammar = GrammarMatcher(compiled.matcher.deep_copy(), grammar_case.V)
+        r.grammar.sync(np.array(grammar_case.OUTPUT))
+    return requests
+
+
+def test_a_batch_with_a_grammar_drafts_eagerly(grammar_head):
+    """The captured draft masks nothing: with a grammar the static-buffer (CUDA-graph) layout
+    drafts eagerly, the drafts and q of the eager flat layout, all inside the grammar, and
+    drafts nothing ahead; the same requests without their grammar replay the graph."""
+    target_dir, head_dir = grammar_head
+    target = load_model(target_dir)
+    compiled = grammar_case.COMPILER.matcher(StructuredOutputsParams(regex=grammar_case.REGEX))
+    proposals, replays = {}, []
+    for layout in ("flat", "flat_graphs"):
+        runner, proposer = _runner_and_proposer(target, head_dir, "eagle3", "probabilistic",
+                                                layout)
+        def counted(*args, replay=proposer._draft_replay, layout=layout):
+            replays.append(layout)
+            replay(*args)
+
+        proposer._draft_replay = counted
+        requests = _grammar_requests(compiled)
+        slots = [r.slot for r in requests]
+        runner.forward(slots, [grammar_case.PROMPT] * 2, logits="none")
+        proposer.on_commit(slots, [len(r.token_ids) for r in requests])
+        proposals[layout] = proposal = proposer.propose(requests)
+        for r, d in zip(requests, _split(proposal)):
+            assert r.grammar.num_valid(d) == K, d
+        if layout == "flat_graphs":
+            assert not replays
+            runner.verify(slots, [r.token_ids[-1] for r in requests], proposal.draft_token_ids,
+                          proposal.num_draft_tokens_cpu)
+            out = torch.tensor([[d[0], -1, -1, -1] for d in _split(proposal)])
+            assert not proposer.draft_ahead(requests, out)
+            for r, d in zip(requests, _split(proposal)):
+                r.token_ids.append(d[0])
+                r.grammar = None
+                runner.kv_cache.truncate(r.slot, len(r.token_ids) - 1)
+            proposer.on_commit(slots, [len(r.token_ids) for r in requests])
+            proposer.propose(requests)
+            assert replays
+    assert proposals["flat"].draft_token_ids.tolist() == \
+        proposals["flat_graphs"].draft_token_ids.tolist()
+    torch.testing.assert_close(proposals["flat"].draft_probs,
+                               proposals["flat_graphs"].draft_probs)
+
+
+def test_drafts_under_a_grammar_keep_each_position_exact(grammar_head):
+    """Chi-square per (output position, accepted drafts before it) group against the target
+    row masked by a fresh matcher after the output and that prefix, at the temperature; the
+    output ends at EOS, so a prefix holding EOS is not a group."""
+    out = _grammar_outputs(*grammar_head)
+    target_logits = grammar_case.target_and_draft_logits("guided")[0]
+    groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for row in out:
+        for column in range(K + 1):
+            if row[column] < 0 or grammar_case.EOS in row[:column]:
+                break
+            groups.setdefault((column, tuple(row[:column].tolist())), []).append(row[column])
+    results = {}
+    for (column, prefix), tokens in groups.items():
+        counts = np.bincount(tokens, minlength=grammar_case.V)
+        z = np.where(grammar_case.allowed(grammar_case.OUTPUT + list(prefix)),
+                     target_logits[column], -np.inf)
+        probs = reference_probs(z, GRAMMAR_TEMPERATURE)
+        assert not counts[probs == 0].any(), (column, prefix)
+        if len(tokens) >= grammar_case.MIN_GROUP:
+            results[(column, prefix)] = (len(tokens), chi_square_p_value(counts, probs))
+    assert any(column >= 2 for column, _ in results), sorted(results)  # drafts accepted
+    record("eagle3 head under a grammar", GRAMMAR_REQUESTS, [p for _, p in results.values()])
+    for (column, prefix), (n, p) in results.items():
+        assert p >= P_VALUE_THRESHOLD, f"position {column} after {prefix} ({n}): {p}"

@@ -116,20 +116,26 @@ def apply_options(logits: torch.Tensor, options: OptionTensors) -> torch.Tensor:
     return out
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor,
+                        token_ids: torch.Tensor | None = None) -> None:
     """Mask, in place, every token a row's bitmask does not allow: ``logits[rows[g], v] = -inf``
-    unless bit v % 32 of ``bitmask[g, v // 32]`` is set (the grammar masks of structured output;
-    the draft model applies them to its own logits too, docs/design.md §15).
+    unless bit t % 32 of ``bitmask[g, t // 32]`` is set, t the token id of column v (the grammar
+    masks of structured output; model-based proposers apply them to their own logits too,
+    docs/design.md §15).
 
     Parameters
     ----------
-    logits : [R, V] float, modified in place
+    logits : [R, V'] float, modified in place
     rows : [G] int64, rows of ``logits``
-    bitmask : [G, ceil(V / 32)] int32
+    bitmask : [G, ceil(V / 32)] int32, over the token ids
+    token_ids : [V'] int64 or None
+        The token id of each column (an EAGLE-3 head's draft vocabulary mapped onto the
+        target's); None: column v is token v (V' = V).
     """
-    vocab = torch.arange(logits.shape[1], device=logits.device)
-    words = bitmask[:, vocab >> 5]  # [G, V] int32
-    allowed = ((words >> (vocab & 31)) & 1).bool()  # [G, V]
+    vocab = (torch.arange(logits.shape[1], device=logits.device) if token_ids is None
+             else token_ids)
+    words = bitmask[:, vocab >> 5]  # [G, V'] int32
+    allowed = ((words >> (vocab & 31)) & 1).bool()  # [G, V']
     logits[rows] = logits[rows].masked_fill(~allowed, NEG_INF)
 
 

@@ -31,6 +31,12 @@ draft stream at each draft's absolute position (the race's vocabulary index is t
 maps the draft to its target id, and keeps q scattered onto the target vocabulary (zero outside
 the head's map) in a float32 ``[max_num_seqs, k, V]`` buffer owned by the proposer.
 
+A request with structured output drafts under its grammar as a draft model does
+(``verispec.proposers.grammar_walk``): the head's logits at draft position i are masked by its
+matcher walked along d_1..d_i (a draft id allowed when its target id is) before d_{i+1} is
+drawn, so q is the masked distribution the draft was sampled from; such a batch drafts eagerly
+and is never drafted ahead (the captured draft masks nothing).
+
 Buffers are per slot and allocated once (the captured GPU draft of a later step writes them);
 the pending rows are a list per slot, copies taken from the target's forward by ``on_commit``
 (one gather per step; a replayed target graph rewrites its output at the next replay).
@@ -73,6 +79,7 @@ from verispec.ops.sampling import first_argmax
 from verispec.proposers.base import ProposalRequest, ProposerContext, register_proposer
 from verispec.proposers.draft_model import ModelProposer, _AheadDraft
 from verispec.proposers.eagle_tree import EagleTreeDrafting
+from verispec.proposers.grammar_walk import GrammarWalks
 from verispec.runtime.cuda_graphs import StepInput
 from verispec.runtime.model_runner import ModelRunner
 
@@ -130,6 +137,9 @@ class EagleProposer(EagleTreeDrafting, ModelProposer):
         if target.graphs is not None and self.runner.graphs is not None:
             self.runner.graphs.pool = target.graphs.pool  # one memory pool for every capture
         self.draft_to_target = self.head.draft_to_target()  # [draft_vocab_size] int64 or None
+        # its host copy: the grammar walks' masks are host bitmasks over the target's ids
+        self.draft_to_target_np = (None if self.draft_to_target is None
+                                   else self.draft_to_target.cpu().numpy())
         self._init_buffers(ctx.max_num_seqs, self.head.eagle.vocab_size)
         # Target hidden states not yet fed to the head, per slot: positions
         # num_cached .. num_cached + num_pending - 1, each [n, D] (D = the fc's input features).
@@ -309,7 +319,8 @@ class EagleProposer(EagleTreeDrafting, ModelProposer):
         graphs, captured, W = self.runner.graphs, self.target.captured_hidden, self.width
         B = len(requests)
         if (captured is None or graphs is None or not graphs.has(self.graph_name)
-                or not graphs.fits(self.graph_name, B)):
+                or not graphs.fits(self.graph_name, B)
+                or any(self.draft_grammar(r) is not None for r in requests)):
             return False
         slots = np.array([r.slot for r in requests], dtype=np.int64)
         num_tokens = np.array([len(r.token_ids) for r in requests], dtype=np.int64)
@@ -353,9 +364,12 @@ class EagleProposer(EagleTreeDrafting, ModelProposer):
         the pairs fed with target hidden states (the module docstring)."""
         cache = self.runner.kv_cache
         num_tokens, feeds, pending = self._take_pending(requests, active, slots)
+        grammars = [self.draft_grammar(requests[r]) for r in active]
         graphs = self.runner.graphs
-        if graphs is not None and graphs.has(self.graph_name) and graphs.fits(
-                self.graph_name, active.size):
+        # the captured draft masks nothing: a batch with a grammar drafts eagerly under it
+        if (graphs is not None and graphs.has(self.graph_name)
+                and graphs.fits(self.graph_name, active.size)
+                and all(g is None for g in grammars)):
             self._draft_replay(requests, active, slots, num_tokens, feeds, pending)
             return
         slot_list = slots.tolist()
@@ -367,6 +381,8 @@ class EagleProposer(EagleTreeDrafting, ModelProposer):
             seeds = torch.tensor([int(requests[r].seed) for r in active]).to(self.device)
         slots_t = torch.from_numpy(slots).to(self.device)
         rows = np.arange(active.size)  # the requests still drafting
+        # structured output: draft only what each request's grammar allows (grammar_walk)
+        walks = GrammarWalks(grammars, self.draft_to_target_np)
         try:
             for i in range(int(num_drafts.max())):
                 # (every request still drafting: views, not gathers)
@@ -374,6 +390,8 @@ class EagleProposer(EagleTreeDrafting, ModelProposer):
                              else torch.from_numpy(rows).to(self.device))
                 positions = torch.from_numpy(num_tokens[rows] + i).to(self.device)
                 row_slots = slots_t[row_index]
+                if walks:  # q = softmax(masked logits / T): what d_{i+1} is drawn from
+                    logits = walks.apply(logits, rows)
                 # (the draw and q's store touch a few rows: one thread, no workers to wake)
                 with ops.few_rows_on_one_thread(self.device, rows.size * self.vocab_size):
                     draft_ids, q = self._choose(
@@ -383,6 +401,8 @@ class EagleProposer(EagleTreeDrafting, ModelProposer):
                     if q is not None:
                         self._store_q(row_slots, i, q)
                 keep = num_drafts[rows] > i + 1
+                if walks:
+                    walks.advance(draft_ids, rows, ~keep)
                 if not keep.any():
                     break
                 kept = (slice(None) if keep.all()
@@ -393,6 +413,7 @@ class EagleProposer(EagleTreeDrafting, ModelProposer):
                     slots[rows].tolist(), [[t] for t in draft_ids[kept].tolist()], out[kept],
                     False)
         finally:
+            walks.close()  # (every walk has ended unless drafting failed)
             for slot, n in zip(slot_list, num_tokens.tolist()):
                 cache.truncate(slot, n - 1)  # only rows fed with target hidden states stay
 

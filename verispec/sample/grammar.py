@@ -19,10 +19,11 @@ rolls the drafts back. The drafts are read on the host, once per step that has a
 Grammar-aware drafting. A proposer may draft only what the grammar allows (docs/design.md §15):
 ``num_valid`` says how many leading tokens of a candidate draft the grammar accepts (the n-gram
 proposer cuts its drafts there), and ``begin_draft`` / ``extend_draft`` / ``end_draft`` walk the
-matcher along the drafts as a model drafts them, giving the mask at each draft position (the
-draft model masks its own logits with it, so q is the masked, renormalised distribution it
-samples from). ``end_draft`` rolls the matcher back and keeps the masks it computed: they are
-the verify step's masks for those drafts, so ``masks`` does not compute them again.
+matcher along the drafts as a model drafts them, giving the mask at each draft position (a
+draft model, early exit or an EAGLE head masks its own logits with it, so q is the masked,
+renormalised distribution it samples from). ``end_draft`` rolls the matcher back and keeps the
+masks it computed: they are the verify step's masks for those drafts, so ``masks`` does not
+compute them again.
 """
 
 from __future__ import annotations
