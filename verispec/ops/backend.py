@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.ops import rejection, sampling
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -100,8 +102,6 @@ def _few_rows_on_one_thread(op: Callable) -> Callable:
 
 
 def _torch_backend() -> Backend:
-    from verispec.ops import rejection, sampling
-
     return Backend(
         name="torch",
         processed_probs=_few_rows_on_one_thread(sampling.processed_probs),
@@ -112,7 +112,7 @@ def _torch_backend() -> Backend:
 
 
 def _triton_backend() -> Backend:
-    from verispec.ops import triton_ops  # imports triton; only called when it is chosen
+    from verispec.ops import triton_ops  # imports triton (the optional gpu extra): when chosen
 
     return triton_ops.BACKEND
 
