@@ -114,7 +114,13 @@ def _torch_backend() -> Backend:
 def _triton_backend() -> Backend:
     from verispec.ops import triton_ops  # imports triton (the optional gpu extra): when chosen
 
-    return triton_ops.BACKEND
+    return Backend(
+        name="triton",
+        processed_probs=triton_ops.processed_probs,
+        sample=triton_ops.sample,
+        sample_draft=triton_ops.sample_draft,
+        rejection_sample=triton_ops.rejection_sample,
+    )
 
 
 register_backend("torch", _torch_backend)
