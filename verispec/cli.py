@@ -15,7 +15,14 @@ import sys
 import time
 from collections.abc import Callable
 
+from verispec.bench import run as bench_run
+from verispec.bench.prompts import RandomPrompts, get_prompts
+from verispec.bench.report import plot_acceptance_and_speedup, print_table
+from verispec.config import SpeculativeConfig
+from verispec.engine.llm import LLM
+from verispec.proposers import available_proposers
 from verispec.sampling_params import SamplingParams
+from verispec.train.train_draft import TrainDraftConfig, train_draft
 
 # LLM(...) argument -> (flag options). The flag name is the argument with dashes.
 ENGINE_FLAGS: dict[str, dict] = {
@@ -198,8 +205,6 @@ SPEC_FLAGS: dict[str, tuple[str, dict]] = {
 
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
-    from verispec.proposers import available_proposers
-
     group = parser.add_argument_group("speculative decoding (SpeculativeConfig fields)")
     for name, (flag, options) in SPEC_FLAGS.items():
         if name == "method":
@@ -214,9 +219,6 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
 
 def speculative_config(args: argparse.Namespace):
     """The SpeculativeConfig the flags describe, or None for ``--speculative-method none``."""
-
-    from verispec.config import SpeculativeConfig
-
     given = {name: getattr(args, "spec_" + name) for name in SPEC_FLAGS
              if getattr(args, "spec_" + name) is not None}
     if args.speculative_config is not None:
@@ -273,8 +275,6 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from verispec.engine.llm import LLM
-
     if not args.prompt.strip():
         raise ValueError("the prompt is empty: give the text to generate from")
     params = sampling_params(args)
@@ -378,19 +378,13 @@ def check_bench_args(args: argparse.Namespace) -> list[int] | None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    import dataclasses as dc
-
-    from verispec.bench.prompts import RandomPrompts, get_prompts
-    from verispec.bench.report import plot_acceptance_and_speedup, print_table
-    from verispec.bench.run import run_bench as bench
-
     ks = check_bench_args(args)
     config = speculative_config(args)
     if config is None:
         raise ValueError("verispec bench compares against speculation: pick a method")
     configs = []
     for k in ks or [config.num_speculative_tokens]:
-        fields = {f.name: getattr(config, f.name) for f in dc.fields(config) if f.init}
+        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
         if config.is_synthetic and config.synthetic_acceptance_rates is not None and k != len(
                 config.synthetic_acceptance_rates):
             raise ValueError("--k-values cannot change k with --synthetic-acceptance-rates")
@@ -406,8 +400,8 @@ def run_bench(args: argparse.Namespace) -> int:
         prompts = RandomPrompts(args.num_prompts or RANDOM_NUM_PROMPTS, args.prompt_len)
     else:
         prompts = get_prompts(args.prompts)[: args.num_prompts]
-    rows = bench(engine_kwargs(args), configs, prompts, sampling_params(args), args.batch_size,
-                 chat=not args.no_chat)
+    rows = bench_run.run_bench(engine_kwargs(args), configs, prompts, sampling_params(args),
+                               args.batch_size, chat=not args.no_chat)
     columns = ["method", "k", "tree", "tokens_per_s", "speedup", "mean_acceptance_length",
                "acceptance_rate_per_pos", "draft_rate", "predicted_speedup",
                "measured_over_predicted", "c", "verify_cost", "step_cost"]
@@ -448,7 +442,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-bytes must be an integer >= 1, got "
                          f"{args.max_request_bytes}")
     config = speculative_config(args)  # bad flags are refused before the model loads
-    try:
+    try:  # here, not at the top: fastapi and the server's modules take ~0.4 s to import
         from verispec.serve import run_server
     except ImportError as e:
         raise ValueError(f"verispec serve needs {e.name}: pip install -e .") from None
@@ -490,8 +484,6 @@ TRAIN_DRAFT_HELP = {
 
 
 def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
-    from verispec.train.train_draft import TrainDraftConfig
-
     for f in dataclasses.fields(TrainDraftConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
@@ -515,9 +507,6 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_train_draft(args: argparse.Namespace) -> int:
-
-    from verispec.train.train_draft import TrainDraftConfig, train_draft
-
     config = TrainDraftConfig(**{f.name: getattr(args, f.name)
                                  for f in dataclasses.fields(TrainDraftConfig)})
     summary = train_draft(config, log=lambda line: print(line, file=sys.stderr))

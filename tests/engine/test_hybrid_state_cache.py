@@ -16,7 +16,7 @@ from tests.models.test_granite_hybrid import (
     one_thread,  # noqa: F401 (autouse fixture)
     save_hybrid,
 )
-from verispec.models.granite_hybrid import HybridModelConfig
+from verispec.models.config import HybridModelConfig
 from verispec.models.loader import load_model
 from verispec.models.mamba2 import MAX_RECURRENT_TOKENS
 from verispec.runtime.model_runner import ModelRunner

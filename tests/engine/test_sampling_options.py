@@ -177,8 +177,9 @@ def _recording(llm):
     steps = []
     real_process = llm.options.process
 
-    def process(logits, batch, num_drafts=None, draft_token_ids=None, penalties=None):
-        out = real_process(logits, batch, num_drafts, draft_token_ids, penalties)
+    def process(logits, batch, num_drafts=None, draft_token_ids=None, penalties=None,
+                host_drafts=None):
+        out = real_process(logits, batch, num_drafts, draft_token_ids, penalties, host_drafts)
         steps.append((out.clone(), penalties is not None and penalties.applied))
         return out
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from verispec.models.granite_hybrid import HybridModelConfig
+from verispec.models.config import HybridModelConfig
 from verispec.models.loader import load_model
 from verispec.models.mamba2 import MAX_RECURRENT_TOKENS
 from verispec.runtime.model_runner import ModelRunner

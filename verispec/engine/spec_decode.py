@@ -335,13 +335,15 @@ class SpeculativeDecoder:
         proposed = time.perf_counter()
         # The drafts stay on the device: the verify forward scatters them into its inputs.
         penalties = self.options.step_penalties(batch)
+        host_drafts = self.options.fetch_drafts(batch, proposal.draft_token_ids)
         target_logits = self.runner.verify([r.slot for r in batch],
                                            [r.last_token_id for r in batch],
                                            proposal.draft_token_ids, num_drafts, penalties)
-        # Row i of a request sees its drafts d_1..d_i (penalties, min_tokens, bad_words):
-        # the distribution a plain step would use there (docs/design.md §15).
+        # Row i of a request sees its drafts d_1..d_i (penalties, min_tokens, bad_words, the
+        # grammar's mask, built on the host while the GPU verifies): the distribution a plain
+        # step would use there (docs/design.md §15).
         target_logits = self.options.process(target_logits, batch, num_drafts,
-                                             proposal.draft_token_ids, penalties)
+                                             proposal.draft_token_ids, penalties, host_drafts)
         first_rows = np.concatenate([[0], np.cumsum(num_drafts + 1)[:-1]])
         self.step_logits = (target_logits, first_rows)
         # Draft i of request r occupies position num_tokens + i (num_tokens counts the prompt).

@@ -43,7 +43,7 @@ from verispec.models.llama import (
     _param,
     linear,
 )
-from verispec.models.loader import SKIP, tensor_parallel_slice
+from verispec.models.loader import SKIP, iter_safetensors, tensor_parallel_slice
 from verispec.models.parallel import SINGLE, TensorParallel
 from verispec.ops import quant
 from verispec.ops.model_ops import ModelOps
@@ -305,8 +305,6 @@ class EagleHead(nn.Module):
 
 def _checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of a head directory's ``*.safetensors`` or ``pytorch_model.bin``."""
-    from verispec.models.loader import iter_safetensors
-
     if any(f.endswith(".safetensors") for f in os.listdir(path)):
         yield from iter_safetensors(path)
         return

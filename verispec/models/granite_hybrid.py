@@ -9,21 +9,20 @@ embedding (Granite 4.0 H: ``position_embedding_type`` "nope") unless the config 
 
 The Mamba2 layer, its two forms (recurrent for decode and verify, chunked scan for long
 prefills) and its per-slot state ring are in ``verispec.models.mamba2``; on the flat layout of
-a GPU step (``forward_flat``, capturable in a CUDA graph) in ``verispec.models.mamba2_flat``.
+a GPU step (``forward_flat``, capturable in a CUDA graph) in ``verispec.models.mamba2_flat``;
+its config, ``HybridModelConfig``, in ``verispec.models.config``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.models.config import ModelConfig
+from verispec.models.config import HybridModelConfig
 from verispec.models.llama import (
     MLP,
     AttentionMetadata,
@@ -37,129 +36,6 @@ from verispec.models.llama import Attention as LlamaAttention
 from verispec.models.mamba2 import HybridStep, Mamba2Mixer
 from verispec.models.mamba2_flat import FlatMambaStep, mixer_forward_flat
 from verispec.ops.model_ops import ModelOps
-
-LAYER_TYPES = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention",
-               "full_attention": "attention"}  # HF spellings (transformers 4 and 5) -> ours
-POSITION_EMBEDDING_TYPES = (None, "nope", "rope")
-
-
-def _json_float(value: Any, field: str) -> float:
-    """A float of config.json; transformers 5 writes infinity as ``{"__float__": "Infinity"}``."""
-    if isinstance(value, dict) and "__float__" in value:
-        value = value["__float__"]
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{field} holds {value!r}, not a number") from None
-
-
-@dataclass(frozen=True)
-class HybridModelConfig(ModelConfig):
-    """ModelConfig of a Llama-family decoder plus the Mamba2 and Granite fields.
-
-    ``intermediate_size`` is the dense MLP's (HF ``shared_intermediate_size``).
-    """
-
-    layer_types: tuple[str, ...] = ()  # per layer: "mamba" | "attention"
-    mamba_n_heads: int = 0
-    mamba_d_head: int = 0
-    mamba_d_state: int = 0
-    mamba_n_groups: int = 1
-    mamba_d_conv: int = 4
-    mamba_chunk_size: int = 256
-    mamba_conv_bias: bool = True
-    mamba_proj_bias: bool = False
-    time_step_limit: tuple[float, float] = (0.0, float("inf"))
-    embedding_multiplier: float = 1.0
-    residual_multiplier: float = 1.0
-    attention_multiplier: float = 1.0
-    logits_scaling: float = 1.0
-    use_rope: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
-                             f"num_hidden_layers={self.num_hidden_layers}")
-        if self.mamba_n_heads % self.mamba_n_groups:
-            raise ValueError(f"mamba_n_heads ({self.mamba_n_heads}) must be a multiple of "
-                             f"mamba_n_groups ({self.mamba_n_groups})")
-        for name in ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_d_conv",
-                     "mamba_chunk_size"):
-            if "mamba" in self.layer_types and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-
-    @property
-    def mamba_intermediate_size(self) -> int:
-        return self.mamba_n_heads * self.mamba_d_head
-
-    @property
-    def mamba_conv_dim(self) -> int:  # channels of the conv: x, B and C
-        return self.mamba_intermediate_size + 2 * self.mamba_n_groups * self.mamba_d_state
-
-    @property
-    def mamba_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "mamba"]
-
-    @property
-    def attention_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "attention"]
-
-    @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any], architecture: str, **flags: Any
-                     ) -> HybridModelConfig:
-        """Read a GraniteMoeHybrid ``config.json``; MoE configurations are refused."""
-        experts = hf.get("num_local_experts", 0) or 0
-        if experts:
-            raise ValueError(
-                f"num_local_experts={experts}: only dense {architecture} configurations "
-                "(num_local_experts=0, e.g. granite-4.0-h-350m, granite-4.0-h-1b) are supported")
-        raw_types = hf.get("layer_types") or hf.get("layers_block_type")
-        if not isinstance(raw_types, list):
-            raise ValueError(f"{architecture} config needs layer_types (a list of 'mamba' / "
-                             f"'attention' per layer), got {raw_types!r}")
-        unknown = sorted({t for t in raw_types if t not in LAYER_TYPES}, key=str)
-        if unknown:
-            raise ValueError(f"layer_types holds {unknown!r}; supported: {sorted(LAYER_TYPES)}")
-        position = hf.get("position_embedding_type")
-        if position not in POSITION_EMBEDDING_TYPES:
-            raise ValueError(f"position_embedding_type {position!r} is not supported; "
-                             f"supported: {POSITION_EMBEDDING_TYPES}")
-        hidden = hf["hidden_size"]
-        n_heads = hf.get("mamba_n_heads", 128)
-        d_head = hf.get("mamba_d_head", "auto")
-        expand = hf.get("mamba_expand", 2)
-        if d_head == "auto":
-            d_head = expand * hidden // n_heads
-        if d_head * n_heads != expand * hidden:
-            raise ValueError(f"mamba_d_head ({d_head}) * mamba_n_heads ({n_heads}) must equal "
-                             f"mamba_expand ({expand}) * hidden_size ({hidden})")
-        limit = [_json_float(v, "time_step_limit")
-                 for v in (hf.get("time_step_limit") or (0.0, float("inf")))]
-        if len(limit) != 2 or not 0.0 <= limit[0] <= limit[1]:
-            raise ValueError(f"time_step_limit must be [min, max] with 0 <= min <= max, got "
-                             f"{hf.get('time_step_limit')!r}")
-        base = ModelConfig.from_hf_dict(
-            {**hf, "intermediate_size": hf.get("shared_intermediate_size", 1024)}, architecture,
-            **flags)
-        return cls(
-            **{f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)},
-            layer_types=tuple(LAYER_TYPES[t] for t in raw_types),
-            mamba_n_heads=n_heads,
-            mamba_d_head=d_head,
-            mamba_d_state=hf.get("mamba_d_state", 256),
-            mamba_n_groups=hf.get("mamba_n_groups", 1),
-            mamba_d_conv=hf.get("mamba_d_conv", 4),
-            mamba_chunk_size=hf.get("mamba_chunk_size", 256),
-            mamba_conv_bias=bool(hf.get("mamba_conv_bias", True)),
-            mamba_proj_bias=bool(hf.get("mamba_proj_bias", False)),
-            time_step_limit=(float(limit[0]), float(limit[1])),
-            embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
-            residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
-            attention_multiplier=float(hf.get("attention_multiplier", 1.0)),
-            logits_scaling=float(hf.get("logits_scaling", 1.0)),
-            use_rope=position == "rope",
-        )
 
 
 class HybridAttention(LlamaAttention):

@@ -38,17 +38,14 @@ the attention KV cache. Which lengths a slot still holds is the cache's to track
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec.models.config import HybridModelConfig
 from verispec.models.llama import AttentionMetadata, _param, linear
-
-if TYPE_CHECKING:
-    from verispec.models.granite_hybrid import HybridModelConfig
 
 # A request feeding at most this many new tokens in a forward runs the recurrent form (33: a
 # verify step of k + 1 tokens with k <= 32, SpeculativeConfig's cap); more run the chunked scan.

@@ -28,12 +28,12 @@ as on CPU; a forward that holds one reads the layout on the host once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from verispec.models.llama import FlatBatch
 from verispec.models.mamba2 import (
     MAX_RECURRENT_TOKENS,
     Mamba2Mixer,
@@ -42,14 +42,12 @@ from verispec.models.mamba2 import (
     ssm_state_update,
 )
 
-if TYPE_CHECKING:
-    from verispec.models.llama import FlatBatch
-
 
 def ssm_state_update_for(ops_name: str):
     """The SSM state update of a model-ops backend: the Triton kernel with the Triton ops (CUDA),
     the torch twin with the torch ops; same signature."""
     if ops_name == "triton":
+        # imports triton (the optional gpu extra): only with the Triton ops, on CUDA
         from verispec.ops.triton_ssm import ssm_state_update as triton_update
 
         return triton_update

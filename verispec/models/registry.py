@@ -8,8 +8,8 @@ from typing import Any
 
 from torch import nn
 
-from verispec.models.config import ModelConfig
-from verispec.models.granite_hybrid import GraniteHybridForCausalLM, HybridModelConfig
+from verispec.models.config import HybridModelConfig, ModelConfig
+from verispec.models.granite_hybrid import GraniteHybridForCausalLM
 from verispec.models.llama import LlamaForCausalLM
 
 

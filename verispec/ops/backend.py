@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.ops import options, rejection, sampling
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -101,8 +103,6 @@ def _few_rows_on_one_thread(op: Callable) -> Callable:
 
 
 def _torch_backend() -> Backend:
-    from verispec.ops import options, rejection, sampling
-
     return Backend(
         name="torch",
         processed_probs=_few_rows_on_one_thread(sampling.processed_probs),
@@ -114,9 +114,17 @@ def _torch_backend() -> Backend:
 
 
 def _triton_backend() -> Backend:
-    from verispec.ops import triton_ops  # imports triton; only called when it is chosen
+    # imports triton (the optional gpu extra): when chosen
+    from verispec.ops import triton_ops, triton_options
 
-    return triton_ops.BACKEND
+    return Backend(
+        name="triton",
+        processed_probs=triton_ops.processed_probs,
+        sample=triton_ops.sample,
+        sample_draft=triton_ops.sample_draft,
+        rejection_sample=triton_ops.rejection_sample,
+        apply_penalties=triton_options.apply_penalties,
+    )
 
 
 register_backend("torch", _torch_backend)

@@ -214,7 +214,7 @@ TORCH_MODEL_OPS = ModelOps("torch", rms_norm, rope_cache_attention, linear, line
 def triton_model_ops(batch_invariant: bool = True) -> ModelOps:
     """The Triton model ops; ``batch_invariant=False`` keeps torch's (cuBLAS) matmul, whose
     algorithm depends on the number of rows (faster at some sizes, not batch invariant)."""
-    from verispec.ops import triton_model
+    from verispec.ops import triton_model  # imports triton (the optional gpu extra): CUDA only
 
     if batch_invariant:
         return ModelOps(

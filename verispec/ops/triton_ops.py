@@ -21,8 +21,7 @@ import inspect
 import torch
 import triton
 
-from verispec.ops import philox, sampling, triton_options
-from verispec.ops.backend import Backend
+from verispec.ops import philox, sampling
 from verispec.ops.rejection import check_draft_token_ids, check_inputs, check_rows
 from verispec.ops.triton_kernels import INTERPRET
 from verispec.ops.triton_kernels_masks import _mask_stats_kernel, _probs_kernel
@@ -457,14 +456,4 @@ def _sample_with_probs(logits, temperature, top_k, top_p, min_p, seeds, position
     return ids, probs
 
 
-BACKEND = Backend(
-    name="triton",
-    processed_probs=processed_probs,
-    sample=sample,
-    sample_draft=sample_draft,
-    rejection_sample=rejection_sample,
-    apply_penalties=triton_options.apply_penalties,
-)
-
-__all__ = ["BACKEND", "chunk_size", "processed_probs", "rejection_sample", "sample",
-           "sample_draft"]
+__all__ = ["chunk_size", "processed_probs", "rejection_sample", "sample", "sample_draft"]

@@ -33,8 +33,7 @@ import logging
 import numpy as np
 import torch
 
-from verispec.models.config import ModelConfig
-from verispec.models.granite_hybrid import HybridModelConfig
+from verispec.models.config import HybridModelConfig, ModelConfig
 from verispec.models.mamba2 import MambaLayerState, stores_every_position
 from verispec.runtime.kv_cache import DEFAULT_BLOCK_SIZE, BlockTables, KVCache
 

@@ -164,6 +164,14 @@ class SamplingOptions:
         self._count(counted)
         return StepPenalties(slots, params)
 
+    def fetch_drafts(self, batch: Sequence, draft_token_ids: torch.Tensor) -> HostDrafts | None:
+        """Start copying the step's drafts to the host when a request of ``batch`` has a grammar
+        (its matcher walks them), before the verify forward is launched: ``process`` then waits
+        for the drafts alone and builds the masks while the GPU verifies. None otherwise."""
+        if not any(r.options is not None and r.options.grammar is not None for r in batch):
+            return None
+        return HostDrafts(draft_token_ids)
+
     @staticmethod
     def sync_grammars(batch: Sequence) -> None:
         """Bring each request's grammar matcher up to its committed output (before a proposer
@@ -174,12 +182,14 @@ class SamplingOptions:
 
     def process(self, logits: torch.Tensor, batch: Sequence, num_drafts: np.ndarray | None = None,
                 draft_token_ids: torch.Tensor | None = None,
-                penalties: StepPenalties | None = None) -> torch.Tensor:
+                penalties: StepPenalties | None = None,
+                host_drafts: HostDrafts | None = None) -> torch.Tensor:
         """``logits`` [R, V] of a step after each request's options; ``logits`` itself when no
         request of ``batch`` uses one. ``num_drafts`` [B] (host): request b owns
         ``num_drafts[b] + 1`` rows (None: one row each, a plain step); ``draft_token_ids``
         [sum(num_drafts)] on the device, the drafts in batch order. ``penalties``: those the
-        step's forward was given (``step_penalties``); the ones it applied are skipped."""
+        step's forward was given (``step_penalties``); the ones it applied are skipped.
+        ``host_drafts``: the drafts' copy ``fetch_drafts`` started (else they are read here)."""
         done = np.zeros(len(batch), dtype=bool)
         if penalties is not None and penalties.applied:
             done = penalties.slots >= 0
@@ -188,15 +198,17 @@ class SamplingOptions:
             return logits
         if num_drafts is None:
             num_drafts = np.zeros(len(batch), dtype=np.int64)
-        options = self.build(batch, np.asarray(num_drafts), draft_token_ids, done)
+        options = self.build(batch, np.asarray(num_drafts), draft_token_ids, done, host_drafts)
         with ops.few_rows_on_one_thread(logits.device, logits.numel()):  # as the sampling ops
             return apply_options(logits, options)
 
     def build(self, batch: Sequence, num_drafts: np.ndarray,
               draft_token_ids: torch.Tensor | None,
-              penalised: np.ndarray | None = None) -> OptionTensors:
+              penalised: np.ndarray | None = None,
+              host_drafts: HostDrafts | None = None) -> OptionTensors:
         """The per-row inputs of ``apply_options`` for ``batch`` (see the module docstring);
-        ``penalised`` [B] bool: requests whose penalties are applied already."""
+        ``penalised`` [B] bool: requests whose penalties are applied already; ``host_drafts``
+        the drafts on their way to the host (``fetch_drafts``)."""
         rows_per_request = num_drafts + 1
         first_rows = np.concatenate([[0], np.cumsum(rows_per_request)[:-1]])
         first_drafts = np.concatenate([[0], np.cumsum(num_drafts)[:-1]])
@@ -214,7 +226,8 @@ class SamplingOptions:
         drafts_cpu = None
         if draft_token_ids is not None and any(
                 batch[b].options.grammar is not None for b in members):
-            drafts_cpu = draft_token_ids.tolist()  # the matchers run on the host: one sync
+            # the matchers run on the host: one wait, for the drafts only
+            drafts_cpu = (host_drafts or HostDrafts(draft_token_ids)).tolist()
         for m, b in enumerate(members):
             r, o = batch[b], batch[b].options
             p, n = o.params, int(num_drafts[b])
@@ -345,6 +358,29 @@ class SamplingOptions:
                      ops.to_device(np.concatenate(tokens), self.device, torch.int64))
             self.output_counts.index_put_(index, torch.ones_like(index[0], dtype=torch.int32),
                                           accumulate=True)
+
+
+class HostDrafts:
+    """A step's draft ids on their way to the host: on CUDA a copy into pinned memory that waits
+    for the drafting work alone (an event after the copy), not for what the stream runs after
+    it (the verify forward)."""
+
+    def __init__(self, draft_token_ids: torch.Tensor) -> None:
+        self._device = draft_token_ids
+        self._host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+        if draft_token_ids.device.type == "cuda":
+            self._host = torch.empty(draft_token_ids.shape, dtype=draft_token_ids.dtype,
+                                     pin_memory=True)
+            self._host.copy_(draft_token_ids, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def tolist(self) -> list[int]:
+        if self._copied is None:
+            return self._device.tolist()
+        self._copied.synchronize()
+        return self._host.tolist()
 
 
 def _ban(rows: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

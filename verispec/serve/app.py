@@ -27,13 +27,15 @@ import sys
 import time
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
 from starlette.exceptions import HTTPException
 
 from verispec.config import SpeculativeConfig
+from verispec.models import gguf
 from verispec.serve.async_engine import AsyncEngine
 from verispec.serve.engine_core import LOG_FORMAT
 from verispec.serve.metrics import ServerMetrics
@@ -56,8 +58,6 @@ def default_model_name(model: str | None) -> str:
     the bundled model's name."""
     if model is not None:
         return model
-    from verispec.models import gguf
-
     return os.path.basename(gguf.bundled_gguf_path()).split(".")[0]
 
 
@@ -132,9 +132,6 @@ def run_server(engine_kwargs: dict, speculative_config: SpeculativeConfig | None
     """Start the engine process (the model loads before the server listens: a bad argument is
     a ValueError here) and serve it until interrupted (uvicorn handles Ctrl-C and SIGTERM; the
     engine process is stopped with the server)."""
-    import uvicorn
-    from prometheus_client import disable_created_metrics
-
     disable_created_metrics()  # no ``*_created`` series in this process, as in vLLM
     # The tokenizer thread holds the GIL while it tokenizes a long prompt; the event loop would
     # wait up to the switch interval (5 ms by default) each time it wants it back.

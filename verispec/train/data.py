@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from verispec.bench.report import progress
+from verispec.sampling_params import SamplingParams
 from verispec.train.prompts import builtin_prompts
 
 logger = logging.getLogger("verispec")
@@ -92,8 +93,6 @@ def generate_samples(llm, prompts: list, aux_layers: tuple[int, ...], max_new_to
     the last response token. Where a step runs a graph captured without those states (the
     CUDA engine), one target forward per ``llm.max_num_seqs`` sequences records them after
     generation instead."""
-    from verispec.sampling_params import SamplingParams
-
     temperatures = (temperature,) if isinstance(temperature, (int, float)) else temperature
     chat = getattr(llm.tokenizer, "chat_template", None)
     requests = [[{"role": "user", "content": p}] if isinstance(p, str) and chat else p

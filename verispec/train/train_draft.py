@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from verispec.bench.report import progress
+from verispec.engine.llm import LLM
 from verispec.models.config import ModelConfig, read_hf_config
 from verispec.models.eagle import (
     EAGLE3_ARCHITECTURE,
@@ -250,8 +251,6 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
     """Generate data, train, write the head to ``cfg.output_dir``; returns a summary dict
     (steps, losses, accuracies per TTT step, seconds). ``llm``: an engine already loaded with
     the target (``cfg.model``, ``cfg.dtype`` and ``cfg.device`` are then its own)."""
-    from verispec.engine.llm import LLM
-
     start_time = time.perf_counter()
     os.makedirs(cfg.output_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
