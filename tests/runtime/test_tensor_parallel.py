@@ -266,6 +266,31 @@ def test_torchrun_launch(tmp_path, target_dir, reference):
     assert seeded0 == seeded1  # seeds drawn for requests that gave none agree across the ranks
 
 
+def test_torchrun_rank_killed_ends_the_job(tmp_path, target_dir):
+    """Under torchrun a rank that dies mid-generation ends the whole job at once (torchrun
+    stops the other ranks), not after the collectives' timeout."""
+    script = tmp_path / "tp_die.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal
+        from verispec import LLM, SamplingParams
+        llm = LLM({target_dir!r}, dtype="float32", max_model_len={MAX_MODEL_LEN},
+                  tensor_parallel_size=2)
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:
+            llm.generate([[5, 6, 7]] * 2, SamplingParams(max_tokens=64, ignore_eos=True))
+        """))
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script)], capture_output=True, text=True, timeout=120, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert result.returncode != 0
+    assert "Signal 9" in result.stderr or "SIGKILL" in result.stderr, result.stderr[-2000:]
+    assert time.monotonic() - start < 60
+
+
 def test_server_over_tp2(target_dir, reference):
     """``verispec serve --tensor-parallel-size 2``: the engine process starts its rank, the
     completions are TP = 1's greedy tokens, and stopping the server leaves no process."""
