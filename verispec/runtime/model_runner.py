@@ -59,6 +59,36 @@ class CapturedHidden:
     counts: np.ndarray  # [B] int64
     row_start: np.ndarray  # [B] int64
     rows: torch.Tensor  # [>= sum(counts), len(capture_layers) * hidden] model dtype
+# A padded CPU batch may hold at most this many times its real tokens, plus a few: past it the
+# requests run as several forwards (``padding_groups``). The few spare a forward's fixed cost
+# where the padding is small in tokens (decode rows beside verify rows).
+MAX_PADDING_RATIO = 1.25
+SPARE_PADDING_TOKENS = 32
+
+
+def _fits(num_rows: int, width: int, num_tokens: int) -> bool:
+    return num_rows * width <= MAX_PADDING_RATIO * num_tokens + SPARE_PADDING_TOKENS
+
+
+def padding_groups(counts: np.ndarray) -> list[np.ndarray]:
+    """The requests of a padded step (``counts`` [B] new tokens each) in groups whose padded
+    size ``len(group) * max(count)`` stays within ``MAX_PADDING_RATIO`` of their tokens (plus
+    ``SPARE_PADDING_TOKENS``): decodes together, a prefill chunk apart. One group when the whole
+    step already does."""
+    if counts.size < 2 or _fits(counts.size, int(counts.max()), int(counts.sum())):
+        return [np.arange(counts.size)]
+    groups, current, total = [], [], 0
+    for b in np.argsort(counts, kind="stable").tolist():  # ascending: the widest row last
+        n = int(counts[b])
+        if current and not _fits(len(current) + 1, n, total + n):
+            groups.append(np.array(current))
+            current, total = [], 0
+        current.append(b)
+        total += n
+    groups.append(np.array(current))
+    return groups
+
+
 @dataclass
 class StepPenalties:
     """The penalties a captured step applies (``ops.apply_penalties``), one entry per request
@@ -458,6 +488,11 @@ class ModelRunner:
         limit = self.max_forward_tokens
         if limit is not None and logits != "all" and not self.hybrid and counts.sum() > limit:
             return self._forward_in_pieces(slots, token_ids, counts, logits, num_layers, limit)
+        if not self.flat:
+            groups = padding_groups(counts)
+            if len(groups) > 1:
+                return self._forward_grouped(slots, token_ids, counts, groups, logits,
+                                             num_layers)
         starts = cache.lengths_np[slots]
         cache.check_append_many(slots, counts)
         width = int(counts.max())
@@ -574,6 +609,37 @@ class ModelRunner:
         if logits == "none":
             return None
         return torch.stack([last_rows[b] for b in range(len(slots))])
+
+    def _forward_grouped(self, slots: list[int], token_ids: list[list[int]], counts: np.ndarray,
+                         groups: list[np.ndarray], logits: str,
+                         num_layers: int | None) -> torch.Tensor | None:
+        """``forward`` of requests whose new-token counts differ widely (decodes beside a
+        prefill chunk) as one padded forward per group of similar counts (``padding_groups``),
+        so the padded batch does not multiply the work. Batch invariance makes the logits, the
+        cache and the captured hidden states those of one forward."""
+        starts = self.kv_cache.lengths_np[slots].copy()
+        outputs: list[torch.Tensor | None] = [None] * len(slots)
+        captured: list[torch.Tensor | None] = [None] * len(slots)
+        for group in groups:
+            out = self.forward([slots[b] for b in group], [token_ids[b] for b in group],
+                               logits, num_layers)
+            kept = self.captured_hidden
+            row = 0
+            for i, b in enumerate(group.tolist()):
+                n = int(counts[b])
+                if out is not None:
+                    outputs[b] = out[i:i + 1] if logits == "last" else out[row:row + n]
+                if self.capture_layers and kept is not None:
+                    start = int(kept.row_start[i])
+                    captured[b] = kept.rows[start:start + n]
+                row += n
+        if self.capture_layers:
+            self.captured_hidden = CapturedHidden(list(slots), starts, counts.copy(),
+                                                  np.cumsum(counts) - counts,
+                                                  torch.cat(captured))
+        if logits == "none":
+            return None
+        return torch.cat(outputs)
 
     def _capture_kwargs(self) -> dict:
         """The model's ``capture_layers`` argument: the listed layers below the final norm."""
