@@ -16,7 +16,8 @@ result does not depend on its batch (docs/design.md §12):
   bits whichever way it was written. Then an online softmax over key blocks of 64 from key 0,
   so a query's result is the same whether it is decoded alone or is one of the k + 1 queries
   of a verify step (blocks past its position are fully masked and leave its running sums
-  unchanged: rescale by exp(0) = 1, add 0);
+  unchanged: rescale by exp(0) = 1, add 0). Compiled with ``TREE`` (token trees), a tile holds
+  one query, whose keys are read in the order of the chain holding its path;
 - ``_argmax_chunk_kernel``, ``_argmax_rows_kernel``: the first maximum of a row (the greedy
   draft's token) from the partials of programs of 8192 columns;
 - ``_linear_kernel``: ``x @ W.T``, each output summed over the input features 128 at a time in
