@@ -169,7 +169,7 @@ def test_flat_tree_node_logits_equal_their_chains(model, ops_name, monkeypatch):
             _same(rows[[0] + [1 + i for i in path]], chain, ops_name)
 
 
-@pytest.mark.parametrize("ops_name", ["twin", pytest.param("triton", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("ops_name", ["twin", "triton"])
 def test_flat_commit_keeps_the_accepted_path_and_its_hidden_states(model, ops_name):
     """After the verify forward and ``commit_tree_path``, a decode equals the chain's; the
     hidden states ``keep_path_hidden`` leaves (an EAGLE head's input) are the chain's."""
