@@ -3,10 +3,12 @@
 ``speculative_num_draft_tokens``), verified in one target forward.
 
 Strategy: the tiny random target of the engine tests and random EAGLE-1 / EAGLE-3 heads
-(reduced draft vocabulary for EAGLE-3).
+(reduced draft vocabulary for EAGLE-3), on the CPU path and, but for the statistical tests and
+the refusals, on the GPU path's flat layout too (``test_token_trees.runners_on``).
 
-- greedy tree speculation emits exactly the plain greedy tokens (both heads, static and dynamic,
-  greedy and sampled drafting, requests cut by ``max_tokens`` and ``max_model_len``);
+- greedy tree speculation emits exactly the plain greedy tokens of its layout (both heads,
+  static and dynamic, greedy and sampled drafting, requests cut by ``max_tokens`` and
+  ``max_model_len``);
 - a chain-shaped tree drafts and verifies what the chain does: with drafting never switched off,
   a static chain-shaped tree (sampled drafts) and a dynamic tree of one child per node (greedy
   drafts) emit the chain's tokens at every temperature and accept as many drafts. This pins the
@@ -28,6 +30,7 @@ import torch
 
 from tests.engine.test_preemption import save_target
 from tests.engine.test_token_trees import MAX_MODEL_LEN, VOCAB, generate, workload
+from tests.models.test_granite_hybrid import one_thread  # noqa: F401 (autouse fixture)
 from tests.proposers.test_eagle_loader import eagle_checkpoint, write_checkpoint
 from tests.sample.stats import P_VALUE_THRESHOLD, chi_square_p_value, record, reference_probs
 from verispec import LLM, SamplingParams
@@ -63,18 +66,23 @@ def spec(heads, method="eagle3", tree=None, draft="greedy", k=3):
 
 @pytest.fixture(scope="module")
 def plain_greedy(target_dir):
+    """Plain greedy tokens of the workload, per layout."""
     prompts, params = workload(temperature=0.0)
-    return generate(target_dir, None, prompts, params)[1]
+    return {layout: generate(target_dir, None, prompts, params, layout=layout)[1]
+            for layout in ("cpu", "flat")}
 
 
+@pytest.mark.parametrize("layout", ["cpu", "flat"])
 @pytest.mark.parametrize("method, tree, draft", [
     ("eagle", STATIC, "greedy"), ("eagle", DYNAMIC, "probabilistic"),
     ("eagle3", DYNAMIC, "greedy"), ("eagle3", STATIC, "probabilistic"),
 ], ids=["eagle-static", "eagle-dynamic-sampled", "eagle3-dynamic", "eagle3-static-sampled"])
-def test_greedy_tree_equals_plain_greedy(target_dir, heads, plain_greedy, method, tree, draft):
+def test_greedy_tree_equals_plain_greedy(target_dir, heads, plain_greedy, method, tree, draft,
+                                         layout):
     prompts, params = workload(temperature=0.0)
-    llm, tokens = generate(target_dir, spec(heads, method, tree, draft), prompts, params)
-    assert tokens == plain_greedy
+    llm, tokens = generate(target_dir, spec(heads, method, tree, draft), prompts, params,
+                           layout=layout)
+    assert tokens == plain_greedy[layout]
     assert llm.spec.stats.num_drafts > 0
 
 
@@ -82,23 +90,29 @@ def test_greedy_tree_equals_plain_greedy(target_dir, heads, plain_greedy, method
     ("eagle3", {"speculative_token_tree": CHAIN}, "probabilistic"),
     ("eagle", {"speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}, "greedy"),
 ], ids=["eagle3-static-chain-sampled", "eagle-dynamic-topk1-greedy"])
-def test_chain_shaped_tree_equals_chain(target_dir, heads, monkeypatch, method, tree, draft):
+@pytest.mark.parametrize("layout", ["cpu", "flat"])
+def test_chain_shaped_tree_equals_chain(target_dir, heads, monkeypatch, method, tree, draft,
+                                        layout):
     """Sampled drafts of a static chain use the chain's draws (rank 0 at each depth); greedy
     drafts use no draws. So, k drafts every step, both emit the chain's tokens."""
     monkeypatch.setattr(spec_decode, "best_num_drafts", lambda alpha, n, costs: n)
     prompts, params = workload()
-    chain_llm, chain = generate(target_dir, spec(heads, method, None, draft), prompts, params)
-    tree_llm, tokens = generate(target_dir, spec(heads, method, tree, draft), prompts, params)
+    chain_llm, chain = generate(target_dir, spec(heads, method, None, draft), prompts, params,
+                                layout=layout)
+    tree_llm, tokens = generate(target_dir, spec(heads, method, tree, draft), prompts, params,
+                                layout=layout)
     assert tokens == chain
     assert tree_llm.spec.stats.num_accepted_tokens == chain_llm.spec.stats.num_accepted_tokens
     assert chain_llm.spec.stats.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("layout", ["cpu", "flat"])
 @pytest.mark.parametrize("tree, draft", [(STATIC, "probabilistic"), (DYNAMIC, "probabilistic")],
                          ids=["static-sampled", "dynamic-sampled"])
-def test_sampled_alone_equals_batched(target_dir, heads, tree, draft):
+def test_sampled_alone_equals_batched(target_dir, heads, tree, draft, layout):
     prompts, params = workload()
-    llm, batched = generate(target_dir, spec(heads, "eagle3", tree, draft), prompts, params)
+    llm, batched = generate(target_dir, spec(heads, "eagle3", tree, draft), prompts, params,
+                            layout=layout)
     alone = [[o.token_ids for o in llm.generate([p], q)][0] for p, q in zip(prompts, params)]
     assert alone == batched
 

@@ -255,3 +255,12 @@ def test_triton_ops_match_the_torch_twins(tmp_path):
     for a, b in zip(runners[1].kv_cache.states, runners[0].kv_cache.states):
         _close(a.ssm[:4], b.ssm[:4])
         _close(a.conv[:4], b.conv[:4])
+
+
+def test_token_trees_are_refused(target_dir, draft_dirs, flat_engine):
+    """A hybrid target's recurrent state cannot branch: token trees are refused on the flat
+    layout as on the CPU path, naming the field."""
+    spec = {"method": "draft_model", "model": draft_dirs[0], "num_speculative_tokens": 2,
+            "speculative_token_tree": [(0,), (1,), (0, 0)]}
+    with pytest.raises(ValueError, match="speculative_token_tree: .*attention-only target"):
+        flat_engine(target_dir, spec)

@@ -1,8 +1,13 @@
 """Token-tree speculation through the engine (docs/design.md §16): a draft model drafts a static
 tree per request, the target verifies it in one forward, ``tree_rejection_sample`` walks it.
+The first two properties below are checked on both layouts: the CPU path and the GPU path's
+flat layout (every runner built with ``flat_layout=True``: the torch twins, trees eagerly, the
+chains' captured steps on their static buffers). One thread: these tiny models only wait on
+more.
 
-- greedy tree speculation emits exactly the plain greedy tokens (several shapes, the chain-shaped
-  tree included, a batch with requests cut by ``max_tokens`` and ``max_model_len``);
+- greedy tree speculation emits exactly the plain greedy tokens of its layout (several shapes,
+  the chain-shaped tree included, a batch with requests cut by ``max_tokens`` and
+  ``max_model_len``);
 - a seeded sampled request emits the same tokens alone and batched;
 - with the target as its own draft every drafted path is accepted (the draft cache keeps the
   accepted path's K/V at the right rows, and q is the distribution the children came from);
@@ -13,13 +18,21 @@ tree per request, the target verifies it in one forward, ``tree_rejection_sample
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
 
 from tests.engine.test_preemption import save_draft, save_target
+from tests.models.test_granite_hybrid import one_thread  # noqa: F401 (autouse fixture)
 from tests.sample.stats import P_VALUE_THRESHOLD, chi_square_p_value, reference_probs
 from verispec import LLM, SamplingParams
+from verispec.engine import llm as llm_module
+from verispec.proposers import draft_model as draft_model_module
+from verispec.proposers import eagle as eagle_module
+from verispec.runtime.model_runner import ModelRunner
 
 VOCAB = 64
 MAX_MODEL_LEN = 96
@@ -56,32 +69,64 @@ def workload(temperature=None):
     return prompts, params
 
 
-def generate(target_dir, spec, prompts, params, max_num_seqs=8):
-    llm = LLM(target_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
-              speculative_config=spec)
+class FlatRunner(ModelRunner):
+    """The GPU path's runner (flat layout; on CPU the torch twins, captured steps run eagerly
+    on their static buffers)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("flat_layout", True)
+        super().__init__(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def runners_on(layout: str):
+    """Engines built inside put every runner (the target's, a draft model's, an EAGLE head's)
+    on ``layout``: "cpu" (the CPU path) or "flat"."""
+    if layout == "cpu":
+        yield
+        return
+    with (mock.patch.object(llm_module, "ModelRunner", FlatRunner),
+          mock.patch.object(draft_model_module, "ModelRunner", FlatRunner),
+          mock.patch.object(eagle_module, "ModelRunner", FlatRunner)):
+        yield
+
+
+def generate(target_dir, spec, prompts, params, max_num_seqs=8, layout="cpu"):
+    with runners_on(layout):
+        llm = LLM(target_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
+                  speculative_config=spec)
+    assert llm.runner.flat == (layout == "flat")
+    proposer_runner = None if llm.spec is None else llm.spec.proposer.runner
+    assert proposer_runner is None or proposer_runner.flat == (layout == "flat")
     return llm, [o.token_ids for o in llm.generate(prompts, params)]
 
 
 @pytest.fixture(scope="module")
 def plain_greedy(target_dir):
+    """Plain greedy tokens of the workload, per layout."""
     prompts, params = workload(temperature=0.0)
-    return generate(target_dir, None, prompts, params)[1]
+    return {layout: generate(target_dir, None, prompts, params, layout=layout)[1]
+            for layout in ("cpu", "flat")}
 
 
+@pytest.mark.parametrize("layout", ["cpu", "flat"])
 @pytest.mark.parametrize("tree", [CHAIN, BINARY, MIXED], ids=["chain", "binary", "mixed"])
 @pytest.mark.parametrize("method", ["greedy", "probabilistic"])
-def test_greedy_tree_equals_plain_greedy(target_dir, draft_dir, plain_greedy, tree, method):
+def test_greedy_tree_equals_plain_greedy(target_dir, draft_dir, plain_greedy, tree, method,
+                                         layout):
     prompts, params = workload(temperature=0.0)
-    llm, tokens = generate(target_dir, tree_config(draft_dir, tree, method), prompts, params)
-    assert tokens == plain_greedy
+    llm, tokens = generate(target_dir, tree_config(draft_dir, tree, method), prompts, params,
+                           layout=layout)
+    assert tokens == plain_greedy[layout]
     assert llm.spec.stats.num_drafts > 0
 
 
+@pytest.mark.parametrize("layout", ["cpu", "flat"])
 @pytest.mark.parametrize("method", ["greedy", "probabilistic"])
-def test_sampled_alone_equals_batched(target_dir, draft_dir, method):
+def test_sampled_alone_equals_batched(target_dir, draft_dir, method, layout):
     prompts, params = workload()
     spec = tree_config(draft_dir, BINARY, method)
-    llm, batched = generate(target_dir, spec, prompts, params)
+    llm, batched = generate(target_dir, spec, prompts, params, layout=layout)
     alone = [[o.token_ids for o in llm.generate([p], q)][0] for p, q in zip(prompts, params)]
     assert alone == batched
 

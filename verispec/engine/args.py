@@ -131,11 +131,8 @@ class EngineArgs:
             raise ValueError(f"speculative_config must be a SpeculativeConfig, a dict or None, "
                              f"got {config!r}")
         if config is not None and config.is_tree:
-            # token trees run on the CPU path of one process (docs/design.md §16); the
-            # SpeculativeDecoder checks the models (attention-only target and draft)
-            if self.device.type != "cpu":
-                raise ValueError(f"{config.tree_key}: token trees run on the CPU path only; the "
-                                 "flat (GPU) layout does not verify trees yet")
+            # token trees run in one process (docs/design.md §16); the SpeculativeDecoder
+            # checks the models (attention-only target and draft)
             if self.tensor_parallel_size > 1:
                 raise ValueError(f"{config.tree_key}: token trees do not run with tensor "
                                  "parallelism yet")

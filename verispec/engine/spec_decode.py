@@ -139,13 +139,10 @@ def best_num_drafts(alpha: float, max_n: int, costs: Sequence[float]) -> int:
 
 
 def check_tree_support(runner: ModelRunner, proposer, tp: TensorParallel) -> None:
-    """ValueError where token trees do not run yet (docs/design.md §16): the CPU path of an
-    attention-only target with a draft model or an EAGLE head, one process; a dynamic tree
+    """ValueError where token trees do not run yet (docs/design.md §16): an attention-only
+    target (either layout) with a draft model or an EAGLE head, one process; a dynamic tree
     with an EAGLE head only."""
     key = proposer.config.tree_key
-    if runner.flat or runner.device.type != "cpu":
-        raise ValueError(f"{key}: token trees run on the CPU path only; the flat (GPU) "
-                         "layout does not verify trees yet")
     if runner.hybrid:
         raise ValueError(f"{key}: token trees need an attention-only target: a hybrid "
                          "model's recurrent state cannot branch")

@@ -43,6 +43,9 @@ class FlatBatch:
     sin: torch.Tensor  # [L, head_dim] model dtype, signed
     ops: ModelOps
     block_tables: torch.Tensor  # [num_slots + 1, max_blocks] int32: every slot's blocks
+    # [T, P] int32 or None: the tokens are slots of token trees, positions[t] = root row +
+    # depth, and row t the slots of token t's path (``ops.model_ops.cache_attention``)
+    tree_paths: torch.Tensor | None = None
 
 
 @dataclass
@@ -333,6 +336,7 @@ class Attention(nn.Module):
             None if self.q_norm is None else self.q_norm.weight,
             None if self.k_norm is None else self.k_norm.weight,
             0.0 if self.q_norm is None else self.q_norm.eps,
+            tree_paths=batch.tree_paths,
         )
         out = ops.linear(out.view(h.shape[0], self.q_size), self.o_weight, self.o_bias)
         return self.tp.all_reduce(out) if reduce else out

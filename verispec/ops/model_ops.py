@@ -20,6 +20,13 @@ on its own cache rows) only.
   ``[0, position]`` (a sliding window where the model has one) read through its block table,
   grouped-query;
 - ``rope_cache_attention``: the two above in one op (one kernel on the GPU);
+- with ``tree_paths`` both attend over token trees instead (docs/design.md §16): the new tokens
+  are slots of their request's tree, written at the rows the cache appends next, each at
+  position root row + its depth. A token's path (the slots from the root to itself, one per
+  depth) names its keys: the context (rows below the root) and then its path's rows, read in
+  that order as the positions ``[0, position]`` of the chain holding its path. So a tree token
+  gets the bits of that chain's token (docs/design.md §12), which a mask over the tree's rows
+  would not give: the kernel's reduction order over keys follows their order;
 - ``silu_mul``: ``silu(gate) * up`` of the fused gate|up projection;
 - ``linear``: ``x @ weight.T + bias``, on the GPU a kernel whose reduction order over the input
   features is fixed by the weight's shape alone (never by the number of rows);
@@ -101,6 +108,24 @@ def rope_cache_write(
     return q.contiguous()
 
 
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_pos: torch.Tensor,
+            scale: float, window: int | None) -> torch.Tensor:
+    """q [n, Hq, D] at positions ``query_pos`` [n] over ``keys``, ``values`` [L, Hkv, D] at
+    positions 0 .. L - 1: each query sees the keys at or before its position (within the
+    window). Returns [n, Hq, D] in q's dtype."""
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(group, 1)
+    values = values.float().repeat_interleave(group, 1)
+    key_pos = torch.arange(keys.shape[0], device=q.device)[None, :]
+    query_pos = query_pos[:, None]  # [n, 1]
+    visible = key_pos <= query_pos
+    if window is not None:
+        visible &= query_pos - key_pos < window
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
+
+
 def cache_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -112,28 +137,33 @@ def cache_attention(
     max_queries: int,  # >= every n_b (the kernel's grid; unused by the twin)
     scale: float,
     window: int | None = None,  # sliding window: a query at p sees keys p - window < key <= p
+    positions: torch.Tensor | None = None,  # [T] int64, with tree_paths: root row + depth
+    tree_paths: torch.Tensor | None = None,  # [T, P] int: slots root .. token, -1 padded
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its positions, read through its block
-    table. Returns [T, Hq, D] in q's dtype (softmax in float32)."""
+    table; with ``tree_paths``, of each tree token over its context and its path (module
+    docstring). Returns [T, Hq, D] in q's dtype (softmax in float32)."""
     out = torch.empty_like(q)
-    num_heads, block_size, num_kv_heads = q.shape[1], k_cache.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
     starts = query_start.tolist()
     for b, (slot, ctx) in enumerate(zip(slot_ids.tolist(), context_lens.tolist())):
         lo, hi = starts[b], starts[b + 1]
         if hi == lo:
             continue
         blocks = block_tables[slot, : -(-ctx // block_size)].long()
-        group = num_heads // num_kv_heads
-        keys = k_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(group, 1)
-        values = v_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(group, 1)
-        query_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)[:, None]  # [n, 1]
-        key_pos = torch.arange(ctx, device=q.device)[None, :]
-        visible = key_pos <= query_pos
-        if window is not None:
-            visible &= query_pos - key_pos < window
-        scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), keys) * scale
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-        out[lo:hi] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
+        keys = k_cache[blocks].flatten(0, 1)[:ctx]
+        values = v_cache[blocks].flatten(0, 1)[:ctx]
+        if tree_paths is None:
+            query_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)
+            out[lo:hi] = _attend(q[lo:hi], keys, values, query_pos, scale, window)
+            continue
+        for t in range(lo, hi):  # one query at a time: its keys are its own
+            path = tree_paths[t].long()
+            path = path[path >= 0]  # slots of depths 0 .. depth
+            root = int(positions[t]) - (path.shape[0] - 1)
+            rows = torch.cat([torch.arange(root, device=q.device), root + path])
+            out[t:t + 1] = _attend(q[t:t + 1], keys[rows], values[rows], positions[t:t + 1],
+                                   scale, window)
     return out
 
 
@@ -157,14 +187,15 @@ def rope_cache_attention(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
+    tree_paths: torch.Tensor | None = None,  # [T, P] int: token trees (cache_attention)
 ) -> torch.Tensor:
     """``rope_cache_write`` then ``cache_attention`` (one kernel on the GPU, which derives
-    ``positions`` and ``slot_mapping`` from the request layout and the block tables). Returns
-    [T, Hq, D]."""
+    ``slot_mapping``, and ``positions`` without ``tree_paths``, from the request layout and the
+    block tables). Returns [T, Hq, D]."""
     q = rope_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
                          num_kv_heads, q_norm, k_norm, eps)
     return cache_attention(q, k_cache, v_cache, block_tables, slot_ids, context_lens, query_start,
-                           max_queries, scale, window)
+                           max_queries, scale, window, positions, tree_paths)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

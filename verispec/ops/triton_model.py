@@ -16,7 +16,8 @@ result does not depend on its batch (docs/design.md §12):
   bits whichever way it was written. Then an online softmax over key blocks of 64 from key 0,
   so a query's result is the same whether it is decoded alone or is one of the k + 1 queries
   of a verify step (blocks past its position are fully masked and leave its running sums
-  unchanged: rescale by exp(0) = 1, add 0);
+  unchanged: rescale by exp(0) = 1, add 0). Compiled with ``TREE`` (token trees), a tile holds
+  one query, whose keys are read in the order of the chain holding its path;
 - ``_argmax_chunk_kernel``, ``_argmax_rows_kernel``: the first maximum of a row (the greedy
   draft's token) from the partials of programs of 8192 columns;
 - ``_linear_kernel``: ``x @ W.T``, each output summed over the input features 128 at a time in
@@ -154,18 +155,23 @@ def _rope_rows(src, d, partner, pos, ok, cos_ptr, sin_ptr, stride_cos, norm_ptr,
 
 @triton.jit
 def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr,
-                           out_ptr, bt_ptr, slot_ptr, ctx_ptr, qs_ptr, ts_ptr, B, search_steps,
+                           out_ptr, bt_ptr, slot_ptr, ctx_ptr, qs_ptr, ts_ptr, pos_ptr, path_ptr,
+                           B, search_steps,
                            stride_qkv,
                            stride_cos,
                            stride_bt, stride_kc_block, stride_kc_pos, stride_kc_head,
                            stride_vc_block, stride_vc_pos, stride_vc_head, stride_ot, stride_oh,
+                           stride_path, path_len,
                            scale, window, eps, BLOCK_SIZE: tl.constexpr,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                            BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
                            HAS_QK_NORM: tl.constexpr, WINDOWED: tl.constexpr,
                            WRITE: tl.constexpr, ATTEND: tl.constexpr, PRECISION: tl.constexpr,
-                           FLAT_GRID: tl.constexpr):
+                           FLAT_GRID: tl.constexpr, TREE: tl.constexpr, PATH: tl.constexpr):
     G: tl.constexpr = HQ // HKV
+    # TREE: one query per tile (its G heads, in tiles of BLOCK_Q rows), whose keys are read in
+    # the order of the chain holding its path (``rope_cache_attention``'s docstring)
+    TILES_PER_QUERY: tl.constexpr = (G + BLOCK_Q - 1) // BLOCK_Q
     if FLAT_GRID:  # grid (tiles of every request, kv heads): find this tile's request
         t = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -186,7 +192,11 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
         tile = tl.program_id(2)
     q_lo = tl.load(qs_ptr + b)
     num_q = tl.load(qs_ptr + b + 1) - q_lo
-    if tile * BLOCK_Q >= num_q * G:
+    done = tile * BLOCK_Q >= num_q * G
+    if TREE:
+        if ATTEND:
+            done = tile >= num_q * TILES_PER_QUERY
+    if done:
         return
     slot = tl.load(slot_ptr + b).to(tl.int64)
     ctx = tl.load(ctx_ptr + b)
@@ -196,7 +206,10 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
     bt_row = bt_ptr + slot * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kc_head
     v_base = v_cache_ptr + kv_head * stride_vc_head
-    last_query = tl.minimum(num_q - 1, (tile * BLOCK_Q + BLOCK_Q - 1) // G)
+    if TREE:
+        last_query = tl.minimum(num_q - 1, tile // TILES_PER_QUERY)
+    else:
+        last_query = tl.minimum(num_q - 1, (tile * BLOCK_Q + BLOCK_Q - 1) // G)
     if WRITE:
         # K (rotated) and V of the new tokens, in blocks of BLOCK_Q tokens: with ATTEND every
         # block up to this tile's last query (tiles of one head write the same values), else
@@ -207,9 +220,14 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
             j = j0 + tl.arange(0, BLOCK_Q)
             ok = j < end
             tok = (q_lo + j).to(tl.int64)
-            p = ctx - num_q + j
+            p = ctx - num_q + j  # the token's cache row
+            if TREE:  # at position root row + depth
+                rope_pos = tl.load(pos_ptr + tok, mask=ok, other=0)
+            else:
+                rope_pos = p
             k = _rope_rows(qkv_ptr + tok[:, None] * stride_qkv + (HQ + kv_head) * D, d, partner,
-                           p, ok, cos_ptr, sin_ptr, stride_cos, kn_ptr, eps, D, HAS_QK_NORM)
+                           rope_pos, ok, cos_ptr, sin_ptr, stride_cos, kn_ptr, eps, D,
+                           HAS_QK_NORM)
             block = tl.load(bt_row + p // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
             row = (p % BLOCK_SIZE).to(tl.int64)
             k_at = (block * stride_kc_block + row * stride_kc_pos)[:, None]
@@ -222,28 +240,52 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
                      mask=ok[:, None])
         tl.debug_barrier()  # this program's cache writes are visible to its reads below
     if ATTEND:
-        rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)  # row = query * G + head in group
-        query = rows // G
-        row_ok = query < num_q
-        pos = ctx - num_q + query  # absolute position of the row's query
-        token = (q_lo + query).to(tl.int64)
-        head = kv_head * G + rows % G
+        if TREE:
+            in_group = (tile % TILES_PER_QUERY) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+            row_ok = in_group < G
+            query_token = (q_lo + last_query).to(tl.int64)
+            token = query_token + in_group * 0
+            head = kv_head * G + in_group
+            query_pos = tl.load(pos_ptr + query_token)  # root row + depth
+            pos = query_pos + in_group * 0
+            # its path: the slots at depths 0 .. depth (-1 past it); the root's cache row
+            path_row = path_ptr + query_token * stride_path
+            steps = tl.arange(0, PATH)
+            on_path = tl.load(path_row + steps, mask=steps < path_len, other=-1) >= 0
+            root = query_pos - (tl.sum(on_path.to(tl.int32), axis=0) - 1)
+        else:
+            rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)  # row = query * G + head in group
+            query = rows // G
+            row_ok = query < num_q
+            pos = ctx - num_q + query  # absolute position of the row's query
+            token = (q_lo + query).to(tl.int64)
+            head = kv_head * G + rows % G
         q = _rope_rows(qkv_ptr + token[:, None] * stride_qkv + head[:, None] * D, d, partner,
                        pos, row_ok, cos_ptr, sin_ptr, stride_cos, qn_ptr, eps, D, HAS_QK_NORM)
         q = q.to(qkv_ptr.dtype.element_ty)  # q rounded to the model dtype, as the twin's
         m = tl.full((BLOCK_Q,), -1.0e30, tl.float32)  # finite: a fully masked block stays exact
         s_sum = tl.zeros((BLOCK_Q,), tl.float32)
         acc = tl.zeros((BLOCK_Q, D), tl.float32)
-        last_pos = ctx - num_q + last_query
+        if TREE:
+            last_pos = query_pos
+            first_pos = query_pos
+        else:
+            last_pos = ctx - num_q + last_query
+            first_pos = ctx - num_q + (tile * BLOCK_Q) // G
         kv_lo = 0
         if WINDOWED:  # blocks wholly before every row's window are skipped (aligned to BLOCK_KV)
-            first_pos = ctx - num_q + (tile * BLOCK_Q) // G
             kv_lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_KV * BLOCK_KV
         for start in range(kv_lo, last_pos + 1, BLOCK_KV):
             key_pos = start + tl.arange(0, BLOCK_KV)
             key_ok = key_pos <= last_pos
-            block = tl.load(bt_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-            row = (key_pos % BLOCK_SIZE).to(tl.int64)
+            if TREE:  # position root + i: the path's slot at depth i, at row root + slot
+                in_tree = key_pos >= root
+                slot_at = tl.load(path_row + (key_pos - root), mask=key_ok & in_tree, other=0)
+                key_row = tl.where(in_tree, root + slot_at, key_pos)
+            else:
+                key_row = key_pos
+            block = tl.load(bt_row + key_row // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            row = (key_row % BLOCK_SIZE).to(tl.int64)
             k = tl.load(k_base + (block * stride_kc_block + row * stride_kc_pos)[:, None]
                         + d[None, :], mask=key_ok[:, None], other=0.0)
             v = tl.load(v_base + (block * stride_vc_block + row * stride_vc_pos)[:, None]
@@ -337,14 +379,29 @@ FUSED_WRITE_MAX_QUERIES = 16
 def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
                          slot_ids, context_lens, query_start, max_queries, num_heads, num_kv_heads,
                          scale, window=None, q_norm=None, k_norm=None, eps=1e-6,
-                         block_q: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """See ``model_ops.rope_cache_attention``. The kernel derives each token's position and
-    cache slot from ``context_lens``, ``query_start``, ``slot_ids`` and ``block_tables``
-    (``positions`` and ``slot_mapping`` are the twin's). Keys are read in tiles of
+                         tree_paths=None, block_q: int | None = None,
+                         num_warps: int = 4) -> torch.Tensor:
+    """See ``model_ops.rope_cache_attention``. The kernel derives each token's cache slot, and
+    its position unless ``tree_paths`` is given, from ``context_lens``, ``query_start``,
+    ``slot_ids`` and ``block_tables`` (``slot_mapping`` is the twin's). Keys are read in tiles of
     ``ATTENTION_BLOCK_KV`` positions from 0, whatever the blocks: the reduction order is that of
     a contiguous cache, so paging changes no bit. ``block_q`` / ``num_warps``: the tile of query
-    rows and its warps (a tuning knob for ``benchmarks/bench_attention.py``)."""
+    rows and its warps (a tuning knob for ``benchmarks/bench_attention.py``).
+
+    With ``tree_paths`` (token trees) the kernel is compiled with ``TREE``: a tile holds one
+    query's heads (a chain's tile holds 16 / G queries), whose position is
+    ``positions[token]``, and the key at position ``root + i`` is read from the row of its
+    path's slot at depth i. Its tile, key blocks and order are those of the same query in a
+    chain, so both give the same bits. Rows of a tile past the G heads are idle: G / 16 of the
+    tile works, a cost that chains, compiled without ``TREE``, do not pay."""
     _check_index(slot_ids=slot_ids, context_lens=context_lens, query_start=query_start)
+    tree = tree_paths is not None
+    if tree:
+        _check_index(positions=positions)
+        if tree_paths.dim() != 2 or tree_paths.stride(-1) != 1 or tree_paths.shape[0] != \
+                qkv.shape[0]:
+            raise ValueError(f"tree_paths must be [T, P] with a contiguous last dimension, got "
+                             f"shape {tuple(tree_paths.shape)} and stride {tree_paths.stride()}")
     if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
         raise ValueError(f"block_tables must be contiguous int32, got {block_tables.dtype} with "
                          f"strides {block_tables.stride()}")
@@ -362,9 +419,12 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
     has_norm = q_norm is not None
     fused = max_queries <= FUSED_WRITE_MAX_QUERIES
     if block_q is None:  # float32 products (no tensor cores) take another order at 32 rows
-        block_q = (PREFILL_BLOCK_Q if not fused and qkv.dtype != torch.float32
+        block_q = (PREFILL_BLOCK_Q if not fused and qkv.dtype != torch.float32 and not tree
                    else ATTENTION_BLOCK_Q)
-    if fused:  # decode / verify (captured): every request's tiles up to the longest's
+    if tree:  # every request's queries up to the longest's, one a tile (or G / block_q tiles)
+        grid = (B, num_kv_heads, max_queries * triton.cdiv(G, block_q))
+        tile_starts, search_steps = query_start, 0
+    elif fused:  # decode / verify (captured): every request's tiles up to the longest's
         grid = (B, num_kv_heads, triton.cdiv(max_queries * G, block_q))
         tile_starts, search_steps = query_start, 0
     else:
@@ -376,16 +436,21 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
         torch.cumsum(tiles, 0, out=tile_starts[1:])
         grid = (triton.cdiv(T * G, block_q) + B, num_kv_heads)
         search_steps = max(1, int(B).bit_length())
+    paths = tree_paths if tree else query_start  # (unread without TREE)
+    path_len = tree_paths.shape[1] if tree else 1
     args = (qkv, cos, sin, q_norm if has_norm else cos, k_norm if has_norm else cos, k_cache,
-            v_cache, out, block_tables, slot_ids, context_lens, query_start, tile_starts, B,
+            v_cache, out, block_tables, slot_ids, context_lens, query_start, tile_starts,
+            positions if tree else query_start, paths, B,
             search_steps, qkv.stride(0),
             cos.stride(0), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            out.stride(0), out.stride(1), scale, 0 if window is None else window, eps)
+            out.stride(0), out.stride(1), paths.stride(0), path_len, scale,
+            0 if window is None else window, eps)
     meta = dict(BLOCK_SIZE=k_cache.shape[1], HQ=num_heads, HKV=num_kv_heads, D=D,
                 BLOCK_Q=block_q,
                 BLOCK_KV=ATTENTION_BLOCK_KV, HAS_QK_NORM=has_norm, WINDOWED=window is not None,
-                PRECISION=_precision(qkv.dtype), FLAT_GRID=not fused, num_warps=num_warps)
+                PRECISION=_precision(qkv.dtype), FLAT_GRID=not fused and not tree, TREE=tree,
+                PATH=triton.next_power_of_2(path_len), num_warps=num_warps)
     if not fused:
         _rope_attention_kernel[grid](*args, WRITE=True, ATTEND=False, **meta)
     _rope_attention_kernel[grid](*args, WRITE=fused, ATTEND=True, **meta)

@@ -56,7 +56,6 @@ step down the usual path, which rewrites every row the queued draft touched).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -70,6 +69,7 @@ from verispec.models.loader import load_model
 from verispec.ops import tree
 from verispec.ops.rejection import PLACEHOLDER_TOKEN_ID
 from verispec.ops.tree import StaticTree
+from verispec.ops.tree_feed import TreeFeed
 from verispec.proposers.base import (
     DraftProposal,
     ProposalRequest,
@@ -428,22 +428,20 @@ class ModelProposer(Proposer):
                      depths: np.ndarray) -> TreeProposal:
         """Draft ``shape`` cut to ``depths[r]`` for every request (docs/design.md §16).
 
-        CPU path only. The catch-up forward gives the root's logits; then for t = 1 .. depth
-        the children of every node of depth t - 1 are drawn at once with
-        ``ops.tree.sample_children`` (greedy drafting or a greedy request: the top m tokens;
-        probabilistic drafting: m distinct tokens without replacement from q), and, while a
-        request's tree goes deeper, one forward feeds all its nodes of depth t. A node is
-        written at cache row ``num_tokens + i`` (i its index in ``shape``'s breadth-first
-        order: the target's verify layout), at position ``num_tokens - 1 + depth``, seeing the
-        context and its ancestors (``ops.tree.tree_attention``); so its K/V are those a chain
-        holding its path would have. ``commit_tree`` keeps the accepted path's rows.
+        The catch-up forward gives the root's logits; then for t = 1 .. depth the children of
+        every node of depth t - 1 are drawn at once with ``ops.tree.sample_children`` (greedy
+        drafting or a greedy request: the top m tokens; probabilistic drafting: m distinct
+        tokens without replacement from q), and, while a request's tree goes deeper, one
+        forward feeds all its nodes of depth t (eagerly on the flat layout). A node is written
+        at cache row ``num_tokens + i`` (i its index in ``shape``'s breadth-first order: the
+        target's verify layout), at position ``num_tokens - 1 + depth``, seeing the context and
+        its ancestors (``ops.tree_feed``); so its K/V are those a chain holding its path would
+        have. ``commit_tree`` keeps the accepted path's rows.
 
         Nodes past q's support (fewer than m tokens with q > 0, without replacement) are left
         out with their subtrees; the returned parents are renumbered accordingly.
         """
         runner, cache = self.runner, self.runner.kv_cache
-        if runner.flat:
-            raise ValueError("token trees: the flat (GPU) layout does not draft trees yet")
         depths = np.asarray(depths, dtype=np.int64)
         active = np.flatnonzero(depths > 0)
         batch_size, vocab_size = len(requests), self.vocab_size
@@ -463,19 +461,15 @@ class ModelProposer(Proposer):
             feeds.append(_tail(requests[r].token_ids, num_cached))
         # [B_a, V]: what follows the last committed token (the root)
         level_logits = runner.forward(slots.tolist(), feeds, "last", self.num_layers)
-        greedy_drafts = self.greedy
-        temperature = torch.tensor([0.0 if greedy_drafts else float(requests[r].temperature)
-                                    for r in active], dtype=torch.float32)
-        seeds = torch.tensor([int(requests[r].seed) for r in active], dtype=torch.int64)
-        tokens = np.full((active.size, n_max), -1, dtype=np.int64)
-        probs = None if greedy_drafts else torch.zeros(active.size, n_max, vocab_size)
-        # positions and masks of every slot of the (padded) trees, rows from the root's
-        starts = torch.from_numpy(num_tokens - 1)
+        greedy_drafts, device = self.greedy, self.device
+        temperature = ops.to_device([0.0 if greedy_drafts else float(requests[r].temperature)
+                                     for r in active], device, torch.float32)
+        seeds = ops.to_device([int(requests[r].seed) for r in active], device, torch.int64)
+        tokens = np.full((active.size, n_max), -1, dtype=np.int64)  # host: the next feed
+        probs = None if greedy_drafts else torch.zeros(active.size, n_max, vocab_size,
+                                                       device=device)
         parents = torch.from_numpy(np.broadcast_to(shape.parents[:n_max],
                                                    (active.size, n_max)).copy())
-        kv_len = int((num_tokens - 1).max()) + n_max + 1
-        positions, attn_mask = tree.tree_attention(parents, starts, kv_len, shape.depth,
-                                                   runner.config.sliding_window)
         level_rows = np.arange(active.size)  # the requests whose last level was fed
         for t in range(1, int(depth_a.max()) + 1):
             lo, hi = shape.level_starts[t - 1], shape.level_starts[t]
@@ -486,39 +480,32 @@ class ModelProposer(Proposer):
             keep_rows = np.searchsorted(level_rows, rows)
             logits = level_logits.view(level_rows.size, parent_slots.size, -1)[keep_rows]
             m = int(shape.num_children[parent_slots].max())
-            row_index = torch.from_numpy(rows)
+            row_index = ops.to_device(rows, device)
             child_ids, q = tree.sample_children(
                 logits.reshape(-1, vocab_size),
                 temperature[row_index].repeat_interleave(parent_slots.size),
                 seeds[row_index].repeat_interleave(parent_slots.size),
-                torch.from_numpy(num_tokens[rows] + t - 1).repeat_interleave(parent_slots.size),
+                ops.to_device(num_tokens[rows] + t - 1, device).repeat_interleave(
+                    parent_slots.size),
                 m, without_replacement=True)
-            child_ids = child_ids.view(rows.size, parent_slots.size, m).numpy()
+            # (on a GPU a sync per level: the host builds the level's feed)
+            child_ids = child_ids.view(rows.size, parent_slots.size, m).cpu().numpy()
             # node i of this level: parent slot parents[i] + 1, rank sibling_rank[i]
             which = shape.parents[lo:hi] + 1 - parent_slots[0]
             tokens[rows, lo:hi] = child_ids[:, which, shape.sibling_rank[lo:hi]]
             if probs is not None:
-                probs[row_index[:, None], torch.arange(lo, hi)[None, :]] = q.view(
-                    rows.size, parent_slots.size, vocab_size)[:, torch.from_numpy(which)]
+                probs[row_index[:, None], torch.arange(lo, hi, device=device)[None, :]] = q.view(
+                    rows.size, parent_slots.size, vocab_size)[:, ops.to_device(which, device)]
             level_rows = rows[depth_a[rows] > t]
             if not level_rows.size:
                 break
-            # feed the level (a node past q's support as token 0: it is dropped below)
+            # feed the level (a node past q's support as token 0: it is dropped below) at
+            # cache rows num_tokens + lo .., the root's row num_tokens - 1
             feed = np.maximum(tokens[level_rows, lo:hi], 0)
-            level_slots = slots[level_rows]
-            counts = np.full(level_rows.size, hi - lo, dtype=np.int64)
-            level_starts = cache.lengths_np[level_slots].copy()  # num_tokens + lo
-            cache.check_append_many(level_slots, counts)
-            meta, _, _ = runner._metadata(level_slots.tolist(), counts, level_starts, hi - lo)
-            select = torch.from_numpy(level_rows)
-            rope = positions[select, 1 + lo:1 + hi].clamp_max(runner.max_model_len - 1)
-            meta = dataclasses.replace(
-                meta, cos=runner.cos[rope].unsqueeze(2), sin=runner.sin[rope].unsqueeze(2),
-                attn_mask=attn_mask[select, :, 1 + lo:1 + hi, :meta.kv_len], is_causal=False)
-            hidden = runner.model(torch.from_numpy(feed), meta, cache.k_layers, cache.v_layers,
-                                  self.num_layers)
-            cache.advance(level_slots.tolist(), counts.tolist())
-            level_logits = runner.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]))
+            level_feed = TreeFeed(parents[torch.from_numpy(level_rows)],
+                                  num_tokens[level_rows] - 1, 1 + lo, shape.depth)
+            level_logits = runner.forward(slots[level_rows].tolist(), feed.tolist(), "all",
+                                          self.num_layers, tree=level_feed)
         # the layout of ops.tree, leaving out nodes past q's support and their subtrees
         flat_tokens, flat_parents, flat_probs = [], [], []
         num_draft_tokens = np.zeros(batch_size, dtype=np.int64)
@@ -538,8 +525,8 @@ class ModelProposer(Proposer):
             p = shape.parents[index]
             flat_parents.append(np.where(p < 0, -1, renumber[np.maximum(p, 0)]))
             if probs is not None:
-                flat_probs.append(probs[a, torch.from_numpy(index)])
-        draft_probs = None if probs is None else torch.cat(flat_probs).to(self.device)
+                flat_probs.append(probs[a, ops.to_device(index, device)])
+        draft_probs = None if probs is None else torch.cat(flat_probs)
         return TreeProposal(torch.from_numpy(np.concatenate(flat_tokens)).to(self.device),
                             np.concatenate(flat_parents), num_draft_tokens, draft_probs)
 

@@ -1,4 +1,5 @@
-"""Token trees drafted by an EAGLE head on the CPU path (docs/design.md §16).
+"""Token trees drafted by an EAGLE head (docs/design.md §16), on either layout (the flat one of
+the GPU path eagerly, the host reading each level's children).
 
 A step, for the requests whose tree has depth > 0 (N committed tokens, the head's cache at
 N - 1 positions with the pending pairs still to feed):
@@ -8,8 +9,8 @@ N - 1 positions with the pending pairs still to feed):
     level t:    the children of the level's parents are drawn (``ops.tree.sample_children``);
                 the nodes that get children of their own are fed as (g_parent, token) at head
                 position N - 2 + t, each attending to the context and its fed ancestors
-                (``ops.tree.tree_attention`` with the root at row N - 2): the K/V a chain
-                holding the node's path would have
+                (``ops.tree_feed`` with the root at row N - 2): the K/V a chain holding the
+                node's path would have
 
 then every slot's cache goes back to N - 1 rows, as after a chain's draft: rows fed with the
 head's own hidden states are never kept. After verification the target keeps the hidden states
@@ -43,8 +44,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from verispec import ops
 from verispec.ops import tree
 from verispec.ops.tree import DynamicTree, StaticTree
+from verispec.ops.tree_feed import TreeFeed
 from verispec.proposers.base import ProposalRequest
 from verispec.proposers.draft_model import TreeProposal
 
@@ -59,9 +62,7 @@ class EagleTreeDrafting:
     def propose_tree(self, requests: Sequence[ProposalRequest], shape: StaticTree | DynamicTree,
                      depths: np.ndarray) -> TreeProposal:
         """Draft ``shape`` cut to ``depths[r]`` for every request (the module docstring)."""
-        runner = self.runner
-        if runner.flat:
-            raise ValueError("token trees: the flat (GPU) layout does not draft trees yet")
+        runner, device = self.runner, self.device
         depths = np.asarray(depths, dtype=np.int64)
         batch_size = len(requests)
         self._catch_up_idle(requests)
@@ -74,9 +75,9 @@ class EagleTreeDrafting:
         num_tokens, feeds, pending = self._take_pending(requests, active, slots)
         levels = _Levels(
             slots=slots, num_tokens=num_tokens, depths=depths[active],
-            temperature=torch.tensor([0.0 if self.greedy else float(requests[r].temperature)
-                                      for r in active], dtype=torch.float32),
-            seeds=torch.tensor([int(requests[r].seed) for r in active], dtype=torch.int64),
+            temperature=ops.to_device([0.0 if self.greedy else float(requests[r].temperature)
+                                       for r in active], device, torch.float32),
+            seeds=ops.to_device([int(requests[r].seed) for r in active], device, torch.int64),
             max_depth=shape.depth)
         try:
             logits, out = self._head_forward(slots.tolist(), feeds, torch.cat(pending), True)
@@ -91,7 +92,7 @@ class EagleTreeDrafting:
         draft_probs = None
         if not self.greedy:
             draft_probs = torch.cat([self._target_q(q) for _, _, q in trees])
-        return TreeProposal(torch.from_numpy(np.concatenate([t for t, _, _ in trees])),
+        return TreeProposal(ops.to_device(np.concatenate([t for t, _, _ in trees]), device),
                             np.concatenate([p for _, p, _ in trees]), num_draft_tokens,
                             draft_probs)
 
@@ -131,8 +132,10 @@ class EagleTreeDrafting:
         ids, q = tree.sample_children(
             logits.reshape(-1, vocab), levels.temperature[index].repeat_interleave(num_parents),
             levels.seeds[index].repeat_interleave(num_parents),
-            torch.from_numpy(levels.num_tokens[rows] + depth - 1).repeat_interleave(num_parents),
-            m, without_replacement=True, node_ids=node_ids)
+            ops.to_device(levels.num_tokens[rows] + depth - 1, self.device).repeat_interleave(
+                num_parents),
+            m, without_replacement=True,
+            node_ids=None if node_ids is None else node_ids.to(self.device))
         # the j-th largest probability: child j's own for greedy children (top m of the
         # logits); for sampled ones a score that does not depend on which token was drawn
         top = torch.topk(q, m, dim=-1).values
@@ -149,23 +152,24 @@ class EagleTreeDrafting:
         runner, cache = self.runner, self.runner.kv_cache
         slots = levels.slots[rows]
         num_rows, width = ids.shape
-        lo = fed_parents.shape[1] - width
         counts = np.full(num_rows, width, dtype=np.int64)
         row_starts = cache.lengths_np[slots].copy()  # the root's row + 1 + lo
         cache.check_append_many(slots, counts)
-        meta, _, _ = runner._metadata(slots.tolist(), counts, row_starts, width)
-        positions, attn_mask = tree.tree_attention(
-            torch.from_numpy(fed_parents), torch.from_numpy(levels.num_tokens[rows] - 2),
-            meta.kv_len, levels.max_depth, runner.config.sliding_window)
-        rope = positions[:, 1 + lo:].clamp_max(runner.max_model_len - 1)
-        meta = dataclasses.replace(
-            meta, cos=runner.cos[rope].unsqueeze(2), sin=runner.sin[rope].unsqueeze(2),
-            attn_mask=attn_mask[:, :, 1 + lo:], is_causal=False)
-        normed, out = self.head(torch.from_numpy(ids).to(self.device), hidden, False, meta,
-                                cache.k_layers, cache.v_layers)
+        feed = TreeFeed(torch.from_numpy(fed_parents), levels.num_tokens[rows] - 2,
+                        1 + fed_parents.shape[1] - width, levels.max_depth)
+        if runner.flat:
+            normed, out = self.head.forward_flat(
+                ops.to_device(ids.reshape(-1), self.device), hidden.reshape(num_rows * width, -1),
+                False, runner.flat_batch(slots.tolist(), counts, row_starts, feed),
+                cache.k_layers, cache.v_layers)
+        else:
+            meta, _, _ = runner._metadata(slots.tolist(), counts, row_starts, width, feed)
+            normed, out = self.head(torch.from_numpy(ids).to(self.device), hidden, False, meta,
+                                    cache.k_layers, cache.v_layers)
         cache.advance(slots.tolist(), counts.tolist())
-        logits = self.head.compute_logits(normed.reshape(num_rows * width, -1))
-        return logits.view(num_rows, width, -1), out
+        logits = self.head.compute_logits(normed.reshape(num_rows * width, -1),
+                                          runner.ops if runner.flat else None)
+        return logits.view(num_rows, width, -1), out.view(num_rows, width, -1)
 
     # ----------------------------------------------------------------- the two shapes
 
@@ -177,7 +181,8 @@ class EagleTreeDrafting:
         num_active = depth_a.size
         n_max = shape.num_nodes(int(depth_a.max()))
         tokens = np.full((num_active, n_max), -1, dtype=np.int64)
-        probs = torch.zeros(num_active, n_max, 0 if self.greedy else logits.shape[-1])
+        probs = torch.zeros(num_active, n_max, 0 if self.greedy else logits.shape[-1],
+                            device=self.device)
         parents = np.broadcast_to(shape.parents[:n_max], (num_active, n_max))
         level_rows = np.arange(num_active)  # the requests whose last level was fed
         for t in range(1, int(depth_a.max()) + 1):
@@ -191,7 +196,7 @@ class EagleTreeDrafting:
             # node i of this level: parent slot parents[i] + 1, rank sibling_rank[i]
             which = torch.from_numpy(shape.parents[lo:hi] + 1 - parent_slots[0])
             rank = torch.from_numpy(shape.sibling_rank[lo:hi])
-            tokens[rows, lo:hi] = child_ids[:, which, rank].numpy()
+            tokens[rows, lo:hi] = child_ids[:, which, rank].cpu().numpy()  # the next feed
             if q is not None:
                 probs[torch.from_numpy(rows)[:, None], torch.arange(lo, hi)[None, :]] = q[:, which]
             parent_out = out[keep][:, which]  # [R, hi - lo, H]
@@ -228,14 +233,16 @@ class EagleTreeDrafting:
         num_candidates = DynamicTree.num_candidates(max_depth, width)
         cand_tokens = np.full((num_active, num_candidates), -1, dtype=np.int64)
         cand_parents = np.full((num_active, num_candidates), -1, dtype=np.int64)
-        cand_scores = torch.full((num_active, num_candidates), float("-inf"))
+        device = self.device
+        cand_scores = torch.full((num_active, num_candidates), float("-inf"), device=device)
         cand_q = np.zeros((num_active, num_candidates), dtype=np.int64)  # row of q_rows
-        q_rows = torch.zeros(num_active, 1 + (max_depth - 1) * width, 0 if self.greedy else vocab)
+        q_rows = torch.zeros(num_active, 1 + (max_depth - 1) * width, 0 if self.greedy else vocab,
+                             device=device)
         fed_parents = np.full((num_active, (max_depth - 1) * width), -1, dtype=np.int64)
         # the level's parents: candidate index (-1 the root), fed index, score, q row
         parent_cand = np.full((num_active, 1), -1, dtype=np.int64)
         parent_fed = np.full((num_active, 1), -1, dtype=np.int64)
-        parent_score = torch.zeros(num_active, 1)
+        parent_score = torch.zeros(num_active, 1, device=device)
         parent_q = np.zeros((num_active, 1), dtype=np.int64)
         rows = np.arange(num_active)
         for t in range(1, max_depth + 1):
@@ -247,7 +254,7 @@ class EagleTreeDrafting:
             child_ids, q, top = self._children(levels, rows, logits, t, width, node_ids)
             scores = parent_score[:, :, None] + torch.log(top).clamp_max(0.0)
             scores = torch.where(child_ids >= 0, scores, float("-inf")).reshape(-1, size)
-            cand_tokens[rows, first:first + size] = child_ids.reshape(-1, size).numpy()
+            cand_tokens[rows, first:first + size] = child_ids.reshape(-1, size).cpu().numpy()
             cand_parents[rows, first:first + size] = np.repeat(parent_cand, width, axis=1)
             cand_scores[index, first:first + size] = scores
             cand_q[rows, first:first + size] = np.repeat(parent_q, width, axis=1)
@@ -260,7 +267,7 @@ class EagleTreeDrafting:
             keep = np.flatnonzero(deeper)
             rows = rows[keep]
             order = torch.sort(scores[torch.from_numpy(keep)], dim=1, descending=True,
-                               stable=True).indices[:, :width].numpy()  # [R, width]
+                               stable=True).indices[:, :width].cpu().numpy()  # [R, width]
             chosen = first + order
             fed_lo = (t - 1) * width
             pick = np.arange(rows.size)[:, None]
@@ -279,7 +286,7 @@ class EagleTreeDrafting:
             scores = cand_scores[a, :count]
             order = torch.sort(scores, descending=True, stable=True).indices
             order = order[:shape.num_nodes(int(depth_a[a]))]
-            index = np.sort(order[torch.isfinite(scores[order])].numpy())
+            index = np.sort(order[torch.isfinite(scores[order])].cpu().numpy())
             renumber = np.full(count, -1, dtype=np.int64)
             renumber[index] = np.arange(index.size)
             p = cand_parents[a, index]

@@ -40,6 +40,7 @@ from verispec.models.llama import AttentionMetadata, FlatBatch
 from verispec.models.rope import rope_tables
 from verispec.ops import cpu_kernels, to_device
 from verispec.ops.model_ops import get_model_ops
+from verispec.ops.tree_feed import TreeFeed
 from verispec.runtime.cuda_graphs import CUDAGraphRunner, StepInput
 from verispec.runtime.kv_cache import DEFAULT_BLOCK_SIZE, BlockTables
 from verispec.runtime.state_cache import is_hybrid, make_cache
@@ -300,15 +301,16 @@ class ModelRunner:
     def _forward_flat(self, slots: list[int], counts: np.ndarray, ids: np.ndarray,
                       scatter: tuple[np.ndarray, torch.Tensor] | None, logits: str,
                       num_layers: int | None,
-                      penalties: StepPenalties | None = None) -> torch.Tensor | None:
+                      penalties: StepPenalties | None = None,
+                      tree: TreeFeed | None = None) -> torch.Tensor | None:
         """The flat-layout forward: ``ids`` [B, width] host (row b's first counts[b] are real),
         ``scatter`` = (flat indices into it, device token ids) overwrites some of them on the
-        device (drafts that never visit the host)."""
+        device (drafts that never visit the host). Token trees (``tree``) run eagerly."""
         cache = self.kv_cache
         cache.block_tables.sync()
         B, width = ids.shape
         starts = cache.lengths_np[slots]
-        num_queries = self._graph_for(B, width, num_layers)
+        num_queries = None if tree is not None else self._graph_for(B, width, num_layers)
         if num_queries is not None:  # replay: every request padded to num_queries tokens
             if num_queries > width:
                 ids = np.pad(ids, ((0, 0), (0, num_queries - width)))
@@ -342,7 +344,7 @@ class ModelRunner:
             if scatter is not None:
                 index = np.cumsum(valid.reshape(-1)) - 1  # padded flat index -> flat index
                 flat_ids[to_device(index[scatter[0]], self.device)] = scatter[1]
-            batch = self.flat_batch(slots, counts, starts)
+            batch = self.flat_batch(slots, counts, starts, tree)
             hidden = self._capture(slots, starts, counts, None, self.model.forward_flat(
                 flat_ids, batch, cache.k_layers, cache.v_layers, num_layers,
                 **self._capture_kwargs()))
@@ -363,23 +365,30 @@ class ModelRunner:
             return all_logits[rows[0]:rows[-1] + 1]
         return all_logits[to_device(rows, self.device)]
 
-    def flat_batch(self, slots: list[int], counts: np.ndarray, starts: np.ndarray) -> FlatBatch:
+    def flat_batch(self, slots: list[int], counts: np.ndarray, starts: np.ndarray,
+                   tree: TreeFeed | None = None) -> FlatBatch:
         """The FlatBatch of an eager flat step (no padding): slot ``slots[b]`` feeds
-        ``counts[b]`` tokens from position ``starts[b]`` (host arrays)."""
+        ``counts[b]`` tokens from position ``starts[b]`` (host arrays); with ``tree``, tree
+        slots at the cache rows from ``starts[b]``, each at its position by depth."""
         query_start = np.zeros(len(slots) + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start[1:])
         offsets = np.arange(int(counts.max()))
-        positions = (starts[:, None] + offsets)[offsets < counts[:, None]]
+        rows = (starts[:, None] + offsets)[offsets < counts[:, None]]
         tables = self.kv_cache.block_tables
         slot_mapping = tables.slot_mapping(
-            np.repeat(np.asarray(slots, dtype=np.int64), counts), positions)
+            np.repeat(np.asarray(slots, dtype=np.int64), counts), rows)
 
         def dev(a) -> torch.Tensor:
             return to_device(np.ascontiguousarray(a, dtype=np.int64), self.device)
 
+        positions, tree_paths = rows, None
+        if tree is not None:
+            tree.check_rows(starts)
+            positions, paths = tree.flat(counts)
+            tree_paths = to_device(paths, self.device)
         return FlatBatch(dev(positions), dev(slot_mapping), dev(slots), dev(starts + counts),
                          dev(query_start), int(counts.max()), self.cos, self.sin, self.ops,
-                         tables.table)
+                         tables.table, tree_paths)
 
     @torch.inference_mode()
     def verify(self, slots: list[int], last_token_ids: list[int], draft_token_ids: torch.Tensor,
@@ -404,10 +413,12 @@ class ModelRunner:
                                   penalties)
 
     def _metadata(
-        self, slots: list[int], counts: np.ndarray, starts: np.ndarray, width: int
+        self, slots: list[int], counts: np.ndarray, starts: np.ndarray, width: int,
+        tree: TreeFeed | None = None,
     ) -> tuple[AttentionMetadata, np.ndarray, np.ndarray | None]:
-        """AttentionMetadata for a padded [B, width] batch; also the [B, width] positions and the
-        flat indices of valid tokens (None when there is no padding)."""
+        """AttentionMetadata for a padded [B, width] batch; also the [B, width] cache rows and
+        the flat indices of valid tokens (None when there is no padding). With ``tree`` the
+        tokens are tree slots: positions by depth, the tree's attention mask."""
         B = len(slots)
         positions = starts[:, None] + np.arange(width)[None, :]  # [B, width]
         valid = np.arange(width)[None, :] < counts[:, None]
@@ -423,7 +434,12 @@ class ModelRunner:
         attn_mask, is_causal = None, False
         window = self.config.sliding_window
         windowed = window is not None and kv_len > window
-        if B == 1 and width == 1 and not windowed:
+        if tree is not None:  # tree slots: positions by depth, the context and the ancestors
+            tree.check_rows(starts)
+            tree_positions, attn_mask = tree.attention(width, kv_len, window)
+            rope_positions = tree_positions.clamp_max(self.max_model_len - 1).to(self.device)
+            attn_mask = attn_mask.to(self.device)
+        elif B == 1 and width == 1 and not windowed:
             pass  # one query that sees every live row
         elif B == 1 and starts[0] == 0 and not windowed:
             is_causal = True  # prefill from an empty slot: width == kv_len
@@ -465,6 +481,7 @@ class ModelRunner:
         logits: str = "last",
         num_layers: int | None = None,
         penalties: StepPenalties | None = None,
+        tree: TreeFeed | None = None,
     ) -> torch.Tensor | None:
         """Append ``token_ids[i]`` to slot ``slots[i]`` and run the model over them.
 
@@ -477,6 +494,8 @@ class ModelRunner:
             ``"none"`` -> None (fill the cache only)
         num_layers : run only the first N layers (early exit); default all
         penalties : the requests' penalties, applied by a captured step (module docstring)
+        tree : the tokens are slots of token trees (``ops.tree_feed``): positions by depth,
+            attention to the context and the ancestors; one eager forward
 
         Each slot's committed length grows by ``len(token_ids[i])``; roll back with
         ``self.kv_cache.truncate``.
@@ -486,7 +505,8 @@ class ModelRunner:
         cache = self.kv_cache
         counts = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=len(token_ids))
         limit = self.max_forward_tokens
-        if limit is not None and logits != "all" and not self.hybrid and counts.sum() > limit:
+        if (limit is not None and logits != "all" and not self.hybrid and tree is None
+                and counts.sum() > limit):
             return self._forward_in_pieces(slots, token_ids, counts, logits, num_layers, limit)
         if not self.flat:
             groups = padding_groups(counts)
@@ -504,8 +524,8 @@ class ModelRunner:
                 ids_np[row, : len(t)] = t
         if self.flat:
             return self._forward_flat(slots, counts, ids_np, None, logits, num_layers,
-                                      penalties)
-        meta, _, valid_index = self._metadata(slots, counts, starts, width)
+                                      penalties, tree)
+        meta, _, valid_index = self._metadata(slots, counts, starts, width, tree)
         input_ids = torch.from_numpy(ids_np).to(self.device)
         hidden = self._capture(slots, starts, counts, meta.valid_index, self.model(
             input_ids, meta, cache.k_layers, cache.v_layers, num_layers,

@@ -1,9 +1,11 @@
-"""Token trees on the CPU path: the verify forward over a tree, and moving the accepted path's
-K/V to consecutive positions afterwards (docs/design.md §16).
+"""Token trees: the verify forward over a tree, and moving the accepted path's K/V to
+consecutive positions afterwards (docs/design.md §16). Both layouts: the CPU path and the flat
+one of the GPU path (eager).
 
 The verify forward writes request b's root (its last committed token) and its n_b nodes at cache
 rows ``start_b .. start_b + n_b`` in node order, like a chain's verify; only the positions (by
-depth) and the attention mask (context + ancestors) differ (``ops.tree.tree_attention``). After
+depth) and the attention (context + ancestors) differ (``ops.tree_feed``: a mask on the CPU
+path, each token's path on the flat layout). After
 verification the accepted path's rows are copied down to ``start_b + 1 ..`` and the slot is
 rolled back to the context, the root and the path (``commit_tree_path``); the recovered or bonus
 token is the next step's root, as with chains.
@@ -16,12 +18,11 @@ reads next (``EagleProposer.on_commit``), as after a chain's verify.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
 from verispec.ops import tree
+from verispec.ops.tree_feed import TreeFeed
 from verispec.runtime.kv_cache import KVCache
 from verispec.runtime.model_runner import CapturedHidden, ModelRunner
 
@@ -40,7 +41,8 @@ def verify_tree(
 
     Parameters
     ----------
-    runner : a CPU-path (not flat) runner of an attention-only model
+    runner : the runner of an attention-only model, either layout (the flat one runs the
+        forward eagerly, never a captured graph)
     slots : B distinct cache slots
     last_token_ids : B committed tokens, the trees' roots
     draft_token_ids : [sum n_b] int, the nodes of every tree (``ops.tree`` layout)
@@ -54,39 +56,17 @@ def verify_tree(
     (the layout ``tree_rejection_sample`` reads). Each slot's length grows by n_b + 1; commit
     with ``commit_tree_path``.
     """
-    if runner.flat:
-        raise ValueError("token trees: the flat (GPU) layout does not verify trees yet")
     if runner.hybrid:
         raise ValueError("token trees need an attention-only target: a hybrid model's "
                          "recurrent state cannot branch")
-    cache = runner.kv_cache
-    counts = np.asarray(num_draft_tokens, dtype=np.int64) + 1
-    starts = cache.lengths_np[slots].copy()
-    cache.check_append_many(slots, counts)
-    width = int(counts.max())
-    ids = np.zeros((len(slots), width), dtype=np.int64)
-    ids[:, 0] = last_token_ids
-    cu = np.concatenate([[0], np.cumsum(counts - 1)])
-    drafts = np.asarray(draft_token_ids, dtype=np.int64)
-    for b in range(len(slots)):
-        ids[b, 1:counts[b]] = drafts[cu[b]:cu[b + 1]]
-    meta, _, valid_index = runner._metadata(slots, counts, starts, width)
+    num_draft_tokens = np.asarray(num_draft_tokens, dtype=np.int64)
+    cu = np.concatenate([[0], np.cumsum(num_draft_tokens)])
+    drafts = np.asarray(draft_token_ids, dtype=np.int64).tolist()
+    token_ids = [[int(root)] + drafts[cu[b]:cu[b + 1]] for b, root in enumerate(last_token_ids)]
     parents, _, _ = tree.padded_parents(torch.as_tensor(np.asarray(parent_ids, np.int64)),
-                                        torch.from_numpy(cu), width - 1)
-    positions, attn_mask = tree.tree_attention(parents, torch.from_numpy(starts), meta.kv_len,
-                                               max_depth, runner.config.sliding_window)
-    rope = positions.clamp_max(runner.max_model_len - 1).to(runner.device)
-    meta = dataclasses.replace(meta, cos=runner.cos[rope].unsqueeze(2),
-                               sin=runner.sin[rope].unsqueeze(2),
-                               attn_mask=attn_mask.to(runner.device), is_causal=False)
-    hidden = runner._capture(slots, starts, counts, meta.valid_index, runner.model(
-        torch.from_numpy(ids).to(runner.device), meta, cache.k_layers, cache.v_layers,
-        **runner._capture_kwargs()))
-    cache.advance(slots, counts.tolist())
-    rows = hidden.reshape(-1, hidden.shape[-1])
-    if valid_index is not None:
-        rows = rows[meta.valid_index]
-    return runner.model.compute_logits(rows)
+                                        torch.from_numpy(cu), int(num_draft_tokens.max()))
+    feed = TreeFeed(parents, runner.kv_cache.lengths_np[slots].copy(), 0, max_depth)
+    return runner.forward(slots, token_ids, logits="all", tree=feed)
 
 
 def commit_tree_path(cache: KVCache, slots: list[int], starts: np.ndarray,
