@@ -508,7 +508,7 @@ class ModelRunner:
         if (limit is not None and logits != "all" and not self.hybrid and tree is None
                 and counts.sum() > limit):
             return self._forward_in_pieces(slots, token_ids, counts, logits, num_layers, limit)
-        if not self.flat:
+        if not self.flat and tree is None:
             groups = padding_groups(counts)
             if len(groups) > 1:
                 return self._forward_grouped(slots, token_ids, counts, groups, logits,
