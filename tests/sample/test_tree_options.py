@@ -18,8 +18,10 @@ the drafts on the path from the root to u.
   reference (``reference_option_logits``; for the grammar, the row masked by a fresh matcher
   that consumed output + path). Every (slot, path) group with enough samples gets a chi-square
   test (p >= 1e-6), and a token of probability 0 must never appear. Drafts are not guided by
-  the grammar: many leave it and are rejected. Rows processed as if the nodes were a chain (the
-  bug of reading node order as depth) must fail the same test.
+  the grammar (many leave it and are rejected), except in the guided case, where each node's
+  children are drawn from the proposer's row masked along its path (the proposers'
+  ``TreeGrammarMasks``). Rows processed as if the nodes were a chain (the bug of reading node
+  order as depth) must fail the same test.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from tests.sample.test_grammar_exactness import COMPILER, REGEX, allowed
 from tests.sample.test_options import OPTION_SETS, V, logits_rows, make_request, reference
 from verispec.ops.tree import sample_children
 from verispec.ops.tree_rejection import tree_rejection_sample
+from verispec.proposers.grammar_walk import TreeGrammarMasks
 from verispec.sample.options import SamplingOptions
 from verispec.sampling_params import StructuredOutputsParams
 
@@ -174,6 +177,9 @@ STAT_CASES = {
                      allowed_token_ids=list(range(0, 15))), "wor"),
     "grammar_wor": (GRAMMAR, "wor"),
     "grammar_iid": (GRAMMAR, "iid"),
+    # grammar-aware drafting: a node's children drawn from the proposer's row masked by the
+    # matcher along the node's path (proposers.grammar_walk.TreeGrammarMasks), q masked too
+    "grammar_guided_wor": (GRAMMAR, "wor"),
 }
 FAVOURED = {"options": (EOS, 2, 5, 9), "grammar": (EOS, 2, 3, 24, 25, 26, 27, 28, 5)}
 
@@ -209,6 +215,9 @@ def run(name: str, num_requests: int, as_chain: bool = False) -> tuple[np.ndarra
         children[parent + 1].append(i)
         depths.append(depths[parent + 1] + 1)
     options = SamplingOptions(1, V, torch.device("cpu"))
+    guided = TreeGrammarMasks([request.options.grammar]) if "guided" in name else None
+    if guided:
+        request.options.grammar.sync(request.output_token_ids)
     tokens_out, nodes_out = [], []
     for start in range(0, num_requests, CHUNK):
         batch = min(CHUNK, num_requests - start)
@@ -218,6 +227,10 @@ def run(name: str, num_requests: int, as_chain: bool = False) -> tuple[np.ndarra
         q_nodes = torch.zeros(batch, n, V)
         for slot, kids in children.items():  # a slot's path is drawn before its children
             logits = draft[slot].expand(batch, -1)
+            if guided:
+                logits = guided.apply(logits[:, None], np.zeros(batch, dtype=np.int64),
+                                      tokens.numpy(), np.broadcast_to(SHAPE, (batch, n)),
+                                      np.full((batch, 1), slot))[:, 0]
             ids, q = sample_children(
                 logits,
                 torch.full((batch,), 0.0 if rule == "onehot" else 1.0), seeds,
@@ -228,6 +241,7 @@ def run(name: str, num_requests: int, as_chain: bool = False) -> tuple[np.ndarra
         kept = np.zeros((batch, n), dtype=bool)
         for i, parent in enumerate(SHAPE):
             kept[:, i] = (tokens[:, i] >= 0).numpy() & (parent < 0 or kept[:, parent])
+        assert guided or kept.all()
         renumber = np.cumsum(kept, 1) - 1
         parents = np.where(np.array(SHAPE) < 0, -1, renumber[:, np.maximum(SHAPE, 0)])
         rows_b, nodes_b = np.nonzero(kept)  # the kept nodes, request by request

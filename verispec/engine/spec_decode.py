@@ -394,6 +394,7 @@ class SpeculativeDecoder:
         depths = self._tree_depths(batch)
         for r, depth in zip(batch, depths):
             r.max_num_draft_tokens = tree.num_nodes(int(depth))
+        self.options.sync_grammars(batch)  # proposers draft under the grammar (§16)
         proposal = self.proposer.propose_tree(batch, tree, depths)
         num_drafts = proposal.num_draft_tokens  # [B] host
         if not num_drafts.any():

@@ -221,11 +221,13 @@ def sample_children(
     Returns
     -------
     (child_token_ids [R, m] int64, q [R, V] float32). Without replacement, a child past q's
-    support (fewer than m tokens with q > 0) is -1: the proposer must leave it out.
+    support (fewer than m tokens with q > 0) is -1, and so is a greedy child of logit -inf (a
+    token a grammar masks): the proposer must leave it out.
     """
     num_rows, vocab_size = logits.shape
     q = draft_probs(logits, temperature)
-    greedy_ids = torch.topk(logits.to(torch.float32), num_children, dim=-1).indices
+    greedy_logits, greedy_ids = torch.topk(logits.to(torch.float32), num_children, dim=-1)
+    greedy_ids = torch.where(greedy_logits > float("-inf"), greedy_ids, -1)  # masked: none
     if without_replacement:
         if node_ids is None:
             noise = philox.exponential(seeds, positions, philox.DRAFT_STREAM, vocab_size)
