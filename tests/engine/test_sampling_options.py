@@ -5,6 +5,8 @@ Strategy: exact properties.
   min_tokens, all at once) emits exactly the plain greedy tokens, for every proposer (n-gram, a
   draft model with greedy and with probabilistic drafts, an EAGLE-3 head): row i of a verify
   step is processed after d_1..d_i (docs/design.md §15), so it is the row a plain step uses.
+  The same with token trees (a draft model's static tree, the target drafting its own, an
+  EAGLE-3 head's dynamic tree): a node's row is processed after the drafts on its path.
 - Seeded sampling with penalties gives the same tokens under preemption (the per-slot counts
   are rebuilt for a recomputed request) as without.
 - The options do what they say on the output: no banned or disallowed token, no stop token
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.engine.test_eagle_trees import DYNAMIC
 from tests.engine.test_preemption import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
@@ -26,6 +29,7 @@ from tests.engine.test_preemption import (
     save_target,
     speculative_config,
 )
+from tests.engine.test_token_trees import BINARY, tree_config
 from verispec import LLM, SamplingParams
 from verispec.engine import llm as llm_module
 from verispec.runtime.model_runner import ModelRunner
@@ -114,6 +118,33 @@ def test_greedy_speculation_with_each_option_equals_plain(method, target_dir, dr
         assert metrics["num_accepted_tokens"] > 0
 
 
+def tree_spec(tree: str, target_dir: str, draft_dir: str, head_dir: str) -> dict:
+    if tree == "draft_model-static":
+        return tree_config(draft_dir, BINARY, "probabilistic")
+    if tree == "self_draft-static":  # the target drafts for itself: paths deep into the tree
+        return tree_config(target_dir, BINARY, "greedy")
+    return {"method": "eagle3", "model": head_dir, "num_speculative_tokens": 3, **DYNAMIC}
+
+
+@pytest.mark.parametrize("tree", ["draft_model-static", "self_draft-static", "eagle3-dynamic"])
+def test_greedy_tree_speculation_with_each_option_equals_plain(tree, target_dir, draft_dir,
+                                                               head_dir, plain_tokens):
+    """A node's row sees the drafts on its path from the root (docs/design.md §16), so greedy
+    tree speculation emits the plain greedy tokens with every option."""
+    llm = engine(target_dir, tree_spec(tree, target_dir, draft_dir, head_dir))
+    prompts = workload()
+    for name, params in zip(OPTIONS, greedy_params()):
+        outputs = llm.generate(prompts, [params] * len(prompts))
+        for i, (o, want) in enumerate(zip(outputs, plain_tokens[name])):
+            assert o.error is None and o.token_ids == want, f"{name}, prompt {i}"
+    stats = llm.spec.stats
+    assert stats.num_drafts > 0
+    if tree != "eagle3-dynamic":  # the random head's drafts are all rejected
+        assert stats.num_accepted_tokens > 0
+    if tree == "self_draft-static":
+        assert stats.mean_acceptance_length > 2.0
+
+
 def test_options_hold_on_the_output(target_dir, plain_tokens):
     plain = plain_tokens
     for tokens in plain["allowed"]:
@@ -178,8 +209,9 @@ def _recording(llm):
     real_process = llm.options.process
 
     def process(logits, batch, num_drafts=None, draft_token_ids=None, penalties=None,
-                host_drafts=None):
-        out = real_process(logits, batch, num_drafts, draft_token_ids, penalties, host_drafts)
+                host_drafts=None, parent_ids=None):
+        out = real_process(logits, batch, num_drafts, draft_token_ids, penalties, host_drafts,
+                           parent_ids)
         steps.append((out.clone(), penalties is not None and penalties.applied))
         return out
 

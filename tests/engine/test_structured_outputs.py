@@ -11,9 +11,14 @@ grammar engine sees a real vocabulary while the model is fast.
   Every draft an EAGLE head proposes is one the grammar allows, read from the proposer's own
   proposals (unless the grammar allows no token of the head's vocabulary there).
 - Grammar-aware drafting raises the acceptance rate on JSON-schema output (the random one-layer
-  draft model and the random heads: next to none accepted without it, most with it; n-gram:
-  fewer drafts refused) and keeps greedy speculation equal to plain greedy with it and without
-  it.
+  draft model and the random heads, chains and trees: next to none accepted without it, most
+  with it; n-gram: fewer drafts refused) and keeps greedy speculation equal to plain greedy
+  with it and without it.
+- Greedy tree speculation with a grammar (a draft model's static tree, the target drafting its
+  own, EAGLE-1 / EAGLE-3 heads' static and dynamic trees) emits the plain greedy tokens: a
+  node's row is masked by the matcher advanced along its path; every node is drafted inside
+  the grammar (read from the proposer's trees), and the self-drafting target accepts whole
+  paths.
 - A grammar the engine cannot compile is a ValueError naming the field, and fails its own
   request only in a batch.
 """
@@ -28,6 +33,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.engine.test_eagle_trees import DYNAMIC
+from tests.engine.test_token_trees import BINARY
 from tests.models.utils import copy_bundled_tokenizer, requires_bundled, save_tiny_model
 from tests.proposers.test_eagle_loader import eagle_checkpoint, write_checkpoint
 from verispec import LLM, SamplingParams, StructuredOutputsParams
@@ -210,10 +217,12 @@ def test_greedy_speculation_with_a_grammar_equals_plain(method, model_dir, draft
         assert seen["drafts"] > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3",
+                                    "draft_model-static", "eagle3-dynamic"])
 def test_grammar_aware_drafting_raises_acceptance(method, model_dir, draft_dir, eagle_dirs,
                                                   plain_tokens):
-    spec = spec_config(method, draft_dir, eagle_dirs)
+    spec = (tree_spec_config(method, model_dir, draft_dir, eagle_dirs) if "-" in method
+            else spec_config(method, draft_dir, eagle_dirs))
     rates = {}
     for aware in (False, True):
         llm = engine_for(model_dir, spec)
@@ -225,6 +234,73 @@ def test_grammar_aware_drafting_raises_acceptance(method, model_dir, draft_dir, 
     print(f"{method}: draft acceptance rate without / with grammar-aware drafting "
           f"{rates[False]:.3f} / {rates[True]:.3f}")
     assert rates[True] > rates[False] + 0.2, rates
+
+
+def tree_spec_config(name: str, model_dir: str, draft_dir: str,
+                     eagle_dirs: dict[str, str]) -> dict:
+    """``proposer-shape``, ``_greedy`` appended for greedy drafts; ``self_draft``: the target
+    drafts for itself (under the grammar it drafts what it emits: every path is accepted)."""
+    proposer, shape = name.removesuffix("_greedy").split("-")
+    spec = {"method": "draft_model" if proposer == "self_draft" else proposer,
+            "model": {"self_draft": model_dir, "draft_model": draft_dir}.get(
+                proposer, eagle_dirs.get(proposer)),
+            "num_speculative_tokens": 3,
+            "draft_sample_method": "greedy" if "greedy" in name else "probabilistic"}
+    return {**spec, **({"speculative_token_tree": BINARY} if shape == "static" else DYNAMIC)}
+
+
+def check_tree_drafts_in_grammar(proposer) -> dict[str, int]:
+    """Wrap ``proposer.propose_tree``: every node of a request with a grammar must be one its
+    matcher allows after the node's parent's path, unless the grammar allows no token of the
+    head's vocabulary there (the head then drafts unmasked; the node and its subtree are
+    rejected). Returns the counts of nodes inside the grammar and of such refused ones."""
+    propose_tree, seen = proposer.propose_tree, {"drafts": 0, "refused": 0}
+    head_ids = getattr(proposer, "draft_to_target_np", None)
+
+    def checked(requests, shape, depths):
+        proposal = propose_tree(requests, shape, depths)
+        ids, start = proposal.draft_token_ids.tolist(), 0
+        for request, n in zip(requests, proposal.num_draft_tokens.tolist()):
+            drafts = ids[start:start + n]
+            parents = proposal.parent_ids[start:start + n].tolist()
+            start += n
+            if request.grammar is None or not n:
+                continue
+            masks, outside = request.grammar.masks(drafts, parents), set()
+            for i, (token, parent) in enumerate(zip(drafts, parents)):
+                if parent in outside:
+                    outside.add(i)
+                    continue
+                mask = masks[parent + 1]
+                if (mask[token >> 5] >> (token & 31)) & 1:
+                    seen["drafts"] += 1
+                    continue
+                seen["refused"] += 1
+                outside.add(i)
+                tokens = np.arange(request.grammar.vocab_size) if head_ids is None else head_ids
+                assert not ((mask[tokens >> 5] >> (tokens & 31)) & 1).any(), (drafts, parents)
+        return proposal
+
+    proposer.propose_tree = checked
+    return seen
+
+
+@pytest.mark.parametrize("name", ["draft_model-static", "self_draft-static_greedy",
+                                  "eagle-dynamic_greedy", "eagle3-static", "eagle3-dynamic"])
+def test_greedy_tree_speculation_with_a_grammar_equals_plain(name, model_dir, draft_dir,
+                                                            eagle_dirs, plain_tokens):
+    """Token trees (docs/design.md §16): a node's row is masked by the matcher advanced along
+    its path, and the proposers draft each node's children under the mask of its path."""
+    llm = engine(model_dir, tree_spec_config(name, model_dir, draft_dir, eagle_dirs))
+    seen = check_tree_drafts_in_grammar(llm.spec.proposer)
+    for case in CASES:
+        outputs = llm.generate(PROMPTS, params(case))
+        assert [o.token_ids for o in outputs] == plain_tokens[case], case
+    stats = llm.spec.stats
+    print(name, seen, stats.num_draft_tokens, stats.num_accepted_tokens)
+    assert stats.num_drafts > 0 and seen["drafts"] > 0
+    if name.startswith("self_draft"):  # drafts what it emits: whole paths accepted
+        assert stats.mean_acceptance_length > 3.0
 
 
 def test_bad_grammars_name_the_field(model_dir):

@@ -35,13 +35,14 @@ class LetterTokenizer:
 TOKENIZER = LetterTokenizer()
 
 
-def make_request(request_id, slot, prompt, output, **kwargs):
+def make_request(request_id, slot, prompt, output, grammars=None, **kwargs):
+    """``grammars``: the compiler of ``structured_outputs`` (``RequestOptions.build``)."""
     params = SamplingParams(max_tokens=40, **kwargs)
     r = Request(request_id, None, list(prompt), params, seed=request_id, max_model_len=100)
     for t in output:
         r.append(t)
     r.slot = slot
-    r.options = RequestOptions.build(params, V, [EOS], TOKENIZER)
+    r.options = RequestOptions.build(params, V, [EOS], TOKENIZER, grammars)
     return r
 
 

@@ -275,10 +275,6 @@ class LLM(StepLoop):
         request.options = RequestOptions.build(params, self.model_config.vocab_size,
                                                sorted(self.eos_token_ids), self.tokenizer,
                                                self._grammars)
-        if request.options is not None and self.spec is not None and self.spec.tree is not None:
-            raise ValueError(f"{self.speculative_config.tree_key}: logits options (penalties, "
-                             "logit_bias, allowed_token_ids, min_tokens, bad_words, structured "
-                             "outputs) are not applied over token trees yet")
         return request
 
     # ----------------------------------------------------------------- the step loop

@@ -391,21 +391,25 @@ class SpeculativeDecoder:
         depths = self._tree_depths(batch)
         for r, depth in zip(batch, depths):
             r.max_num_draft_tokens = tree.num_nodes(int(depth))
+        self.options.sync_grammars(batch)  # proposers draft under the grammar (§16)
         proposal = self.proposer.propose_tree(batch, tree, depths)
         num_drafts = proposal.num_draft_tokens  # [B] host
         if not num_drafts.any():
             return self._plain_step(batch, sampling, start)
         proposed = time.perf_counter()
-        if any(r.options is not None for r in batch):
-            raise ValueError("token trees: logits options (penalties, logit_bias, "
-                             "allowed_token_ids, min_tokens, bad_words, structured outputs) "
-                             "are not applied over trees yet")
         slots = [r.slot for r in batch]
         cache = self.runner.kv_cache
         starts = cache.lengths_np[slots].copy()  # num_tokens - 1: the root's row
+        host_drafts = self.options.fetch_drafts(batch, proposal.draft_token_ids)
         target_logits = verify_tree(self.runner, slots, [r.last_token_id for r in batch],
                                     proposal.draft_token_ids.cpu().numpy(), proposal.parent_ids,
                                     num_drafts, tree.depth)
+        # A node's row sees the drafts on its path from the root (penalties, min_tokens,
+        # bad_words, the grammar's mask): what a plain step would see after accepting them
+        # (docs/design.md §15, §16).
+        target_logits = self.options.process(target_logits, batch, num_drafts,
+                                             proposal.draft_token_ids, host_drafts=host_drafts,
+                                             parent_ids=proposal.parent_ids)
         device = self.runner.device
         cu = np.zeros(len(batch) + 1, dtype=np.int64)
         np.cumsum(num_drafts, out=cu[1:])

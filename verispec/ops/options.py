@@ -3,7 +3,8 @@
 One op, ``apply_options``, turns the logits rows of a step into the logits the request's
 sampling parameters ask for, before temperature and the top-k / top-p / min-p masks of
 docs/design.md §3. Every row is processed as one-token-at-a-time decoding would process it:
-the row that verifies draft d_{i+1} sees the committed tokens plus d_1..d_i. The host builds
+the row that verifies draft d_{i+1} sees the committed tokens plus d_1..d_i (a token tree's
+row of node u: the drafts on the path from the root to u, docs/design.md §16). The host builds
 the per-row inputs (``OptionTensors``, ``verispec.sample.options``); the drafts themselves stay
 on the device and are read through index tensors, so the op needs no host sync. In order
 (vLLM's):

@@ -1,5 +1,5 @@
-"""Token trees in the flattened batch layout: structure, positions and the tree attention mask
-(docs/design.md §16).
+"""Token trees in the flattened batch layout: structure, positions, the tree attention mask and
+the drafts each slot sees (``SlotPaths``, for the sampling options) (docs/design.md §16).
 
 Request r owns the tree nodes ``[cu[r], cu[r+1])`` (n_r of them, possibly 0): node i of the
 request (its *local* index) holds draft token ``draft_token_ids[cu[r] + i]`` and its parent's
@@ -147,6 +147,45 @@ def parents_from_paths(paths: list[tuple[int, ...]]) -> list[int]:
     return parents
 
 
+class SlotPaths:
+    """The drafts each slot of one request's tree sees (its row's context, docs/design.md §15,
+    §16): the root (slot 0) none, node i (slot i + 1) the drafts on the path from the root to
+    node i, in depth order. A chain is the tree whose node i has parent i - 1: slot i sees
+    d_1..d_i.
+
+    ``parent_ids`` [n] int64 host, local parent indices (-1 = the root, parents first);
+    ``width`` the tokens of context a slot needs (``context``: the longest bad-word prefix).
+    """
+
+    def __init__(self, parent_ids: np.ndarray, width: int) -> None:
+        n = len(parent_ids)
+        self.width = width
+        parent_slot = np.concatenate([[0], np.asarray(parent_ids, dtype=np.int64) + 1])
+        # above[s, j]: the slot j steps above slot s (the root is slot 0, node i slot i + 1),
+        # 0 from the root on; at least `width` columns
+        walk, columns = np.arange(n + 1), []
+        while walk.any() or len(columns) < width:
+            columns.append(walk)
+            walk = parent_slot[walk]
+        self.above = (np.stack(columns, 1) if columns
+                      else np.zeros((n + 1, 0), dtype=np.int64))  # [n + 1, max(depth, L)]
+        on_path = self.above > 0
+        self.depths = on_path.sum(1)  # [n + 1] int64, the drafts each slot sees
+        slots, steps = np.nonzero(on_path)
+        # ([P] slot, [P] node): one pair per draft a slot sees
+        self.pairs = (slots, self.above[slots, steps] - 1)
+
+    def context(self, tail_base: int, draft_base: int) -> np.ndarray:
+        """[n + 1, width] int64: the last ``width`` tokens each slot sees (oldest first), as
+        indices into a token source holding the request's ``width`` last output tokens at
+        ``tail_base`` and its drafts at ``draft_base``."""
+        width = self.width
+        steps = np.arange(width - 1, -1, -1)  # column c: `steps[c]` tokens before the last
+        back = steps[None, :] - self.depths[:, None]  # >= 0: from the output's tail
+        node = self.above[:, steps] - 1  # < depth: the draft of the node that far up
+        return np.where(back < 0, draft_base + node, tail_base + width - 1 - back)
+
+
 # Sibling j of an i.i.d. draw races with the draft stream's draws at indices j * stride + v,
 # beyond any vocabulary index (and below the two-level race's block draws at 2**33).
 SIBLING_INDEX_STRIDE = 1 << 24
@@ -182,11 +221,13 @@ def sample_children(
     Returns
     -------
     (child_token_ids [R, m] int64, q [R, V] float32). Without replacement, a child past q's
-    support (fewer than m tokens with q > 0) is -1: the proposer must leave it out.
+    support (fewer than m tokens with q > 0) is -1, and so is a greedy child of logit -inf (a
+    token a grammar masks): the proposer must leave it out.
     """
     num_rows, vocab_size = logits.shape
     q = draft_probs(logits, temperature)
-    greedy_ids = torch.topk(logits.to(torch.float32), num_children, dim=-1).indices
+    greedy_logits, greedy_ids = torch.topk(logits.to(torch.float32), num_children, dim=-1)
+    greedy_ids = torch.where(greedy_logits > float("-inf"), greedy_ids, -1)  # masked: none
     if without_replacement:
         if node_ids is None:
             noise = philox.exponential(seeds, positions, philox.DRAFT_STREAM, vocab_size)

@@ -78,7 +78,7 @@ from verispec.proposers.base import (
     matmul_weights,
     register_proposer,
 )
-from verispec.proposers.grammar_walk import GrammarWalks
+from verispec.proposers.grammar_walk import GrammarWalks, TreeGrammarMasks
 from verispec.runtime.cuda_graphs import StepInput
 from verispec.runtime.model_runner import ModelRunner
 from verispec.runtime.tree_verify import commit_tree_path
@@ -437,6 +437,8 @@ class ModelProposer(Proposer):
         target's verify layout), at position ``num_tokens - 1 + depth``, seeing the context and
         its ancestors (``ops.tree_feed``); so its K/V are those a chain holding its path would
         have. ``commit_tree`` keeps the accepted path's rows.
+        Under a grammar the logits at each parent are masked by the matcher advanced along its
+        path (``grammar_walk.TreeGrammarMasks``): q is the masked distribution.
 
         Nodes past q's support (fewer than m tokens with q > 0, without replacement) are left
         out with their subtrees; the returned parents are renumbered accordingly.
@@ -471,6 +473,8 @@ class ModelProposer(Proposer):
         parents = torch.from_numpy(np.broadcast_to(shape.parents[:n_max],
                                                    (active.size, n_max)).copy())
         level_rows = np.arange(active.size)  # the requests whose last level was fed
+        # structured output: a node's children only where its path's grammar allows
+        grammars = TreeGrammarMasks([self.draft_grammar(requests[r]) for r in active])
         for t in range(1, int(depth_a.max()) + 1):
             lo, hi = shape.level_starts[t - 1], shape.level_starts[t]
             rows = level_rows[depth_a[level_rows] >= t]
@@ -479,6 +483,11 @@ class ModelProposer(Proposer):
                             np.arange(shape.level_starts[t - 2], lo) + 1)
             keep_rows = np.searchsorted(level_rows, rows)
             logits = level_logits.view(level_rows.size, parent_slots.size, -1)[keep_rows]
+            if grammars:
+                logits = grammars.apply(
+                    logits, rows, tokens[rows, :lo],
+                    np.broadcast_to(shape.parents[:lo], (rows.size, lo)),
+                    np.broadcast_to(parent_slots, (rows.size, parent_slots.size)))
             m = int(shape.num_children[parent_slots].max())
             row_index = ops.to_device(rows, device)
             child_ids, q = tree.sample_children(

@@ -33,7 +33,9 @@ Shapes:
 
 Children are the top m of the head's logits (greedy drafting, or a greedy request) or m
 distinct draws from q (probabilistic drafting), over the head's draft vocabulary, mapped to
-target ids; q is scattered onto the target vocabulary (zero outside the head's map).
+target ids; q is scattered onto the target vocabulary (zero outside the head's map). Under a
+grammar the head's logits at each parent are masked by the matcher advanced along its path
+(``grammar_walk.TreeGrammarMasks``; a column is allowed when its target id is).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from verispec.ops.tree import DynamicTree, StaticTree
 from verispec.ops.tree_feed import TreeFeed
 from verispec.proposers.base import ProposalRequest
 from verispec.proposers.draft_model import TreeProposal
+from verispec.proposers.grammar_walk import TreeGrammarMasks
 
 
 class EagleTreeDrafting:
@@ -78,7 +81,9 @@ class EagleTreeDrafting:
             temperature=ops.to_device([0.0 if self.greedy else float(requests[r].temperature)
                                        for r in active], device, torch.float32),
             seeds=ops.to_device([int(requests[r].seed) for r in active], device, torch.int64),
-            max_depth=shape.depth)
+            max_depth=shape.depth,
+            grammars=TreeGrammarMasks([self.draft_grammar(requests[r]) for r in active],
+                                      self.draft_to_target_np))
         try:
             logits, out = self._head_forward(slots.tolist(), feeds, torch.cat(pending), True)
             draft = self._draft_dynamic if isinstance(shape, DynamicTree) else self._draft_static
@@ -120,12 +125,13 @@ class EagleTreeDrafting:
     def _children(self, levels: _Levels, rows: np.ndarray, logits: torch.Tensor, depth: int,
                   m: int, node_ids: torch.Tensor | None):
         """``m`` children of each of the P parents of ``rows`` (``logits`` [R, P, V_draft]) at
-        ``depth``: (target ids [R, P, m] int64 (-1: past q's support), q [R, P, V_draft] or
-        None (greedy drafting), the j-th largest probability of each parent's distribution
-        [R, P, m])."""
+        ``depth``: (target ids [R, P, m] int64 (-1: past q's support, or masked), q
+        [R, P, V_draft] or None (greedy drafting), the j-th largest probability of each
+        parent's distribution [R, P, m])."""
         num_rows, num_parents, vocab = logits.shape
         if self.greedy:  # the top m of the logits, no draws; softmax scores the children
             values, ids = torch.topk(logits.float(), m, dim=-1)
+            ids = torch.where(values > float("-inf"), ids, -1)  # a token the grammar masks
             top = torch.exp(values - torch.logsumexp(logits.float(), -1, keepdim=True))
             return self._to_target(ids), None, top
         index = torch.from_numpy(rows)
@@ -192,7 +198,13 @@ class EagleTreeDrafting:
             parent_slots = (np.zeros(1, np.int64) if t == 1 else
                             np.arange(shape.level_starts[t - 2], lo) + 1)
             m = int(shape.num_children[parent_slots].max())
-            child_ids, q, _ = self._children(levels, rows, logits[keep], t, m, None)
+            level_logits = logits[keep]
+            if levels.grammars:
+                level_logits = levels.grammars.apply(
+                    level_logits, rows, tokens[rows, :lo],
+                    np.broadcast_to(shape.parents[:lo], (rows.size, lo)),
+                    np.broadcast_to(parent_slots, (rows.size, parent_slots.size)))
+            child_ids, q, _ = self._children(levels, rows, level_logits, t, m, None)
             # node i of this level: parent slot parents[i] + 1, rank sibling_rank[i]
             which = torch.from_numpy(shape.parents[lo:hi] + 1 - parent_slots[0])
             rank = torch.from_numpy(shape.sibling_rank[lo:hi])
@@ -251,6 +263,9 @@ class EagleTreeDrafting:
             size = num_parents * width
             index = torch.from_numpy(rows)
             node_ids = torch.from_numpy(parent_cand + 1).reshape(-1)  # the root 0
+            if levels.grammars:
+                logits = levels.grammars.apply(logits, rows, cand_tokens[rows, :first],
+                                               cand_parents[rows, :first], parent_cand + 1)
             child_ids, q, top = self._children(levels, rows, logits, t, width, node_ids)
             scores = parent_score[:, :, None] + torch.log(top).clamp_max(0.0)
             scores = torch.where(child_ids >= 0, scores, float("-inf")).reshape(-1, size)
@@ -307,3 +322,4 @@ class _Levels:
     temperature: torch.Tensor  # [A] float32, 0 = greedy children
     seeds: torch.Tensor  # [A] int64
     max_depth: int  # the shape's depth (a static bound)
+    grammars: TreeGrammarMasks  # structured output: the masks at each parent

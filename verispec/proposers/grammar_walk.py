@@ -15,6 +15,10 @@ columns are target ids ``token_ids`` (the head's map), and a column is allowed w
 is. A mask that allows no column (a matcher in error, or a head whose vocabulary lacks every
 token the grammar allows there) leaves the logits as they are: the target rejects such drafts
 anyway.
+
+Token trees (``TreeGrammarMasks``): a level's children are drawn from the logits at their
+parents, each masked by the matcher advanced along that parent's path from the root (the
+matcher walks the tree drafted so far depth first, ``GrammarMatcher.masks`` with its parents).
 """
 
 from __future__ import annotations
@@ -28,20 +32,14 @@ from verispec import ops
 from verispec.ops.options import apply_token_bitmask
 
 
-class GrammarWalks:
-    """The walks of one eager draft: ``grammars[a]`` is active request a's matcher or None;
-    ``token_ids`` [V'] int64 host array, the target id of each column of the logits drafted
-    from (an EAGLE-3 head's map), or None where column v is token v."""
+class _ColumnMasks:
+    """Grammar masks onto logits whose columns are target ids: ``token_ids`` [V'] int64 host
+    array, the target id of each column (an EAGLE-3 head's map), or None where column v is
+    token v."""
 
-    def __init__(self, grammars: Sequence, token_ids: np.ndarray | None = None) -> None:
-        self.grammars = list(grammars)
+    def __init__(self, token_ids: np.ndarray | None) -> None:
         self.token_ids = token_ids
         self._token_ids_device: torch.Tensor | None = None  # token_ids where the logits are
-        # active request -> [ceil(V / 32)] int32 mask its next draft is drafted under
-        self.masks = {a: g.begin_draft() for a, g in enumerate(self.grammars) if g is not None}
-
-    def __bool__(self) -> bool:
-        return bool(self.masks)
 
     def _allows_a_column(self, mask: np.ndarray) -> bool:
         """Whether ``mask`` allows a column of the logits (any token at all, without a map)."""
@@ -50,21 +48,41 @@ class GrammarWalks:
         ids = self.token_ids
         return bool(((mask[ids >> 5] >> (ids & 31)) & 1).any())
 
-    def apply(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
-        """``logits`` [len(rows), V'] of active requests ``rows``, masked by their walks' masks
-        (a new tensor when any row is masked)."""
-        picked = [(j, a) for j, a in enumerate(rows.tolist())
-                  if a in self.masks and self._allows_a_column(self.masks[a])]
+    def _masked(self, logits: torch.Tensor, masks: Sequence[tuple[int, np.ndarray]]
+                ) -> torch.Tensor:
+        """``logits`` [R, V'] with row j masked by m for each (j, m) of ``masks`` ([ceil(V / 32)]
+        int32) that allows a column (a new tensor when any row is masked)."""
+        picked = [(j, mask) for j, mask in masks if self._allows_a_column(mask)]
         if not picked:
             return logits
         index = ops.to_device(np.array([j for j, _ in picked], dtype=np.int64), logits.device)
-        bitmask = ops.to_device(np.stack([self.masks[a] for _, a in picked]), logits.device,
+        bitmask = ops.to_device(np.stack([mask for _, mask in picked]), logits.device,
                                 torch.int32)
         if self.token_ids is not None and self._token_ids_device is None:
             self._token_ids_device = ops.to_device(self.token_ids, logits.device)
         logits = logits.clone()
         apply_token_bitmask(logits, index, bitmask, self._token_ids_device)
         return logits
+
+
+class GrammarWalks(_ColumnMasks):
+    """The walks of one eager draft: ``grammars[a]`` is active request a's matcher or None;
+    ``token_ids`` as ``_ColumnMasks``."""
+
+    def __init__(self, grammars: Sequence, token_ids: np.ndarray | None = None) -> None:
+        super().__init__(token_ids)
+        self.grammars = list(grammars)
+        # active request -> [ceil(V / 32)] int32 mask its next draft is drafted under
+        self.masks = {a: g.begin_draft() for a, g in enumerate(self.grammars) if g is not None}
+
+    def __bool__(self) -> bool:
+        return bool(self.masks)
+
+    def apply(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """``logits`` [len(rows), V'] of active requests ``rows``, masked by their walks' masks
+        (a new tensor when any row is masked)."""
+        return self._masked(logits, [(j, self.masks[a]) for j, a in enumerate(rows.tolist())
+                                     if a in self.masks])
 
     def advance(self, draft_ids: torch.Tensor, rows: np.ndarray, last: np.ndarray) -> None:
         """Walk each of ``rows``' matchers along its new draft (``draft_ids`` [len(rows)], one
@@ -85,3 +103,38 @@ class GrammarWalks:
         for a in list(self.masks):
             self.grammars[a].end_draft()
         self.masks.clear()
+
+
+class TreeGrammarMasks(_ColumnMasks):
+    """Grammar-aware tree drafting (docs/design.md §16): the logits a node's children are drawn
+    from are masked by its matcher advanced along the node's path (``GrammarMatcher.masks``
+    with the tree's parents), so q is the masked distribution the children come from and they
+    stay inside the grammar. ``grammars[a]``: active request a's matcher at its committed
+    output, or None; ``token_ids`` as ``_ColumnMasks``."""
+
+    def __init__(self, grammars: Sequence, token_ids: np.ndarray | None = None) -> None:
+        super().__init__(token_ids)
+        self.grammars = list(grammars)
+
+    def __bool__(self) -> bool:
+        return any(g is not None for g in self.grammars)
+
+    def apply(self, logits: torch.Tensor, rows: np.ndarray, token_ids: np.ndarray,
+              parent_ids: np.ndarray, parent_slots: np.ndarray) -> torch.Tensor:
+        """``logits`` [R, P, V'] at P parents of active requests ``rows`` [R], masked.
+
+        ``token_ids`` [R, n] int64 and ``parent_ids`` [R, n] int64: each tree drafted so far
+        (target ids, -1 for a node left out; local parents, -1 = the root); ``parent_slots``
+        [R, P] int64: the slot of each parent (the root 0, node i at i + 1). A new tensor when
+        any row is masked."""
+        num_rows, num_parents, vocab = logits.shape
+        masks = []
+        for j, a in enumerate(rows.tolist()):
+            grammar = self.grammars[a]
+            if grammar is None:
+                continue
+            node_masks = grammar.masks(token_ids[j].tolist(), parent_ids[j].tolist())
+            masks.extend((j * num_parents + k, node_masks[slot])
+                         for k, slot in enumerate(parent_slots[j].tolist()))
+        flat = self._masked(logits.reshape(num_rows * num_parents, vocab), masks)
+        return flat.reshape(num_rows, num_parents, vocab)

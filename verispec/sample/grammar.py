@@ -16,6 +16,12 @@ accepts (``validate_tokens``): where d_j is outside the grammar, row j - 1 gives
 is rejected, so the rows after it are never reached (they repeat row j - 1's mask). It then
 rolls the drafts back. The drafts are read on the host, once per step that has a grammar.
 
+Token trees (docs/design.md §16). Given each node's parent, ``masks`` gives every node's row the
+mask after the drafts on its path from the root: it walks the tree depth first, consuming a node
+on the way down and rolling it back on the way up, and a node the grammar refuses is not consumed
+(it has p = 0 at its parent's row and is rejected; its row and those below it, never reached,
+repeat the parent's mask). A chain-shaped tree takes the chain's walk.
+
 Grammar-aware drafting. A proposer may draft only what the grammar allows (docs/design.md §15):
 ``num_valid`` says how many leading tokens of a candidate draft the grammar accepts (the n-gram
 proposer cuts its drafts there), and ``begin_draft`` / ``extend_draft`` / ``end_draft`` walk the
@@ -140,9 +146,17 @@ class GrammarMatcher:
             return
         self.matcher.consume_tokens([int(t) for t in new])
 
-    def masks(self, drafts: Sequence[int]) -> np.ndarray:
+    def masks(self, drafts: Sequence[int], parent_ids: Sequence[int] | None = None
+              ) -> np.ndarray:
         """[len(drafts) + 1, ceil(V / 32)] int32 bitmasks (bit v of word v // 32 set = token v
-        allowed): row i after the committed output and d_1..d_i (module docstring)."""
+        allowed): row i after the committed output and d_1..d_i (module docstring).
+
+        ``parent_ids`` [len(drafts)]: the drafts are a token tree (``verispec.ops.tree``'s
+        local parent indices, -1 = the root); row 0 is the root's, row i + 1 node i's, after
+        the drafts on the path from the root to node i. None (or a chain's parents): a chain.
+        """
+        if parent_ids is not None and any(p != i - 1 for i, p in enumerate(parent_ids)):
+            return self._tree_masks(drafts, parent_ids)
         key = tuple(drafts)
         cached = self._memo.get(key)
         if cached is not None:
@@ -161,6 +175,47 @@ class GrammarMatcher:
             m.rollback(valid)
         self._memo[key] = out
         return out
+
+    def _tree_masks(self, drafts: Sequence[int], parent_ids: Sequence[int]) -> np.ndarray:
+        """``masks`` of a token tree: depth first, each node consumed on the way down and
+        rolled back on the way up; a refused node and its subtree repeat its parent's mask."""
+        key = (tuple(drafts), tuple(parent_ids))
+        cached = self._memo.get(key)
+        if cached is not None:
+            return cached
+        n = len(drafts)
+        children = [[] for _ in range(n + 1)]  # per slot (the root 0, node i at i + 1)
+        for i, parent in enumerate(parent_ids):
+            children[parent + 1].append(i + 1)
+        out = np.empty((n + 1, self.num_words), dtype=np.int32)
+        m = self.matcher
+        m.unsafe_compute_mask_ptr(out[0].ctypes.data, out[0].nbytes)
+        # (slot, whether the matcher stands after its path); a slot is pushed after its
+        # subtree's marker, so popping the marker rolls the slot's token back
+        stack = [(child, True) for child in reversed(children[0])]
+        while stack:
+            slot, inside = stack.pop()
+            if slot < 0:  # leaving the subtree of slot -slot - 1: roll its token back
+                m.rollback(1)
+                continue
+            parent = parent_ids[slot - 1] + 1
+            token = int(drafts[slot - 1])
+            if inside and self._allows(token):
+                m.consume_token(token)
+                m.unsafe_compute_mask_ptr(out[slot].ctypes.data, out[slot].nbytes)
+                stack.append((-slot - 1, True))
+            else:
+                out[slot] = out[parent]  # never reached: p = 0 at the parent's row
+                inside = False
+            stack.extend((child, inside) for child in reversed(children[slot]))
+        self._memo[key] = out
+        return out
+
+    def _allows(self, token_id: int) -> bool:
+        """Whether the grammar accepts ``token_id`` where the matcher is (it stays there)."""
+        m = self.matcher
+        return (0 <= token_id < self.vocab_size and not m.is_stopped()
+                and m.validate_tokens([token_id]) == 1)
 
     def _mask(self) -> np.ndarray:
         """[ceil(V / 32)] int32 bitmask of the matcher where it is."""
@@ -190,8 +245,7 @@ class GrammarMatcher:
         draft is drafted under). From the first draft the grammar refuses on, the walk stays
         where it was and repeats its mask (as ``masks`` does: those rows are never reached)."""
         m = self.matcher
-        if not self._draft_left and 0 <= token_id < self.vocab_size and not m.is_stopped() \
-                and m.validate_tokens([token_id]) == 1:
+        if not self._draft_left and self._allows(token_id):
             m.consume_token(token_id)
             self._draft_consumed += 1
             mask = self._mask()

@@ -5,8 +5,11 @@ Rows. A step hands the op R rows of logits; request b owns ``num_rows[b]`` conse
 ``first_rows[b]``: one in a plain step, n_b + 1 in a verify step (its n_b verify rows, then its
 bonus row). Row i of request b sees the committed tokens plus the drafts d_1..d_i, exactly what
 one-token-at-a-time decoding would see there, so the processed distribution p of every row is
-the one a plain step would sample from after accepting those drafts. The drafts stay on the
-device; the host knows only how many each request has, which is all the index tensors need.
+the one a plain step would sample from after accepting those drafts. With token trees
+(docs/design.md §16) a request's rows are its root's, then one per node, and the row of node u
+sees the drafts on the path from the root to u (``ops.tree.SlotPaths``; a chain is the tree
+whose node i has parent i - 1). The drafts stay on the device; the host knows only how many
+each request has and, for trees, their parents, which is all the index tensors need.
 
 Token counts. The penalties need, per row, the count of every token of the output (and, for the
 repetition penalty, which tokens the prompt holds). They live in two persistent tensors indexed
@@ -35,6 +38,7 @@ import torch
 
 from verispec import ops
 from verispec.ops.options import NEG_INF, WILDCARD, OptionTensors, apply_options
+from verispec.ops.tree import SlotPaths
 from verispec.runtime.model_runner import ModelRunner, StepPenalties
 from verispec.sample.grammar import GrammarCompiler, GrammarMatcher
 from verispec.sampling_params import SamplingParams
@@ -183,13 +187,17 @@ class SamplingOptions:
     def process(self, logits: torch.Tensor, batch: Sequence, num_drafts: np.ndarray | None = None,
                 draft_token_ids: torch.Tensor | None = None,
                 penalties: StepPenalties | None = None,
-                host_drafts: HostDrafts | None = None) -> torch.Tensor:
+                host_drafts: HostDrafts | None = None,
+                parent_ids: np.ndarray | None = None) -> torch.Tensor:
         """``logits`` [R, V] of a step after each request's options; ``logits`` itself when no
         request of ``batch`` uses one. ``num_drafts`` [B] (host): request b owns
         ``num_drafts[b] + 1`` rows (None: one row each, a plain step); ``draft_token_ids``
         [sum(num_drafts)] on the device, the drafts in batch order. ``penalties``: those the
         step's forward was given (``step_penalties``); the ones it applied are skipped.
-        ``host_drafts``: the drafts' copy ``fetch_drafts`` started (else they are read here)."""
+        ``host_drafts``: the drafts' copy ``fetch_drafts`` started (else they are read here).
+        ``parent_ids`` [sum(num_drafts)] int64 (host): the drafts are token trees, each
+        node's parent as a local index in its request (-1 = the root, ``verispec.ops.tree``);
+        None: chains."""
         done = np.zeros(len(batch), dtype=bool)
         if penalties is not None and penalties.applied:
             done = penalties.slots >= 0
@@ -198,17 +206,20 @@ class SamplingOptions:
             return logits
         if num_drafts is None:
             num_drafts = np.zeros(len(batch), dtype=np.int64)
-        options = self.build(batch, np.asarray(num_drafts), draft_token_ids, done, host_drafts)
+        options = self.build(batch, np.asarray(num_drafts), draft_token_ids, done, host_drafts,
+                             parent_ids)
         with ops.few_rows_on_one_thread(logits.device, logits.numel()):  # as the sampling ops
             return apply_options(logits, options)
 
     def build(self, batch: Sequence, num_drafts: np.ndarray,
               draft_token_ids: torch.Tensor | None,
               penalised: np.ndarray | None = None,
-              host_drafts: HostDrafts | None = None) -> OptionTensors:
+              host_drafts: HostDrafts | None = None,
+              parent_ids: np.ndarray | None = None) -> OptionTensors:
         """The per-row inputs of ``apply_options`` for ``batch`` (see the module docstring);
         ``penalised`` [B] bool: requests whose penalties are applied already; ``host_drafts``
-        the drafts on their way to the host (``fetch_drafts``)."""
+        the drafts on their way to the host (``fetch_drafts``); ``parent_ids`` [sum(num_drafts)]
+        the trees' parents (None: chains), as in ``process``."""
         rows_per_request = num_drafts + 1
         first_rows = np.concatenate([[0], np.cumsum(rows_per_request)[:-1]])
         first_drafts = np.concatenate([[0], np.cumsum(num_drafts)[:-1]])
@@ -232,11 +243,14 @@ class SamplingOptions:
             r, o = batch[b], batch[b].options
             p, n = o.params, int(num_drafts[b])
             rows = first_rows[b] + np.arange(n + 1)  # [n + 1]
+            parents = (None if parent_ids is None
+                       else parent_ids[first_drafts[b]:first_drafts[b] + n])
+            path = SlotPaths(np.arange(n) - 1 if parents is None else parents, width)
             if o.bias_ids.size:
                 add.append((np.repeat(rows, o.bias_ids.size), np.tile(o.bias_ids, n + 1),
                             np.tile(o.bias_values, n + 1)))
             if o.min_tokens_ids.size:
-                short = rows[r.num_output_tokens + np.arange(n + 1) < p.min_tokens]
+                short = rows[r.num_output_tokens + path.depths < p.min_tokens]
                 add.append(_ban(short, o.min_tokens_ids))
             if o.bad_single_ids.size:
                 add.append(_ban(rows, o.bad_single_ids))
@@ -245,7 +259,8 @@ class SamplingOptions:
                 drafts = [] if drafts_cpu is None else drafts_cpu[
                     first_drafts[b]:first_drafts[b] + n]
                 grammar_rows.append(rows)
-                grammar_masks.append(o.grammar.masks(drafts))
+                grammar_masks.append(o.grammar.masks(
+                    drafts, None if parents is None else parents.tolist()))
             if o.allowed_ids is not None:
                 allowed.append(rows)
                 allowed_pairs.append((np.repeat(num_allowed_rows + np.arange(n + 1),
@@ -255,12 +270,8 @@ class SamplingOptions:
             if o.bad_words:
                 out = r.output_token_ids[max(r.num_output_tokens - width, 0):]
                 tails[m, width - len(out):] = out
-                # token_source index of the context of row i: its last `width` tokens are
-                # positions i .. i + width - 1 of [tail, d_1 .. d_n]
-                virtual = np.arange(width + n)
-                source = np.where(virtual < width, m * width + virtual,
-                                  draft_base + first_drafts[b] + virtual - width)
-                context = np.lib.stride_tricks.sliding_window_view(source, width)  # [n+1, L]
+                # token_source index of the context of each row: its last `width` tokens
+                context = path.context(m * width, draft_base + first_drafts[b])  # [n + 1, L]
                 for word in o.bad_words:
                     prefix = np.full(width, WILDCARD, dtype=np.int64)
                     prefix[width - len(word) + 1:] = word[:-1]
@@ -271,8 +282,8 @@ class SamplingOptions:
                                 np.full(n + 1, p.repetition_penalty, dtype=np.float32),
                                 np.full(n + 1, p.frequency_penalty, dtype=np.float32),
                                 np.full(n + 1, p.presence_penalty, dtype=np.float32)))
-                i, j = np.tril_indices(n + 1, -1)  # row i counts draft j + 1 for every j < i
-                draft_pairs.append((num_penalty_rows + i, draft_base + first_drafts[b] + j))
+                row, node = path.pairs  # row counts every draft on its path
+                draft_pairs.append((num_penalty_rows + row, draft_base + first_drafts[b] + node))
                 num_penalty_rows += n + 1
         if penalty:
             self._count([batch[b] for b in members if batch[b].options.params.uses_penalties])
