@@ -390,36 +390,39 @@ class ModelProposer(Proposer):
         rows = np.arange(active.size)  # rows of the B_a active requests still drafting
         # structured output: draft only what each request's grammar allows (grammar_walk)
         walks = GrammarWalks([self.draft_grammar(requests[r]) for r in active])
-        logits = self.runner.forward(slots.tolist(), feeds, "last", self.num_layers)  # [B_a, V]
-        for i in range(int(num_drafts.max())):
-            row_index = torch.from_numpy(rows).to(self.device)
-            row_slots = slots_t if rows.size == active.size else slots_t[row_index]
-            if walks:
-                logits = walks.apply(logits, rows)
-            if self.greedy:
-                draft_ids = torch.argmax(logits, dim=-1)  # [rows] d_{i+1}
-            else:
-                # d_{i+1} occupies absolute position num_tokens + i; q = softmax(logits / T).
-                positions = torch.from_numpy(num_tokens[rows] + i).to(self.device)
-                draft_ids, q = ops.sample_draft(
-                    logits, temperature[row_index], seeds[row_index], positions
+        try:
+            logits = self.runner.forward(slots.tolist(), feeds, "last", self.num_layers)  # [B_a, V]
+            for i in range(int(num_drafts.max())):
+                row_index = torch.from_numpy(rows).to(self.device)
+                row_slots = slots_t if rows.size == active.size else slots_t[row_index]
+                if walks:
+                    logits = walks.apply(logits, rows)
+                if self.greedy:
+                    draft_ids = torch.argmax(logits, dim=-1)  # [rows] d_{i+1}
+                else:
+                    # d_{i+1} occupies absolute position num_tokens + i; q = softmax(logits / T).
+                    positions = torch.from_numpy(num_tokens[rows] + i).to(self.device)
+                    draft_ids, q = ops.sample_draft(
+                        logits, temperature[row_index], seeds[row_index], positions
+                    )
+                    with ops.few_rows_on_one_thread(self.device, q.numel()):
+                        self.draft_probs_buffer[row_slots, i] = q
+                self.draft_token_buffer[row_slots, i] = draft_ids
+                keep = num_drafts[rows] > i + 1  # requests that still need d_{i+2}
+                if walks:
+                    walks.advance(draft_ids, rows, ~keep)
+                if not keep.any():
+                    break
+                # Feed d_{i+1} to the requests with more drafts to produce. ``ModelRunner.forward``
+                # takes host token ids, so this is the one device-to-host read per draft position
+                # (free on the CPU; on a GPU it waits for this position's sampling).
+                feed_ids = draft_ids[torch.from_numpy(np.flatnonzero(keep)).to(self.device)]
+                rows = rows[keep]
+                logits = self.runner.forward(
+                    slots[rows].tolist(), [[t] for t in feed_ids.tolist()], "last", self.num_layers
                 )
-                with ops.few_rows_on_one_thread(self.device, q.numel()):
-                    self.draft_probs_buffer[row_slots, i] = q
-            self.draft_token_buffer[row_slots, i] = draft_ids
-            keep = num_drafts[rows] > i + 1  # requests that still need d_{i+2}
-            if walks:
-                walks.advance(draft_ids, rows, ~keep)
-            if not keep.any():
-                break
-            # Feed d_{i+1} to the requests with more drafts to produce. ``ModelRunner.forward``
-            # takes host token ids, so this is the one device-to-host read per draft position
-            # (free on the CPU; on a GPU it waits for this position's sampling).
-            feed_ids = draft_ids[torch.from_numpy(np.flatnonzero(keep)).to(self.device)]
-            rows = rows[keep]
-            logits = self.runner.forward(
-                slots[rows].tolist(), [[t] for t in feed_ids.tolist()], "last", self.num_layers
-            )
+        finally:
+            walks.close()  # (every walk has ended unless drafting failed)
 
     # ----------------------------------------------------------------- token trees
 
