@@ -51,7 +51,8 @@ def test_metrics_line_is_on_stderr_by_default(capsys):
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items()
-             if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "VERISPEC_CONFIGURE_LOGGING")}
+             if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "VERISPEC_CONFIGURE_LOGGING",
+                          "MALLOC_ARENA_MAX")}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, env={**clean, **env}, cwd=os.getcwd())
 
@@ -101,3 +102,18 @@ def test_train_draft_command_spins():
               "torch.ones(1 << 20).sum()")
     shown = run_python(script, OMP_DISPLAY_ENV="TRUE").stderr
     assert "OMP_WAIT_POLICY = 'ACTIVE'" in shown
+
+
+def test_one_heap_arena_unless_the_user_chose():
+    """``import verispec`` asks glibc for one heap arena shared by every thread (what a CPU
+    engine's threads free is then reused, not kept per thread); a ``MALLOC_ARENA_MAX`` the
+    user set is kept."""
+    try:
+        glibc = os.confstr("CS_GNU_LIBC_VERSION")
+    except (ValueError, OSError):
+        glibc = None
+    if not glibc:
+        pytest.skip("glibc only")
+    script = "import verispec.cpu_threads as c; print(c.share_one_heap())"
+    assert run_python(script).stdout.split() == ["True"]
+    assert run_python(script, MALLOC_ARENA_MAX="4").stdout.split() == ["False"]

@@ -1,10 +1,12 @@
 """verispec: fast, exact speculative decoding for PyTorch."""
 
-# First, before anything imports torch: how OpenMP threads wait (see verispec.cpu_threads).
-from verispec.cpu_threads import set_wait_policy
+# First, before anything imports torch: how OpenMP threads wait, and one heap arena for every
+# thread (see verispec.cpu_threads).
+from verispec.cpu_threads import set_wait_policy, share_one_heap
 from verispec.log import configure_logging
 
 set_wait_policy()
+share_one_heap()
 configure_logging()
 
 from verispec.config import (  # noqa: E402
