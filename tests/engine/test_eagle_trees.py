@@ -29,7 +29,13 @@ import pytest
 import torch
 
 from tests.engine.test_preemption import save_target
-from tests.engine.test_token_trees import MAX_MODEL_LEN, VOCAB, generate, workload
+from tests.engine.test_token_trees import (
+    MAX_MODEL_LEN,
+    VOCAB,
+    generate,
+    plain_greedy_per_layout,
+    workload,
+)
 from tests.models.test_granite_hybrid import one_thread  # noqa: F401 (autouse fixture)
 from tests.proposers.test_eagle_loader import eagle_checkpoint, write_checkpoint
 from tests.sample.stats import P_VALUE_THRESHOLD, chi_square_p_value, record, reference_probs
@@ -66,10 +72,7 @@ def spec(heads, method="eagle3", tree=None, draft="greedy", k=3):
 
 @pytest.fixture(scope="module")
 def plain_greedy(target_dir):
-    """Plain greedy tokens of the workload, per layout."""
-    prompts, params = workload(temperature=0.0)
-    return {layout: generate(target_dir, None, prompts, params, layout=layout)[1]
-            for layout in ("cpu", "flat")}
+    return plain_greedy_per_layout(target_dir)
 
 
 @pytest.mark.parametrize("layout", ["cpu", "flat"])

@@ -102,12 +102,16 @@ def generate(target_dir, spec, prompts, params, max_num_seqs=8, layout="cpu"):
     return llm, [o.token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.fixture(scope="module")
-def plain_greedy(target_dir):
+def plain_greedy_per_layout(target_dir) -> dict[str, list[list[int]]]:
     """Plain greedy tokens of the workload, per layout."""
     prompts, params = workload(temperature=0.0)
     return {layout: generate(target_dir, None, prompts, params, layout=layout)[1]
             for layout in ("cpu", "flat")}
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(target_dir):
+    return plain_greedy_per_layout(target_dir)
 
 
 @pytest.mark.parametrize("layout", ["cpu", "flat"])

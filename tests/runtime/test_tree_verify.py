@@ -80,8 +80,9 @@ def test_tree_node_logits_equal_their_chains(model, kernels, monkeypatch):
             assert torch.equal(rows[node + 1], expected), (b, node)
 
 
-def test_commit_moves_the_accepted_path(model):
-    runner = ModelRunner(model, 2, 64)
+def _verify_first_tree(runner) -> int:
+    """Slots 0 and 1 hold the first prompt but its last token; slot 0 verifies the first tree
+    from it. Returns the root's row."""
     prompt = PROMPTS[0]
     for slot in (0, 1):
         runner.forward([slot], [prompt[:-1]], logits="none")
@@ -89,11 +90,18 @@ def test_commit_moves_the_accepted_path(model):
     start = runner.kv_cache.length(0)
     verify_tree(runner, [0], [prompt[-1]], np.array(tokens), np.array(parents),
                 np.array([len(tokens)]), max_depth=4)
+    return start
+
+
+def test_commit_moves_the_accepted_path(model):
+    runner = ModelRunner(model, 2, 64)
+    start = _verify_first_tree(runner)
     accepted = np.array([[1, 4, -1, -1]])  # root -> node 1 -> node 4
     commit_tree_path(runner.kv_cache, [0], np.array([start]), accepted)
     assert runner.kv_cache.length(0) == start + 3
     after = runner.forward([0], [[99]], logits="all")[-1]
-    expected = runner.forward([1], [[prompt[-1], tokens[1], tokens[4], 99]], logits="all")[-1]
+    root, tokens = PROMPTS[0][-1], TREES[0][1]
+    expected = runner.forward([1], [[root, tokens[1], tokens[4], 99]], logits="all")[-1]
     assert torch.equal(after, expected)
 
 
@@ -175,13 +183,7 @@ def test_flat_commit_keeps_the_accepted_path_and_its_hidden_states(model, ops_na
     hidden states ``keep_path_hidden`` leaves (an EAGLE head's input) are the chain's."""
     runner = _flat_runner(model, ops_name)
     runner.capture_layers = (1, model.config.num_hidden_layers)
-    prompt = PROMPTS[0]
-    for slot in (0, 1):
-        runner.forward([slot], [prompt[:-1]], logits="none")
-    parents, tokens = TREES[0]
-    start = runner.kv_cache.length(0)
-    verify_tree(runner, [0], [prompt[-1]], np.array(tokens), np.array(parents),
-                np.array([len(tokens)]), max_depth=4)
+    start = _verify_first_tree(runner)
     accepted = np.array([[0, 2, 5, -1]])  # root -> node 0 -> node 2 -> node 5
     commit_tree_path(runner.kv_cache, [0], np.array([start]), accepted)
     keep_path_hidden(runner, accepted)
@@ -189,7 +191,8 @@ def test_flat_commit_keeps_the_accepted_path_and_its_hidden_states(model, ops_na
     assert runner.kv_cache.length(0) == start + 4
     assert kept.counts.tolist() == [4] and kept.starts.tolist() == [start]
     kept_rows = kept.rows[:4].clone()
-    chain = [prompt[-1], tokens[0], tokens[2], tokens[5]]
+    root, tokens = PROMPTS[0][-1], TREES[0][1]
+    chain = [root, tokens[0], tokens[2], tokens[5]]
     expected = runner.forward([1], [chain + [99]], logits="all")[-1]
     _same(kept_rows, runner.captured_hidden.rows[:4], ops_name)
     _same(runner.forward([0], [[99]], logits="all")[-1], expected, ops_name)

@@ -61,7 +61,7 @@ from verispec.ops import tree_rejection as ops_tree_rejection
 from verispec.proposers import ProposerContext, build_proposer
 from verispec.runtime.model_runner import ModelRunner
 from verispec.runtime.tree_verify import commit_tree_path, keep_path_hidden, verify_tree
-from verispec.sample.options import SamplingOptions
+from verispec.sample.options import HostDrafts, SamplingOptions
 from verispec.sample.rejection_sampler import RejectionSampler
 from verispec.sample.sampler import Sampler, SamplingTensors
 
@@ -400,15 +400,16 @@ class SpeculativeDecoder:
         slots = [r.slot for r in batch]
         cache = self.runner.kv_cache
         starts = cache.lengths_np[slots].copy()  # num_tokens - 1: the root's row
-        host_drafts = self.options.fetch_drafts(batch, proposal.draft_token_ids)
+        drafts_host = proposal.draft_token_ids.cpu()  # the tree's layout is built on the host
         target_logits = verify_tree(self.runner, slots, [r.last_token_id for r in batch],
-                                    proposal.draft_token_ids.cpu().numpy(), proposal.parent_ids,
-                                    num_drafts, tree.depth)
+                                    drafts_host.numpy(), proposal.parent_ids, num_drafts,
+                                    tree.depth)
         # A node's row sees the drafts on its path from the root (penalties, min_tokens,
         # bad_words, the grammar's mask): what a plain step would see after accepting them
         # (docs/design.md §15, §16).
         target_logits = self.options.process(target_logits, batch, num_drafts,
-                                             proposal.draft_token_ids, host_drafts=host_drafts,
+                                             proposal.draft_token_ids,
+                                             host_drafts=HostDrafts(drafts_host),
                                              parent_ids=proposal.parent_ids)
         device = self.runner.device
         cu = np.zeros(len(batch) + 1, dtype=np.int64)

@@ -30,7 +30,7 @@ leaves them to the caller, and says which it did in ``StepPenalties.applied``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -99,7 +99,7 @@ class StepPenalties:
 
     slots: np.ndarray  # [B] int64
     params: np.ndarray  # [B, 3] float32
-    applied: bool = field(default=False)
+    applied: bool = False
 
 
 # bfloat16 CPU matmuls of this many rows or more run in float32 (prefill; see models.llama.linear).

@@ -144,7 +144,7 @@ class SamplingOptions:
     def attach(self, runner: ModelRunner) -> None:
         """Let ``runner``'s captured steps apply penalties (call before its ``capture``): the
         counts are allocated now, as the graphs read them. No-op for a runner without graphs."""
-        if runner.graphs is None or runner.graphs.max_batch_size < 1:
+        if runner.graphs is None:
             return
         self._allocate()
         runner.penalty_counts = (self.output_counts, self.prompt_mask)
