@@ -67,9 +67,10 @@ ROWS = {
 }
 
 
-def model_dir(workdir: str, shape: str) -> str:
-    """A directory with ``shape``'s config.json (vocabulary 49 152) and the bundled tokenizer."""
-    meta = gguf.gguf_meta_dir(gguf.bundled_gguf_path())
+def model_dir(workdir: str, shape: str, tokenizer_dir: str | None = None) -> str:
+    """A directory with ``shape``'s config.json (vocabulary 49 152) and the bundled tokenizer
+    (or ``tokenizer_dir``'s: a directory with the bundled model's config.json and tokenizer)."""
+    meta = tokenizer_dir or gguf.gguf_meta_dir(gguf.bundled_gguf_path())
     path = bench_tensor_parallel.write_config(workdir, shape)
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
@@ -126,11 +127,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--workdir", default="/tmp/bench_options")
     parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--tokenizer-dir", default=None,
+                        help="the bundled model's config.json and tokenizer files, where its "
+                             "package is not installed")
     args = parser.parse_args(argv)
     os.makedirs(args.workdir, exist_ok=True)
     kwargs = dict(device=args.device, max_num_seqs=args.batch, enable_prefix_caching=False)
     if args.model is None:
-        target = model_dir(args.workdir, "8b")
+        target = model_dir(args.workdir, "8b", args.tokenizer_dir)
         kwargs.update(model=target, dtype="bfloat16", load_format="dummy",
                       max_model_len=2048, kv_cache_memory="8GiB")
     else:
@@ -142,7 +146,7 @@ def main(argv=None) -> dict:
         if args.model is not None:
             parser.error("--spec draft builds a 1B-shaped random draft for the 8B shape: give "
                          "--spec ngram with --model")
-        spec = {"method": "draft_model", "model": model_dir(args.workdir, "1b"),
+        spec = {"method": "draft_model", "model": model_dir(args.workdir, "1b", args.tokenizer_dir),
                 "num_speculative_tokens": K, "draft_sample_method": "probabilistic"}
     llm = LLM(speculative_config=spec, **kwargs)
     vocab = llm.model_config.vocab_size

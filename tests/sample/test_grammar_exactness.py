@@ -39,7 +39,7 @@ from tests.sample.stats import (
 )
 from verispec import ops
 from verispec.engine.request import Request
-from verispec.ops.backend import load_backend
+from verispec.ops.backend import get_backend, load_backend
 from verispec.ops.options import apply_token_bitmask
 from verispec.sample.grammar import GrammarCompiler
 from verispec.sample.options import RequestOptions, SamplingOptions
@@ -125,22 +125,28 @@ def target_and_draft_logits(drafts: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def run(drafts: str, num_requests: int, temperature: float = 1.0,
-        backend: str = "torch") -> np.ndarray:
-    """[num_requests, K + 1] output tokens (-1 padded)."""
+        backend: str | None = None, device: torch.device | str = "cpu") -> np.ndarray:
+    """[num_requests, K + 1] output tokens (-1 padded), sampled on ``device`` with ``backend``
+    (default: the device's)."""
+    device = torch.device(device)
     request = make_request(temperature)
-    target, draft = (torch.tensor(x, dtype=torch.float32)
+    target, draft = (torch.tensor(x, dtype=torch.float32, device=device)
                      for x in target_and_draft_logits(drafts))
-    options = SamplingOptions(1, V, torch.device("cpu"))
-    rejection_sample = load_backend(backend).rejection_sample
+    options = SamplingOptions(1, V, device)
+    rejection_sample = (get_backend(device) if backend is None
+                        else load_backend(backend)).rejection_sample
     outputs = []
     for start in range(0, num_requests, CHUNK):
         batch = min(CHUNK, num_requests - start)
-        seeds = torch.arange(start, start + batch, dtype=torch.int64) * 7919 + 3
-        positions = torch.full((batch,), len(PROMPT) + len(OUTPUT), dtype=torch.int64)
+        seeds = torch.arange(start, start + batch, dtype=torch.int64, device=device) * 7919 + 3
+        positions = torch.full((batch,), len(PROMPT) + len(OUTPUT), dtype=torch.int64,
+                               device=device)
         if drafts == "sampled":
             draft_ids, q = ops.sample_draft(
-                draft.repeat(batch, 1), torch.full((batch * K,), max(temperature, 1e-3)),
-                seeds.repeat_interleave(K), (positions[:, None] + torch.arange(K)).reshape(-1))
+                draft.repeat(batch, 1), torch.full((batch * K,), max(temperature, 1e-3),
+                                                   device=device),
+                seeds.repeat_interleave(K),
+                (positions[:, None] + torch.arange(K, device=device)).reshape(-1))
         elif drafts == "guided":
             draft_ids, q = guided_drafts(request, draft, batch, temperature, seeds, positions)
         else:
@@ -148,8 +154,9 @@ def run(drafts: str, num_requests: int, temperature: float = 1.0,
         logits = options.process(target.repeat(batch, 1), [request] * batch,
                                  np.full(batch, K), draft_ids)
         outputs.append(rejection_sample(
-            logits, draft_ids, torch.arange(batch + 1, dtype=torch.int32) * K, q,
-            torch.full((batch,), temperature), None, None, None, seeds, positions, K).numpy())
+            logits, draft_ids, torch.arange(batch + 1, dtype=torch.int32, device=device) * K, q,
+            torch.full((batch,), temperature, device=device), None, None, None, seeds,
+            positions, K).cpu().numpy())
     return np.concatenate(outputs)
 
 
@@ -160,16 +167,17 @@ def guided_drafts(request, draft: torch.Tensor, batch: int, temperature: float,
     distinct prefix: the masks depend on the drafts only through it)."""
     grammar = request.options.grammar
     grammar.sync(request.output_token_ids)
-    ids = torch.zeros(batch, K, dtype=torch.int64)
-    q = torch.zeros(batch, K, V)
+    device = draft.device
+    ids = torch.zeros(batch, K, dtype=torch.int64, device=device)
+    q = torch.zeros(batch, K, V, device=device)
     for i in range(K):
         prefixes = [tuple(row) for row in ids[:, :i].tolist()]
         masks = {p: grammar.masks(list(p))[i] for p in set(prefixes)}
         logits = draft[i].repeat(batch, 1)
-        apply_token_bitmask(logits, torch.arange(batch),
-                            torch.from_numpy(np.stack([masks[p] for p in prefixes])))
+        apply_token_bitmask(logits, torch.arange(batch, device=device),
+                            torch.from_numpy(np.stack([masks[p] for p in prefixes])).to(device))
         ids[:, i], q[:, i] = ops.sample_draft(
-            logits, torch.full((batch,), temperature), seeds, positions + i)
+            logits, torch.full((batch,), temperature, device=device), seeds, positions + i)
     return ids.reshape(-1), None if temperature == 0 else q.reshape(batch * K, V)
 
 
@@ -180,8 +188,8 @@ def reference(drafts: str, column: int, prefix: tuple[int, ...]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("drafts", ["sampled", "guided", "valid", "invalid"])
-def test_each_position_follows_one_token_at_a_time(drafts):
-    out = run(drafts, NUM_REQUESTS)
+def test_each_position_follows_one_token_at_a_time(drafts, device):
+    out = run(drafts, NUM_REQUESTS, device=device)
     groups = defaultdict(list)
     for column in range(K + 1):
         for row in out[out[:, column] >= 0, : column + 1]:
@@ -199,15 +207,15 @@ def test_each_position_follows_one_token_at_a_time(drafts):
     if drafts == "invalid":  # "z" after "b" is outside: never accepted
         assert not (out[:, 2] >= 0).any()
     if drafts == "guided":  # every draft inside the grammar: more of them accepted
-        assert (out >= 0).sum() > (run("sampled", NUM_REQUESTS // 3) >= 0).sum() * 3
+        assert (out >= 0).sum() > (run("sampled", NUM_REQUESTS // 3, device=device) >= 0).sum() * 3
     record(f"grammar_{drafts}", NUM_REQUESTS, [p for _, p in results.values()])
     for (column, prefix), (n, p) in results.items():
         assert p >= P_VALUE_THRESHOLD, f"{drafts}: position {column} after {prefix} ({n}): {p}"
 
 
-def test_greedy_target_emits_the_masked_argmax():
+def test_greedy_target_emits_the_masked_argmax(device):
     for drafts in ("sampled", "guided", "valid", "invalid"):
-        out = run(drafts, 300, temperature=0.0)
+        out = run(drafts, 300, temperature=0.0, device=device)
         for column in range(K + 1):
             for row in out[out[:, column] >= 0]:
                 want = reference(drafts, column, tuple(row[:column].tolist()))
@@ -249,6 +257,9 @@ def test_the_drafting_walk_gives_the_verify_masks():
             tuple(drafts), len(drafts))
 
 
-def test_triton_backend_gives_the_same_tokens():
+def test_triton_backend_gives_the_same_tokens(device):
+    """The Triton backend (its interpreter on the CPU) emits the torch backend's tokens on the
+    same device."""
     for drafts in ("sampled", "guided", "invalid"):
-        assert np.array_equal(run(drafts, 32, backend="triton"), run(drafts, 32))
+        assert np.array_equal(run(drafts, 32, backend="triton", device=device),
+                              run(drafts, 32, backend="torch", device=device))

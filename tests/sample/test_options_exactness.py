@@ -36,7 +36,7 @@ from tests.sample.stats import (
 )
 from tests.sample.test_options import TOKENIZER, make_request
 from verispec import ops
-from verispec.ops.backend import load_backend
+from verispec.ops.backend import get_backend, load_backend
 from verispec.sample.options import SamplingOptions, bad_word_token_ids
 
 V = 29  # as tests/sample/test_options.py (tokens 1..26 are the letters a..z)
@@ -81,27 +81,32 @@ def target_and_draft_logits(rule: str) -> tuple[np.ndarray, np.ndarray]:
     return target, draft
 
 
-def run(name: str, rule: str, num_requests: int, backend: str = "torch",
-        ignore_drafts: bool = False) -> np.ndarray:
-    """[num_requests, K + 1] output tokens (-1 padded) of the case's request. ``ignore_drafts``
-    processes every row as if no draft came before it (the bug of docs/design.md §15)."""
+def run(name: str, rule: str, num_requests: int, backend: str | None = None,
+        ignore_drafts: bool = False, device: torch.device | str = "cpu") -> np.ndarray:
+    """[num_requests, K + 1] output tokens (-1 padded) of the case's request, sampled on
+    ``device`` with ``backend`` (default: the device's). ``ignore_drafts`` processes every row
+    as if no draft came before it (the bug of docs/design.md §15)."""
+    device = torch.device(device)
     kwargs = dict(CASES[name])
     temperature = kwargs.pop("temperature", 1.0)
     top_k, top_p = kwargs.pop("top_k", 0), kwargs.pop("top_p", 1.0)
     request = make_request(1, 0, PROMPT, OUTPUT, **kwargs)
-    target, draft = (torch.tensor(x, dtype=torch.float32)
+    target, draft = (torch.tensor(x, dtype=torch.float32, device=device)
                      for x in target_and_draft_logits(rule))
-    options = SamplingOptions(1, V, torch.device("cpu"))
-    rejection_sample = load_backend(backend).rejection_sample
+    options = SamplingOptions(1, V, device)
+    rejection_sample = (get_backend(device) if backend is None
+                        else load_backend(backend)).rejection_sample
     outputs = []
     for start in range(0, num_requests, CHUNK):
         batch = min(CHUNK, num_requests - start)
-        seeds = torch.arange(start, start + batch, dtype=torch.int64) * 7919 + 3
-        positions = torch.full((batch,), len(PROMPT) + len(OUTPUT), dtype=torch.int64)
+        seeds = torch.arange(start, start + batch, dtype=torch.int64, device=device) * 7919 + 3
+        positions = torch.full((batch,), len(PROMPT) + len(OUTPUT), dtype=torch.int64,
+                               device=device)
         if rule == "full":
             drafts, q = ops.sample_draft(
-                draft.repeat(batch, 1), torch.full((batch * K,), temperature),
-                seeds.repeat_interleave(K), (positions[:, None] + torch.arange(K)).reshape(-1))
+                draft.repeat(batch, 1), torch.full((batch * K,), temperature, device=device),
+                seeds.repeat_interleave(K),
+                (positions[:, None] + torch.arange(K, device=device)).reshape(-1))
         else:
             drafts, q = draft.argmax(-1).repeat(batch), None
         # the same request in every row of the batch (one slot): independent seeds
@@ -110,11 +115,11 @@ def run(name: str, rule: str, num_requests: int, backend: str = "torch",
         if ignore_drafts:
             logits = options.process(target.repeat(batch, 1), [request] * batch * (K + 1))
         outputs.append(rejection_sample(
-            logits, drafts, torch.arange(batch + 1, dtype=torch.int32) * K, q,
-            torch.full((batch,), temperature),
-            torch.full((batch,), top_k, dtype=torch.int32) if top_k else None,
-            torch.full((batch,), top_p) if top_p < 1.0 else None, None,
-            seeds, positions, K).numpy())
+            logits, drafts, torch.arange(batch + 1, dtype=torch.int32, device=device) * K, q,
+            torch.full((batch,), temperature, device=device),
+            torch.full((batch,), top_k, dtype=torch.int32, device=device) if top_k else None,
+            torch.full((batch,), top_p, device=device) if top_p < 1.0 else None, None,
+            seeds, positions, K).cpu().numpy())
     return np.concatenate(outputs)
 
 
@@ -157,8 +162,8 @@ def group_p_values(name: str, rule: str, out: np.ndarray) -> dict:
 
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_each_position_follows_one_token_at_a_time(name, rule):
-    out = run(name, rule, NUM_REQUESTS)
+def test_each_position_follows_one_token_at_a_time(name, rule, device):
+    out = run(name, rule, NUM_REQUESTS, device=device)
     assert (out[:, 0] >= 0).all()
     results = group_p_values(name, rule, out)
     tested = {key: value for key, value in results.items() if value[0] >= MIN_GROUP}
@@ -172,14 +177,14 @@ def test_each_position_follows_one_token_at_a_time(name, rule):
             f"{p:.3g}")
 
 
-def test_greedy_target_emits_the_processed_argmax():
+def test_greedy_target_emits_the_processed_argmax(device):
     """Temperature 0: every emitted token is the argmax of the processed row after its prefix."""
     for name in ("penalties", "bad_words", "min_tokens", "all"):
         CASES["greedy"] = dict(CASES[name], temperature=0.0)
         CASES["greedy"].pop("top_k", None)
         try:
             for rule in RULES:
-                out = run("greedy", rule, 2_000)
+                out = run("greedy", rule, 2_000, device=device)
                 for column in range(K + 1):
                     for row in out[out[:, column] >= 0]:
                         want = reference("greedy", column, tuple(row[:column]), rule)
@@ -189,11 +194,12 @@ def test_greedy_target_emits_the_processed_argmax():
 
 
 @pytest.mark.parametrize("name", ["penalties", "bad_words"])
-def test_triton_backend_gives_the_same_tokens(name):
-    """The Triton backend (its interpreter here) emits the torch backend's tokens for the same
-    processed logits and seeds, so the statistics above hold for it too."""
+def test_triton_backend_gives_the_same_tokens(name, device):
+    """The Triton backend (its interpreter on the CPU) emits the torch backend's tokens for the
+    same processed logits and seeds on the same device, so the statistics above hold for both."""
     for rule in RULES:
-        assert np.array_equal(run(name, rule, 32, "triton"), run(name, rule, 32, "torch"))
+        assert np.array_equal(run(name, rule, 32, "triton", device=device),
+                              run(name, rule, 32, "torch", device=device))
 
 
 @pytest.mark.slow
