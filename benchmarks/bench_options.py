@@ -136,7 +136,8 @@ def main(argv=None) -> dict:
     if args.model is None:
         target = model_dir(args.workdir, "8b", args.tokenizer_dir)
         kwargs.update(model=target, dtype="bfloat16", load_format="dummy",
-                      max_model_len=2048, kv_cache_memory="8GiB")
+                      max_model_len=2048,
+                      kv_cache_memory="8GiB" if args.device.startswith("cuda") else "1GiB")
     else:
         target = None if args.model == "bundled" else args.model
         kwargs.update(model=target)

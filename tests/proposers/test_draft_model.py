@@ -378,6 +378,70 @@ def test_captured_draft_matches_eager(llama_dir, method):
     assert replays == 6
 
 
+class _EvenTokens:
+    """A grammar stand-in for drafting: every position allows the even tokens and, after a
+    draft d, also d + 1 (masks that depend on the walk)."""
+
+    def __init__(self) -> None:
+        self.words = -(-VOCAB // 32)
+        self.walked = None
+
+    def _mask(self, last: int | None) -> np.ndarray:
+        allowed = np.arange(VOCAB) % 2 == 0
+        if last is not None and last + 1 < VOCAB:
+            allowed[last + 1] = True
+        bits = np.zeros(self.words * 32, dtype=np.int64)
+        bits[:VOCAB] = allowed
+        return (bits.reshape(self.words, 32) << np.arange(32)).sum(1).astype(np.uint32).view(
+            np.int32)
+
+    def begin_draft(self) -> np.ndarray:
+        self.walked = []
+        return self._mask(None)
+
+    def extend_draft(self, token_id: int) -> np.ndarray:
+        self.walked.append(token_id)
+        return self._mask(token_id)
+
+    def end_draft(self) -> None:
+        self.walked = None
+
+
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_grammar_batches_replay_the_position_forwards(llama_dir, method):
+    """A batch with a grammar drafts between host-side masks; on the flat layout it replays the
+    captured forwards of one position (the last two committed tokens, then one draft at a
+    time) and proposes what the eager drafting proposes: the same tokens (inside the
+    grammar) and q, over steps with random acceptance."""
+    k = 3
+    eager = draft_proposer(llama_dir, k, method)
+    graph = _flat(draft_proposer(llama_dir, k, method))
+    assert graph.runner.graphs.has(graph._position_graph(1))
+    rng = random.Random(1)
+    contexts = {0: [5, 9, 11, 3], 2: [7, 1, 22, 40, 41, 8, 2]}
+    replays = 0
+    for _ in range(5):
+        requests = [Request(list(c), k, slot, temperature=0.8 if method != "greedy" else 0.0,
+                            seed=slot + 10) for slot, c in contexts.items()]
+        for r in requests:
+            r.grammar = _EvenTokens()
+        assert not graph._can_replay(requests, np.arange(2), np.array([0, 2]))
+        replays += graph._replays_positions(requests, np.arange(2))
+        a, b = eager.propose(requests), graph.propose(requests)
+        drafts = a.draft_token_ids.tolist()
+        assert drafts == b.draft_token_ids.tolist()
+        for row in (drafts[:k], drafts[k:]):  # inside the grammar stand-in
+            assert all(t % 2 == 0 or t - 1 == prev for prev, t in zip([None] + row, row))
+        if method != "greedy":
+            torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-4, atol=1e-6)
+        for r in requests:
+            row = drafts[:k] if r.slot == 0 else drafts[k:]
+            contexts[r.slot] += row[:rng.randint(0, k)] + [rng.randrange(VOCAB)]
+        for p in (eager, graph):
+            p.on_commit(list(contexts), [len(c) for c in contexts.values()])
+    assert replays == 5
+
+
 @pytest.mark.parametrize("method", ["greedy", "probabilistic"])
 def test_drafting_ahead_matches_drafting_after_the_commit(llama_dir, method):
     """The next step's draft queued from a step's output tokens (device tensors the host has not

@@ -56,6 +56,7 @@ step down the usual path, which rewrites every row the queued draft touched).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -122,6 +123,10 @@ class ModelProposer(Proposer):
 
     runner: ModelRunner
     num_layers: int | None = None
+    # Whether ``capture`` also captures the draft's forwards one position at a time, which a
+    # batch with a grammar replays between its host-side masks (``_draft``); the proposers
+    # whose ``_draft`` drafts from the runner's logits alone.
+    captures_positions = False
 
     def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
         super().__init__(config, context)
@@ -178,6 +183,16 @@ class ModelProposer(Proposer):
                           seeds=StepInput(1, torch.int64, 0))
         with torch.inference_mode():
             graphs.add(self.graph_name, inputs, self._draft_step)
+            if self.captures_positions:
+                # logits of every slot's last fed token, for the grammar batches' drafts
+                self.draft_logits_buffer = torch.zeros(
+                    self.draft_token_buffer.shape[0], self.runner.config.vocab_size,
+                    dtype=torch.float32, device=self.device)
+                positions = {"slots": inputs["slots"], "starts": inputs["starts"]}
+                for width in (1, 2):
+                    graphs.add(self._position_graph(width),
+                               {"ids": StepInput(width, torch.int64), **positions},
+                               functools.partial(self._position_step, width=width))
         self._captured_buffers = (self.draft_token_buffer, self.draft_probs_buffer)
 
     @property
@@ -203,6 +218,39 @@ class ModelProposer(Proposer):
             if i + 1 < k:
                 logits = runner.compute_logits(runner.fixed_step_hidden(
                     draft_ids, slots, positions, 1, self.num_layers))
+
+    def _position_graph(self, width: int) -> str:
+        return f"{self.graph_name}_position{width}"
+
+    def _position_step(self, x: dict[str, torch.Tensor], width: int) -> None:
+        """A captured draft forward of ``width`` tokens per request (``x["ids"]`` [B, width] at
+        positions ``x["starts"]`` ..): the logits of each request's last token into its row of
+        ``draft_logits_buffer``."""
+        runner, slots = self.runner, x["slots"].view(-1)
+        hidden = runner.fixed_step_hidden(x["ids"].view(-1), slots, x["starts"].view(-1), width,
+                                          self.num_layers)
+        self.draft_logits_buffer[slots] = runner.compute_logits(hidden[width - 1::width])
+
+    def _replays_positions(self, requests, active: np.ndarray) -> bool:
+        """Whether a batch that drafts eagerly (a grammar's masks come from the host between
+        positions) replays the captured forwards of one position: graphs, a batch that fits,
+        two committed tokens per request."""
+        graphs = self.runner.graphs
+        return (self.captures_positions and graphs is not None
+                and graphs.has(self._position_graph(1))
+                and graphs.fits(self._position_graph(1), active.size)
+                and all(len(requests[r].token_ids) >= 2 for r in active))
+
+    def _position_logits(self, slots: np.ndarray, ids, starts: np.ndarray) -> torch.Tensor:
+        """Replay the position forward of ``ids`` [B, width] (host array or device tensor) at
+        positions ``starts`` [B] .. in ``slots``; [B, V] logits of each request's last token."""
+        width = ids.shape[1]
+        cache = self.runner.kv_cache
+        cache.prepare_write(slots, lambda: starts + width)
+        self.runner.graphs.run(self._position_graph(width), {
+            "ids": ids, "slots": slots[:, None], "starts": starts[:, None]})
+        cache.set_lengths(slots, starts + width)
+        return self.draft_logits_buffer[ops.to_device(slots, self.device)]
 
     def _can_replay(self, requests, active: np.ndarray, slots: np.ndarray) -> bool:
         """Whether the captured draft applies: graphs, a batch that fits, two committed tokens
@@ -372,8 +420,13 @@ class ModelProposer(Proposer):
         cache = self.runner.kv_cache
         contexts = [requests[r].token_ids for r in active]
         num_tokens = np.array([len(c) for c in contexts], dtype=np.int64)  # [B_a]
+        # a grammar batch replays the captured forwards of one position (``_position_logits``),
+        # which feed the last two committed tokens as the captured draft does
+        by_position = self._replays_positions(requests, active)
         feeds = []
         for slot, context, length in zip(slots.tolist(), contexts, num_tokens.tolist()):
+            if by_position:
+                continue
             # Normally the cache holds at most num_tokens - 1 (on_commit's rule); a cache that
             # holds the last committed token too is moved back one so that its logits exist.
             num_cached = min(cache.length(slot), length - 1)
@@ -391,7 +444,13 @@ class ModelProposer(Proposer):
         # structured output: draft only what each request's grammar allows (grammar_walk)
         walks = GrammarWalks([self.draft_grammar(requests[r]) for r in active])
         try:
-            logits = self.runner.forward(slots.tolist(), feeds, "last", self.num_layers)  # [B_a, V]
+            if by_position:
+                self._catch_up(requests, active, slots)
+                last_two = np.stack([np.asarray(_tail(c, n - 2), dtype=np.int64)
+                                     for c, n in zip(contexts, num_tokens)])
+                logits = self._position_logits(slots, last_two, num_tokens - 2)  # [B_a, V]
+            else:
+                logits = self.runner.forward(slots.tolist(), feeds, "last", self.num_layers)
             for i in range(int(num_drafts.max())):
                 row_index = torch.from_numpy(rows).to(self.device)
                 row_slots = slots_t if rows.size == active.size else slots_t[row_index]
@@ -418,9 +477,13 @@ class ModelProposer(Proposer):
                 # (free on the CPU; on a GPU it waits for this position's sampling).
                 feed_ids = draft_ids[torch.from_numpy(np.flatnonzero(keep)).to(self.device)]
                 rows = rows[keep]
-                logits = self.runner.forward(
-                    slots[rows].tolist(), [[t] for t in feed_ids.tolist()], "last", self.num_layers
-                )
+                if by_position:  # d_{i+1} at position num_tokens + i
+                    logits = self._position_logits(slots[rows], feed_ids[:, None],
+                                                   num_tokens[rows] + i)
+                else:
+                    logits = self.runner.forward(slots[rows].tolist(),
+                                                 [[t] for t in feed_ids.tolist()], "last",
+                                                 self.num_layers)
         finally:
             walks.close()  # (every walk has ended unless drafting failed)
 
@@ -633,6 +696,8 @@ class DraftModelProposer(ModelProposer):
     draft directory's, and ``context.tokenizer`` or ``context.target_model.tokenizer``) their
     sizes must agree as well.
     """
+
+    captures_positions = True
 
     def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
         super().__init__(config, context)
