@@ -41,7 +41,12 @@ from verispec import ops
 from verispec.engine.request import Request
 from verispec.ops.backend import get_backend, load_backend
 from verispec.ops.options import apply_token_bitmask
-from verispec.sample.grammar import GrammarCompiler
+from verispec.sample.grammar import (
+    GrammarCompiler,
+    begin_drafts,
+    extend_drafts,
+    fill_chain_masks,
+)
 from verispec.sample.options import RequestOptions, SamplingOptions
 from verispec.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -263,3 +268,31 @@ def test_triton_backend_gives_the_same_tokens(device):
     for drafts in ("sampled", "guided", "invalid"):
         assert np.array_equal(run(drafts, 32, backend="triton", device=device),
                               run(drafts, 32, backend="torch", device=device))
+
+
+def test_batched_masks_equal_one_matcher_at_a_time():
+    """The masks computed in parallel across requests (``compute_masks`` through llguidance's
+    executor) are each matcher's own: the verify rows of several chains (drafts inside the
+    grammar, leaving it, empty, out of the vocabulary) and the drafting walks."""
+    chains = [[27, 24, 5], [2, 26, 5], [2, 3], [], [3, 4, 5, 24], [99, 2]]
+    batched = [make_request(1.0).options.grammar for _ in chains]
+    for g in batched:
+        g.sync(np.array(OUTPUT))
+    fill_chain_masks(batched, chains)
+    for g, drafts in zip(batched, chains):
+        fresh = make_request(1.0).options.grammar
+        fresh.sync(np.array(OUTPUT))
+        assert np.array_equal(g.masks(drafts), fresh.masks(drafts)), drafts
+        assert np.array_equal(g.masks([]), fresh.masks([]))  # rolled back
+    walks = [make_request(1.0).options.grammar for _ in chains]
+    for g in walks:
+        g.sync(np.array(OUTPUT))
+    steps = [begin_drafts(walks)]
+    for i in range(4):
+        steps.append(extend_drafts(walks, [c[i] if i < len(c) else 2 for c in chains]))
+    for j, g in enumerate(walks):
+        g.end_draft()
+        drafts = (chains[j] + [2] * 4)[:4]
+        fresh = make_request(1.0).options.grammar
+        fresh.sync(np.array(OUTPUT))
+        assert np.array_equal(np.stack([s[j] for s in steps]), fresh.masks(drafts)), drafts

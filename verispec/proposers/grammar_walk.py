@@ -30,6 +30,7 @@ import torch
 
 from verispec import ops
 from verispec.ops.options import apply_token_bitmask
+from verispec.sample.grammar import begin_drafts, extend_drafts
 
 
 class _ColumnMasks:
@@ -73,7 +74,8 @@ class GrammarWalks(_ColumnMasks):
         super().__init__(token_ids)
         self.grammars = list(grammars)
         # active request -> [ceil(V / 32)] int32 mask its next draft is drafted under
-        self.masks = {a: g.begin_draft() for a, g in enumerate(self.grammars) if g is not None}
+        walking = [a for a, g in enumerate(self.grammars) if g is not None]
+        self.masks = dict(zip(walking, begin_drafts([self.grammars[a] for a in walking])))
 
     def __bool__(self) -> bool:
         return bool(self.masks)
@@ -92,8 +94,9 @@ class GrammarWalks(_ColumnMasks):
         if not walked:
             return
         index = ops.to_device(np.array([j for j, _ in walked], dtype=np.int64), draft_ids.device)
-        for (j, a), token_id in zip(walked, draft_ids[index].tolist()):
-            self.masks[a] = self.grammars[a].extend_draft(int(token_id))
+        masks = extend_drafts([self.grammars[a] for _, a in walked], draft_ids[index].tolist())
+        for (j, a), mask in zip(walked, masks):
+            self.masks[a] = mask
             if last[j]:
                 self.grammars[a].end_draft()
                 del self.masks[a]

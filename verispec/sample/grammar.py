@@ -158,23 +158,9 @@ class GrammarMatcher:
         if parent_ids is not None and any(p != i - 1 for i, p in enumerate(parent_ids)):
             return self._tree_masks(drafts, parent_ids)
         key = tuple(drafts)
-        cached = self._memo.get(key)
-        if cached is not None:
-            return cached
-        n = len(drafts)
-        out = np.empty((n + 1, self.num_words), dtype=np.int32)
-        m = self.matcher
-        prefix = list(itertools.takewhile(lambda d: 0 <= d < self.vocab_size, key))
-        valid = m.validate_tokens(prefix) if prefix and not m.is_stopped() else 0
-        for i in range(valid + 1):
-            m.unsafe_compute_mask_ptr(out[i].ctypes.data, out[i].nbytes)
-            if i < valid:
-                m.consume_token(int(drafts[i]))
-        out[valid + 1:] = out[valid]  # rows past a draft the grammar refuses: never reached
-        if valid:
-            m.rollback(valid)
-        self._memo[key] = out
-        return out
+        if key not in self._memo:
+            fill_chain_masks([self], [key])
+        return self._memo[key]
 
     def _tree_masks(self, drafts: Sequence[int], parent_ids: Sequence[int]) -> np.ndarray:
         """``masks`` of a token tree: depth first, each node consumed on the way down and
@@ -217,12 +203,6 @@ class GrammarMatcher:
         return (0 <= token_id < self.vocab_size and not m.is_stopped()
                 and m.validate_tokens([token_id]) == 1)
 
-    def _mask(self) -> np.ndarray:
-        """[ceil(V / 32)] int32 bitmask of the matcher where it is."""
-        out = np.empty(self.num_words, dtype=np.int32)
-        self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
-        return out
-
     def num_valid(self, drafts: Sequence[int]) -> int:
         """How many leading tokens of ``drafts`` the grammar allows after the committed output
         (the matcher stays where it is)."""
@@ -233,28 +213,31 @@ class GrammarMatcher:
 
     def begin_draft(self) -> np.ndarray:
         """Start a walk along drafts from the committed output; returns its mask
-        [ceil(V / 32)] int32, the one d_1 is drafted under."""
-        if self._draft_consumed:
-            self.matcher.rollback(self._draft_consumed)
-        self._draft_ids, self._draft_consumed, self._draft_left = [], 0, False
-        self._draft_masks = [self._mask()]
-        return self._draft_masks[0]
+        [ceil(V / 32)] int32, the one d_1 is drafted under (``begin_drafts`` of one)."""
+        return begin_drafts([self])[0]
 
     def extend_draft(self, token_id: int) -> np.ndarray:
         """Advance the walk along the next draft; returns the mask after it (the one the next
         draft is drafted under). From the first draft the grammar refuses on, the walk stays
-        where it was and repeats its mask (as ``masks`` does: those rows are never reached)."""
-        m = self.matcher
-        if not self._draft_left and self._allows(token_id):
-            m.consume_token(token_id)
-            self._draft_consumed += 1
-            mask = self._mask()
-        else:
-            self._draft_left = True
-            mask = self._draft_masks[-1]
+        where it was and repeats its mask (as ``masks`` does: those rows are never reached).
+        ``extend_drafts`` of one."""
+        return extend_drafts([self], [token_id])[0]
+
+    def _restart_walk(self) -> None:
+        if self._draft_consumed:
+            self.matcher.rollback(self._draft_consumed)
+        self._draft_ids, self._draft_consumed, self._draft_left = [], 0, False
+
+    def _walk(self, token_id: int) -> bool:
+        """Record the walk's next draft; consume it where the grammar allows it (then the walk
+        needs a new mask: True)."""
         self._draft_ids.append(int(token_id))
-        self._draft_masks.append(mask)
-        return mask
+        if not self._draft_left and self._allows(token_id):
+            self.matcher.consume_token(token_id)
+            self._draft_consumed += 1
+            return True
+        self._draft_left = True
+        return False
 
     def end_draft(self) -> None:
         """End the walk: roll the matcher back to the committed output and keep the walk's
@@ -264,3 +247,90 @@ class GrammarMatcher:
         if self._draft_masks:
             self._memo[tuple(self._draft_ids)] = np.stack(self._draft_masks)
         self._draft_ids, self._draft_masks, self._draft_consumed = [], [], 0
+
+
+_executor: llguidance.LLExecutor | None = None
+
+
+def compute_masks(grammars: Sequence[GrammarMatcher]) -> np.ndarray:
+    """[len(grammars), ceil(V / 32)] int32: each matcher's mask where it stands, computed in
+    parallel across the matchers (llguidance's executor, native threads); the bits each
+    matcher's own ``unsafe_compute_mask_ptr`` gives."""
+    global _executor
+    num_words = grammars[0].num_words if grammars else 0
+    out = np.empty((len(grammars), num_words), dtype=np.int32)
+    if len(grammars) == 1:
+        grammars[0].matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+    elif grammars:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        _executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
+                                          out.ctypes.data, out[0].nbytes, len(grammars))
+    return out
+
+
+def fill_chain_masks(grammars: Sequence[GrammarMatcher],
+                     drafts: Sequence[Sequence[int]]) -> None:
+    """Put into each matcher's memo the masks ``GrammarMatcher.masks`` gives its chain of
+    ``drafts`` (the verify step's rows), depth by depth, each depth's masks computed in
+    parallel across the requests (``compute_masks``). A matcher listed more than once walks
+    its chains one after the other."""
+    pending = [(g, tuple(int(t) for t in d)) for g, d in zip(grammars, drafts)]
+    while pending:
+        todo, seen, later = [], set(), []
+        for g, d in pending:
+            if d in g._memo:
+                continue
+            if id(g) in seen:
+                later.append((g, d))
+            else:
+                seen.add(id(g))
+                todo.append((g, d))
+        _fill_distinct(todo)
+        pending = later
+
+
+def _fill_distinct(todo: list[tuple[GrammarMatcher, tuple[int, ...]]]) -> None:
+    """``fill_chain_masks`` of distinct matchers."""
+    valid = [g.num_valid(d) for g, d in todo]
+    outs = [np.empty((len(d) + 1, g.num_words), dtype=np.int32) for g, d in todo]
+    depth = 0
+    while True:
+        here = [i for i, v in enumerate(valid) if depth <= v]
+        if not here:
+            break
+        masks = compute_masks([todo[i][0] for i in here])
+        for mask, i in zip(masks, here):
+            outs[i][depth] = mask
+            if depth < valid[i]:
+                todo[i][0].matcher.consume_token(todo[i][1][depth])
+        depth += 1
+    for (g, d), v, out in zip(todo, valid, outs):
+        out[v + 1:] = out[v]  # rows past a draft the grammar refuses: never reached
+        if v:
+            g.matcher.rollback(v)
+        g._memo[d] = out
+
+
+def begin_drafts(grammars: Sequence[GrammarMatcher]) -> list[np.ndarray]:
+    """``begin_draft`` for every matcher, their masks computed in parallel."""
+    for g in grammars:
+        g._restart_walk()
+    masks = list(compute_masks(grammars))
+    for g, mask in zip(grammars, masks):
+        g._draft_masks = [mask]
+    return masks
+
+
+def extend_drafts(grammars: Sequence[GrammarMatcher], token_ids: Sequence[int]
+                  ) -> list[np.ndarray]:
+    """``extend_draft`` of each matcher along its token, the new masks computed in
+    parallel."""
+    moved = [g._walk(int(t)) for g, t in zip(grammars, token_ids)]
+    fresh = iter(compute_masks([g for g, m in zip(grammars, moved) if m]))
+    out = []
+    for g, m in zip(grammars, moved):
+        mask = next(fresh) if m else g._draft_masks[-1]
+        g._draft_masks.append(mask)
+        out.append(mask)
+    return out

@@ -40,7 +40,7 @@ from verispec import ops
 from verispec.ops.options import NEG_INF, WILDCARD, OptionTensors, apply_options
 from verispec.ops.tree import SlotPaths
 from verispec.runtime.model_runner import ModelRunner, StepPenalties
-from verispec.sample.grammar import GrammarCompiler, GrammarMatcher
+from verispec.sample.grammar import GrammarCompiler, GrammarMatcher, fill_chain_masks
 from verispec.sampling_params import SamplingParams
 
 
@@ -239,6 +239,14 @@ class SamplingOptions:
                 batch[b].options.grammar is not None for b in members):
             # the matchers run on the host: one wait, for the drafts only
             drafts_cpu = (host_drafts or HostDrafts(draft_token_ids)).tolist()
+            if parent_ids is None:  # the chains' masks, computed in parallel across requests
+                chains = [b for b in members if batch[b].options.grammar is not None]
+                for b in chains:
+                    batch[b].options.grammar.sync(batch[b].output_token_ids)
+                fill_chain_masks(
+                    [batch[b].options.grammar for b in chains],
+                    [drafts_cpu[first_drafts[b]:first_drafts[b] + int(num_drafts[b])]
+                     for b in chains])
         for m, b in enumerate(members):
             r, o = batch[b], batch[b].options
             p, n = o.params, int(num_drafts[b])
