@@ -296,3 +296,24 @@ def test_batched_masks_equal_one_matcher_at_a_time():
         fresh = make_request(1.0).options.grammar
         fresh.sync(np.array(OUTPUT))
         assert np.array_equal(np.stack([s[j] for s in steps]), fresh.masks(drafts)), drafts
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_token_bitmask_masks_exactly_the_refused_tokens(mapped, device):
+    """``apply_token_bitmask`` against a bit-by-bit reference: rows out of order, a vocabulary
+    that is not a multiple of 32, and an EAGLE-3 column map onto target ids."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 77, torch.tensor([4, 0, 2])
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 3), dtype=torch.int32, generator=gen)
+    token_ids = torch.randperm(vocab, generator=gen)[:50] if mapped else None
+    logits = torch.randn(6, 50 if mapped else vocab, generator=gen)
+    want = logits.clone()
+    for g, row in enumerate(rows.tolist()):
+        for col in range(want.shape[1]):
+            t = int(token_ids[col]) if mapped else col
+            if not (int(bitmask[g, t // 32]) >> (t % 32)) & 1:
+                want[row, col] = float("-inf")
+    got = logits.to(device)
+    apply_token_bitmask(got, rows.to(device), bitmask.to(device),
+                        None if token_ids is None else token_ids.to(device))
+    assert torch.equal(got.cpu(), want)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 NEG_INF = float("-inf")
@@ -133,11 +134,16 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
         The token id of each column (an EAGLE-3 head's draft vocabulary mapped onto the
         target's); None: column v is token v (V' = V).
     """
-    vocab = (torch.arange(logits.shape[1], device=logits.device) if token_ids is None
-             else token_ids)
-    words = bitmask[:, vocab >> 5]  # [G, V'] int32
-    allowed = ((words >> (vocab & 31)) & 1).bool()  # [G, V']
-    logits[rows] = logits[rows].masked_fill(~allowed, NEG_INF)
+    num_rows, num_words = bitmask.shape
+    if logits.device.type == "cpu":  # numpy unpacks bits an order of magnitude faster
+        bits = torch.from_numpy(np.unpackbits(
+            bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little"))
+    else:  # bit j of byte i is token 8 i + j (little endian words)
+        shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+        bits = (bitmask.contiguous().view(torch.uint8)[:, :, None] >> shifts) & 1
+    bits = bits.view(num_rows, num_words * 32)  # [G, 32 W] uint8, column t = token t
+    refused = (bits[:, : logits.shape[1]] if token_ids is None else bits[:, token_ids]) == 0
+    logits[rows] = logits[rows].masked_fill(refused, NEG_INF)
 
 
 def apply_penalties(
