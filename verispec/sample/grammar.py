@@ -249,23 +249,16 @@ class GrammarMatcher:
         self._draft_ids, self._draft_masks, self._draft_consumed = [], [], 0
 
 
-_executor: llguidance.LLExecutor | None = None
-
-
 def compute_masks(grammars: Sequence[GrammarMatcher]) -> np.ndarray:
-    """[len(grammars), ceil(V / 32)] int32: each matcher's mask where it stands, computed in
-    parallel across the matchers (llguidance's executor, native threads); the bits each
-    matcher's own ``unsafe_compute_mask_ptr`` gives."""
-    global _executor
+    """[len(grammars), ceil(V / 32)] int32: each matcher's mask where it stands.
+
+    One matcher after the other on this thread. llguidance's executor computes them in
+    parallel on native threads, but beside a GPU engine's busy host threads it made the
+    grammar-aware drafting step slower, not faster (docs/benchmarks.md)."""
     num_words = grammars[0].num_words if grammars else 0
     out = np.empty((len(grammars), num_words), dtype=np.int32)
-    if len(grammars) == 1:
-        grammars[0].matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
-    elif grammars:
-        if _executor is None:
-            _executor = llguidance.LLExecutor()
-        _executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
-                                          out.ctypes.data, out[0].nbytes, len(grammars))
+    for row, g in zip(out, grammars):
+        g.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
     return out
 
 
