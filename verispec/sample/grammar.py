@@ -265,9 +265,9 @@ def compute_masks(grammars: Sequence[GrammarMatcher]) -> np.ndarray:
 def fill_chain_masks(grammars: Sequence[GrammarMatcher],
                      drafts: Sequence[Sequence[int]]) -> None:
     """Put into each matcher's memo the masks ``GrammarMatcher.masks`` gives its chain of
-    ``drafts`` (the verify step's rows), depth by depth, each depth's masks computed in
-    parallel across the requests (``compute_masks``). A matcher listed more than once walks
-    its chains one after the other."""
+    ``drafts`` (the verify step's rows), depth by depth, each depth's masks in one
+    ``compute_masks`` over the requests. A matcher listed more than once walks its chains one
+    after the other."""
     pending = [(g, tuple(int(t) for t in d)) for g, d in zip(grammars, drafts)]
     while pending:
         todo, seen, later = [], set(), []
@@ -306,7 +306,7 @@ def _fill_distinct(todo: list[tuple[GrammarMatcher, tuple[int, ...]]]) -> None:
 
 
 def begin_drafts(grammars: Sequence[GrammarMatcher]) -> list[np.ndarray]:
-    """``begin_draft`` for every matcher, their masks computed in parallel."""
+    """``begin_draft`` for every matcher, their masks in one ``compute_masks``."""
     for g in grammars:
         g._restart_walk()
     masks = list(compute_masks(grammars))
@@ -317,8 +317,8 @@ def begin_drafts(grammars: Sequence[GrammarMatcher]) -> list[np.ndarray]:
 
 def extend_drafts(grammars: Sequence[GrammarMatcher], token_ids: Sequence[int]
                   ) -> list[np.ndarray]:
-    """``extend_draft`` of each matcher along its token, the new masks computed in
-    parallel."""
+    """``extend_draft`` of each matcher along its token, the new masks in one
+    ``compute_masks``."""
     moved = [g._walk(int(t)) for g, t in zip(grammars, token_ids)]
     fresh = iter(compute_masks([g for g, m in zip(grammars, moved) if m]))
     out = []
