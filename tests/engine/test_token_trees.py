@@ -33,7 +33,7 @@ from verispec import LLM, SamplingParams
 from verispec.engine import llm as llm_module
 from verispec.proposers import draft_model as draft_model_module
 from verispec.proposers import eagle as eagle_module
-from verispec.runtime.model_runner import ModelRunner
+from verispec.runtime.model_runner import TREE_GRAPH_MAX_BATCH, ModelRunner
 
 VOCAB = 64
 MAX_MODEL_LEN = 96
@@ -124,6 +124,31 @@ def test_greedy_tree_equals_plain_greedy(target_dir, draft_dir, plain_greedy, tr
                            layout=layout)
     assert tokens == plain_greedy[layout]
     assert llm.spec.stats.num_drafts > 0
+
+
+@pytest.mark.parametrize("max_num_seqs", [4, 16])
+def test_tree_verify_replays_its_graph_up_to_its_batch(target_dir, draft_dir, plain_greedy,
+                                                      max_num_seqs):
+    """On the flat layout the tree verify replays the captured tree step (its static buffers,
+    eagerly on the CPU) for batches up to ``TREE_GRAPH_MAX_BATCH`` and runs eagerly beyond;
+    the tokens are the plain greedy ones either way."""
+    prompts, params = workload(temperature=0.0)
+    with runners_on("flat"):
+        llm = LLM(target_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
+                  speculative_config=tree_config(draft_dir, BINARY))
+    runner = llm.runner
+    name = runner.tree_graph_name(len(BINARY) + 1, 3)
+    assert runner.tree_graph == (len(BINARY) + 1, 3) and runner.graphs.has(name)
+    replays = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda step, rows: replays.append((step, len(rows["ids"]))) or run(
+        step, rows)
+    tokens = [o.token_ids for o in llm.generate(prompts, params)]
+    assert tokens == plain_greedy["flat"]
+    tree_batches = [b for step, b in replays if step == name]
+    assert tree_batches and max(tree_batches) <= TREE_GRAPH_MAX_BATCH
+    if max_num_seqs > TREE_GRAPH_MAX_BATCH:  # 6 requests: all fit; a larger batch would not
+        assert not runner.graphs.fits(name, TREE_GRAPH_MAX_BATCH + 1)
 
 
 @pytest.mark.parametrize("layout", ["cpu", "flat"])

@@ -199,6 +199,8 @@ class LLM(StepLoop):
         if draft_runner is not None and draft_runner is not self.runner:
             draft_runner.max_forward_tokens = forward_tokens
         self._captured_query_counts = [1] if self.spec is None else [1, k + 1]
+        if self.spec is not None and self.spec.tree is not None:  # the trees' verify graph
+            self.runner.tree_graph = (self.spec.tree.num_nodes_total + 1, self.spec.tree.depth)
         self.kv_plan = memory.plan_kv_pool(
             self.runner, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -222,6 +224,7 @@ class LLM(StepLoop):
                                    prefill_attention_budget=args.prefill_attention_budget)
         # CUDA graphs (no-op on CPU and with enforce_eager): decode, verify, the proposer's draft
         self.runner.capture(self._captured_query_counts)
+        self.runner.capture_tree()
         if self.spec is not None:
             self.spec.capture()
             # every rank plans its drafts with rank 0's measured step costs

@@ -77,6 +77,22 @@ class TreeFeed:
         cols = slice(self.first_slot, self.first_slot + width)
         return positions[:, cols], mask[:, :, cols]
 
+    def padded(self, counts: np.ndarray, width: int, max_depth: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """A captured verify's layout (first slot 0, request b's ``counts[b]`` slots padded
+        to ``width``): (depths [B, width] int64, paths [B, width, max_depth + 1] int32) with
+        ``max_depth`` >= this feed's. A padding slot sits at the root's position and sees the
+        root only (its depth 0, its path the root's)."""
+        depths, paths = slot_paths(self.parents, max_depth)  # [B, n + 1], [B, n + 1, D + 1]
+        batch_size, n = depths.shape
+        out_depths = np.zeros((batch_size, width), dtype=np.int64)
+        out_paths = np.full((batch_size, width, max_depth + 1), -1, dtype=np.int32)
+        out_paths[:, :, 0] = 0
+        real = np.arange(n)[None, :] < np.asarray(counts)[:, None]  # [B, n]
+        out_depths[:, :n] = np.where(real, depths.numpy(), 0)
+        out_paths[:, :n] = np.where(real[..., None], paths.numpy(), out_paths[:, :n])
+        return out_depths, out_paths
+
     def flat(self, counts: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
         """The flat layout's T = sum(counts) tokens: (positions [T] int64, paths [T,
         max_depth + 1] int32, ``FlatBatch.tree_paths``)."""

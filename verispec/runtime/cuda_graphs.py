@@ -105,6 +105,7 @@ class CUDAGraphRunner:
         self._steps: dict[str, dict[int, _Captured]] = {}
         self._specs: dict[str, dict[str, StepInput]] = {}
         self._step_fns: dict[str, Callable[[dict[str, torch.Tensor]], object]] = {}
+        self._buckets: dict[str, list[int]] = {}  # each step's buckets
         self.capture_time_s = 0.0
         self.memory_bytes = 0  # device memory the captures took (pool and static buffers)
 
@@ -117,23 +118,29 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def add(self, name: str, inputs: Mapping[str, StepInput],
-            step: Callable[[dict[str, torch.Tensor]], object]) -> None:
-        """Allocate the static inputs of ``step`` for every bucket, warm it up and capture it
-        (largest bucket first); ``step(inputs)`` gets ``{name: [bucket, width] tensor}``."""
+            step: Callable[[dict[str, torch.Tensor]], object],
+            max_batch_size: int | None = None) -> None:
+        """Allocate the static inputs of ``step`` for every bucket (up to the one that holds
+        ``max_batch_size`` rows, when given), warm it up and capture it (largest bucket
+        first); ``step(inputs)`` gets ``{name: [bucket, width] tensor}``."""
         if name in self._steps:
             raise ValueError(f"step {name!r} is already captured")
         start = time.perf_counter()
         before = self._memory()
         captured = {}
+        buckets = self.buckets
+        if max_batch_size is not None and max_batch_size < self.max_batch_size:
+            top_bucket = bucket_for(max_batch_size, self.buckets)
+            buckets = [b for b in self.buckets if b <= top_bucket]
         # One static buffer and one host staging buffer per input, of the largest bucket; a
         # bucket's graph reads their first ``bucket`` rows (replays are ordered on the stream).
-        top = self.max_batch_size
+        top = buckets[-1]
         static_all = {key: torch.full((top, spec.width), spec.pad, dtype=spec.dtype,
                                       device=self.device) for key, spec in inputs.items()}
         staging_all = {key: torch.empty(t.shape, dtype=t.dtype, pin_memory=self.capture_graphs)
                        for key, t in static_all.items()}
         copied = torch.cuda.Event() if self.capture_graphs else None
-        for bucket in reversed(self.buckets):
+        for bucket in reversed(buckets):
             static = {key: t[:bucket] for key, t in static_all.items()}
             staging = {key: t[:bucket] for key, t in staging_all.items()}
             if not self.capture_graphs:
@@ -160,6 +167,7 @@ class CUDAGraphRunner:
         if self.capture_graphs:
             torch.cuda.synchronize(self.device)
         self._steps[name] = captured
+        self._buckets[name] = buckets
         self._specs[name] = dict(inputs)
         self.capture_time_s += time.perf_counter() - start
         self.memory_bytes += self._memory() - before
@@ -175,7 +183,7 @@ class CUDAGraphRunner:
         return key in self._specs.get(name, ())
 
     def fits(self, name: str, batch_size: int) -> bool:
-        return name in self._steps and 0 < batch_size <= self.max_batch_size
+        return name in self._steps and 0 < batch_size <= self._buckets[name][-1]
 
     @torch.inference_mode()
     def run(self, name: str, rows: Mapping[str, np.ndarray | torch.Tensor]) -> tuple[object, int]:
@@ -183,7 +191,7 @@ class CUDAGraphRunner:
         or device tensors copied on the device). Returns (the step's outputs, bucket): output
         rows past B belong to padding."""
         batch_size = len(next(iter(rows.values())))
-        bucket = bucket_for(batch_size, self.buckets)
+        bucket = bucket_for(batch_size, self._buckets[name])
         captured = self._steps[name][bucket]
         specs = self._specs[name]
         if captured.copied is not None:
@@ -209,7 +217,7 @@ class CUDAGraphRunner:
     def time_step(self, name: str, batch_size: int = 1, repeats: int = 20) -> float:
         """Median seconds of one replay of ``name`` at ``batch_size`` on its current inputs (the
         padding rows of a fresh capture): the device cost of the step, for the cost model."""
-        captured = self._steps[name][bucket_for(batch_size, self.buckets)]
+        captured = self._steps[name][bucket_for(batch_size, self._buckets[name])]
         if captured.graph is None:
             raise ValueError("time_step needs captured CUDA graphs")
         times = []

@@ -41,7 +41,7 @@ from verispec.models.rope import rope_tables
 from verispec.ops import cpu_kernels, to_device
 from verispec.ops.model_ops import get_model_ops
 from verispec.ops.tree_feed import TreeFeed
-from verispec.runtime.cuda_graphs import CUDAGraphRunner, StepInput
+from verispec.runtime.cuda_graphs import CUDAGraphRunner, StepInput, bucket_for
 from verispec.runtime.kv_cache import DEFAULT_BLOCK_SIZE, BlockTables
 from verispec.runtime.state_cache import is_hybrid, make_cache
 
@@ -108,6 +108,9 @@ class StepPenalties:
 # (docs/benchmarks.md).
 CPU_UPCAST_ROWS = 16
 CPU_UPCAST_ROWS_WITH_KERNEL = 32
+# The largest batch a token tree's verify replays a CUDA graph for (``capture_tree``): trees pay
+# at small batches, and each bucket keeps the logits of every tree token.
+TREE_GRAPH_MAX_BATCH = 8
 
 
 class ModelRunner:
@@ -154,6 +157,9 @@ class ModelRunner:
         # (output_counts [num_slots, V] int32, prompt_mask [num_slots, V] bool): set before
         # ``capture``, the captured full-model steps apply penalties (module docstring)
         self.penalty_counts: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (tokens per request, max depth) of the token trees whose verify ``capture_tree``
+        # captures; set before the memory plan (``graph_output_bytes`` counts its logits)
+        self.tree_graph: tuple[int, int] | None = None
         # Forwards of more new tokens than this (prefills) run in pieces of at most this many
         # (``_forward_in_pieces``); None: any size in one forward.
         self.max_forward_tokens: int | None = None
@@ -236,11 +242,47 @@ class ModelRunner:
             self.graphs.add(name, inputs, lambda x, s=num_queries: self._captured_step(
                 x, s, num_layers))
 
+    @staticmethod
+    def tree_graph_name(num_tokens: int, max_depth: int) -> str:
+        return f"tree_s{num_tokens}_d{max_depth}"
+
+    @torch.inference_mode()
+    def capture_tree(self) -> None:
+        """Capture the verify forward over token trees of ``tree_graph`` = (tokens per request,
+        the root included; static bound on a tree's depth) for the batch buckets up to
+        ``TREE_GRAPH_MAX_BATCH`` (trees pay at small batches; each bucket keeps the logits of
+        every tree token); no-op without graphs or ``tree_graph``."""
+        if self.graphs is None or self.tree_graph is None:
+            return
+        num_tokens, max_depth = self.tree_graph
+        name = self.tree_graph_name(num_tokens, max_depth)
+        if self.graphs.has(name) or self.hybrid:
+            return
+        if num_tokens - 1 > self.kv_cache.extra_rows:
+            raise ValueError(
+                f"cannot capture trees of {num_tokens} tokens per request: the cache has "
+                f"{self.kv_cache.extra_rows} padding rows (max_step_tokens)")
+        inputs = {"ids": StepInput(num_tokens, torch.int64),
+                  "slots": StepInput(1, torch.int64, self.kv_cache.scratch_slot),
+                  "starts": StepInput(1, torch.int64, 0),
+                  "depths": StepInput(num_tokens, torch.int64, 0),
+                  # a padding request's paths: the root only (``_captured_step``)
+                  "paths": StepInput(num_tokens * (max_depth + 1), torch.int32, -1)}
+        self.graphs.add(name, inputs, lambda x: self._captured_step(x, num_tokens, None),
+                        max_batch_size=TREE_GRAPH_MAX_BATCH)
+
     def _captured_step(self, x: dict[str, torch.Tensor], num_queries: int,
                        num_layers: int | None):
         """The body of a captured forward: [B * num_queries, V] float32 logits of every fed
         token, and with ``capture_layers`` the [B * num_queries, D] hidden states too."""
-        batch = self.fixed_batch(x["slots"].view(-1), x["starts"].view(-1), num_queries)
+        depths = paths = None
+        if "paths" in x:  # a token tree's verify (``capture_tree``)
+            depths = x["depths"]
+            paths = x["paths"].view(depths.numel(), -1)
+            # every path starts at the root (slot 0): so do the padding requests' (-1 padded)
+            paths = torch.cat([torch.zeros_like(paths[:, :1]), paths[:, 1:]], 1)
+        batch = self.fixed_batch(x["slots"].view(-1), x["starts"].view(-1), num_queries,
+                                 depths, paths)
         kwargs = {} if "counts" not in x else {"counts": x["counts"].view(-1)}
         if num_layers is None:
             kwargs.update(self._capture_kwargs())
@@ -254,23 +296,27 @@ class ModelRunner:
         return logits if aux is None else (logits, aux)
 
     def fixed_batch(self, slot_ids: torch.Tensor, starts: torch.Tensor,
-                    num_queries: int) -> FlatBatch:
+                    num_queries: int, depths: torch.Tensor | None = None,
+                    tree_paths: torch.Tensor | None = None) -> FlatBatch:
         """The FlatBatch of B requests feeding ``num_queries`` tokens each, from device tensors
-        (capturable): request b's tokens occupy positions ``starts[b] ..``."""
+        (capturable): request b's tokens occupy cache rows ``starts[b] ..``, at those positions
+        or, for token trees, at ``starts[b] + depths[b]`` ([B, num_queries]) with
+        ``tree_paths`` ([B * num_queries, max_depth + 1], ``FlatBatch.tree_paths``)."""
         B = slot_ids.shape[0]
         offsets = torch.arange(num_queries, device=self.device)
-        positions = starts[:, None] + offsets  # [B, num_queries]
+        rows = starts[:, None] + offsets  # [B, num_queries]
+        positions = rows if depths is None else starts[:, None] + depths
         tables = self.kv_cache.block_tables
         block_size = tables.block_size
-        blocks = tables.table[slot_ids[:, None], positions // block_size].long()
+        blocks = tables.table[slot_ids[:, None], rows // block_size].long()
         return FlatBatch(
-            positions=positions.view(-1),
-            slot_mapping=(blocks * block_size + positions % block_size).view(-1),
+            positions=positions.reshape(-1),
+            slot_mapping=(blocks * block_size + rows % block_size).view(-1),
             slot_ids=slot_ids,
             context_lens=starts + num_queries,
             query_start=torch.arange(0, (B + 1) * num_queries, num_queries, device=self.device),
             max_queries=num_queries, cos=self.cos, sin=self.sin, ops=self.ops,
-            block_tables=tables.table,
+            block_tables=tables.table, tree_paths=tree_paths,
         )
 
     def fixed_step_hidden(self, input_ids: torch.Tensor, slot_ids: torch.Tensor,
@@ -298,6 +344,20 @@ class ModelRunner:
                 return num_queries
         return None
 
+    def _tree_graph_for(self, batch_size: int, width: int, tree: TreeFeed,
+                        num_layers: int | None) -> tuple[int | None, str | None]:
+        """(tokens per request, graph name) of the captured tree verify that holds this
+        forward: the whole tree of every request (first slot 0), all layers, a tree no deeper
+        and no wider than captured, a batch that fits; else (None, None): eager."""
+        if self.graphs is None or self.tree_graph is None or num_layers is not None:
+            return None, None
+        num_tokens, max_depth = self.tree_graph
+        name = self.tree_graph_name(num_tokens, max_depth)
+        if (tree.first_slot != 0 or tree.max_depth > max_depth or width > num_tokens
+                or not self.graphs.fits(name, batch_size)):
+            return None, None
+        return num_tokens, name
+
     def _forward_flat(self, slots: list[int], counts: np.ndarray, ids: np.ndarray,
                       scatter: tuple[np.ndarray, torch.Tensor] | None, logits: str,
                       num_layers: int | None,
@@ -305,12 +365,17 @@ class ModelRunner:
                       tree: TreeFeed | None = None) -> torch.Tensor | None:
         """The flat-layout forward: ``ids`` [B, width] host (row b's first counts[b] are real),
         ``scatter`` = (flat indices into it, device token ids) overwrites some of them on the
-        device (drafts that never visit the host). Token trees (``tree``) run eagerly."""
+        device (drafts that never visit the host). A token tree's verify (``tree``) replays
+        the captured tree step where one holds it (``capture_tree``), else runs eagerly."""
         cache = self.kv_cache
         cache.block_tables.sync()
         B, width = ids.shape
         starts = cache.lengths_np[slots]
-        num_queries = None if tree is not None else self._graph_for(B, width, num_layers)
+        if tree is None:
+            num_queries = self._graph_for(B, width, num_layers)
+            graph = None if num_queries is None else self.graph_name(num_queries, num_layers)
+        else:
+            num_queries, graph = self._tree_graph_for(B, width, tree, num_layers)
         if num_queries is not None:  # replay: every request padded to num_queries tokens
             if num_queries > width:
                 ids = np.pad(ids, ((0, 0), (0, num_queries - width)))
@@ -323,7 +388,11 @@ class ModelRunner:
             rows = {"ids": ids_in, "slots": slots_np, "starts": starts[:, None]}
             if self.hybrid:
                 rows["counts"] = counts[:, None]
-            if self.graphs.takes(self.graph_name(num_queries, num_layers), "penalty_slots"):
+            if tree is not None:
+                tree.check_rows(starts)
+                rows["depths"], paths = tree.padded(counts, num_queries, self.tree_graph[1])
+                rows["paths"] = paths.reshape(B, -1)
+            if self.graphs.takes(graph, "penalty_slots"):
                 if penalties is None:
                     rows["penalty_slots"] = np.full((B, 1), -1, dtype=np.int64)
                     rows["penalty_params"] = np.ones((B, 3), dtype=np.float32)
@@ -331,7 +400,7 @@ class ModelRunner:
                     rows["penalty_slots"] = penalties.slots[:, None]
                     rows["penalty_params"] = penalties.params
                     penalties.applied = True
-            outputs, _ = self.graphs.run(self.graph_name(num_queries, num_layers), rows)
+            outputs, _ = self.graphs.run(graph, rows)
             row_start = np.arange(B) * num_queries
             all_logits = outputs
             if isinstance(outputs, tuple):  # the hidden states capture_layers names
@@ -554,7 +623,11 @@ class ModelRunner:
             return 0
         per_row = self.config.vocab_size * 4 + len(self.capture_layers) * (
             self.config.hidden_size * self.dtype.itemsize)
-        return sum(self.graphs.buckets) * sum(set(query_counts)) * per_row
+        rows = sum(self.graphs.buckets) * sum(set(query_counts))
+        if self.tree_graph is not None and not self.hybrid:
+            top = bucket_for(TREE_GRAPH_MAX_BATCH, self.graphs.buckets) or self.graphs.buckets[-1]
+            rows += sum(b for b in self.graphs.buckets if b <= top) * self.tree_graph[0]
+        return rows * per_row
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int, num_logit_rows: int) -> int:
