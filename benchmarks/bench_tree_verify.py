@@ -1,8 +1,8 @@
 """What a target verify forward over a token tree costs against a decode step (issue goal: a
 32-token tree at batch 1 on an 8B-shaped target at most 1.1x a decode step).
 
-One engine (``LLM``, random weights from ``--shape``'s config, ``load_format="dummy"``), its
-target runner driven directly on one slot holding ``--context`` tokens. Timed per call, wall
+Random weights from ``--shape``'s config (``LLM(..., load_format="dummy")``), driven through a
+``ModelRunner`` of their own on one slot holding ``--context`` tokens. Timed per call, wall
 clock with the device synchronised (the host work of each forward included), median of
 ``--repeats``; the cache is truncated back after each call. Rows:
 
@@ -10,7 +10,8 @@ clock with the device synchronised (the host work of each forward included), med
 - ``decode (eager)``: the same forward with the graphs set aside;
 - ``chain k (graph)``: a chain verify of k + 1 tokens, captured (the engine's chain step);
 - ``tree N``: the verify forward over a tree of N tokens (the root and N - 1 nodes:
-  ``runtime.tree_verify.verify_tree``), eager as the engine runs it, logits for every row.
+  ``runtime.tree_verify.verify_tree``), logits for every row: replaying the captured tree step
+  (``graph``, as the engine does up to batch 8) and eagerly.
 
     python benchmarks/bench_tree_verify.py                      # GPU, 8B shape
     python benchmarks/bench_tree_verify.py --device cpu --shape tiny --repeats 3
@@ -37,6 +38,7 @@ import bench_tensor_parallel  # noqa: E402
 
 from verispec import LLM  # noqa: E402
 from verispec.bench.report import machine_description, print_table  # noqa: E402
+from verispec.runtime.model_runner import ModelRunner  # noqa: E402
 from verispec.runtime.tree_verify import verify_tree  # noqa: E402
 
 K = 3
@@ -94,11 +96,15 @@ def main(argv=None) -> dict:
         bench_tensor_parallel.SHAPES["tiny"] = TINY
     path = bench_tensor_parallel.write_config(args.workdir, args.shape, args.layers)
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    llm = LLM(model=path, dtype=dtype, load_format="dummy", device=args.device, max_num_seqs=2,
-              max_model_len=args.context + 256, enable_prefix_caching=False,
-              speculative_config={"method": "ngram", "num_speculative_tokens": K},
-              kv_cache_memory="2GiB" if args.device.startswith("cuda") else None)
-    runner, device = llm.runner, torch.device(args.device)
+    llm = LLM(model=path, dtype=dtype, load_format="dummy", device=args.device, max_num_seqs=1,
+              max_model_len=args.context + 128, enable_prefix_caching=False,
+              kv_cache_memory="1GiB" if args.device.startswith("cuda") else None)
+    sizes = [int(x) for x in args.tree_tokens.split(",")]
+    # a runner of its own whose cache takes the largest tree (the engine's takes k + 1 tokens)
+    runner = ModelRunner(llm.runner.model, 1, args.context + 128, args.device,
+                         max_step_tokens=max(sizes + [K + 1]))
+    runner.capture([1, K + 1])
+    device = torch.device(args.device)
     vocab = llm.model_config.vocab_size
     rng = np.random.default_rng(0)
     slot = 0
@@ -112,28 +118,40 @@ def main(argv=None) -> dict:
             runner.kv_cache.truncate(slot, length)
         return call
 
+    def tree_call(parents, depth, drafts):
+        def call():
+            verify_tree(runner, [slot], [token], drafts, np.asarray(parents),
+                        np.asarray([len(parents)]), depth)
+            runner.kv_cache.truncate(slot, length)
+        return call
+
     rows = []
     has_graphs = runner.graphs is not None
+    mode = " (graph)" if has_graphs else ""
     decode_ms = timed(device, run([token]), args.repeats)
-    rows.append(dict(row="decode (graph)" if has_graphs else "decode", tokens=1, ms=decode_ms))
+    rows.append(dict(row="decode" + mode, tokens=1, ms=decode_ms))
     chain = rng.integers(100, vocab, K + 1).tolist()
-    rows.append(dict(row=f"chain k={K}" + (" (graph)" if has_graphs else ""), tokens=K + 1,
+    rows.append(dict(row=f"chain k={K}" + mode, tokens=K + 1,
                      ms=timed(device, run(chain, "all"), args.repeats)))
+    trees = {n: tree_parents(n - 1) for n in sizes}
+    drafts = {n: rng.integers(100, vocab, n - 1) for n in sizes}
+    if has_graphs:
+        for n, (parents, depth) in trees.items():
+            runner.tree_graph = (n, depth)
+            runner.capture_tree()
+            rows.append(dict(row=f"tree {n} (depth {depth}, graph)", tokens=n,
+                             ms=timed(device, tree_call(parents, depth, drafts[n]),
+                                      args.repeats)))
+        runner.tree_graph = None
     graphs, runner.graphs = runner.graphs, None
     try:
         if has_graphs:
             rows.append(dict(row="decode (eager)", tokens=1,
                              ms=timed(device, run([token]), args.repeats)))
-        for n in (int(x) for x in args.tree_tokens.split(",")):
-            parents, depth = tree_parents(n - 1)
-            drafts = rng.integers(100, vocab, n - 1)
-
-            def tree_call(parents=parents, depth=depth, drafts=drafts):
-                verify_tree(runner, [slot], [token], drafts, np.asarray(parents),
-                            np.asarray([len(parents)]), depth)
-                runner.kv_cache.truncate(slot, length)
+        for n, (parents, depth) in trees.items():
             rows.append(dict(row=f"tree {n} (depth {depth}, eager)", tokens=n,
-                             ms=timed(device, tree_call, args.repeats)))
+                             ms=timed(device, tree_call(parents, depth, drafts[n]),
+                                      args.repeats)))
     finally:
         runner.graphs = graphs
     for r in rows:
