@@ -51,7 +51,7 @@ from verispec.ops import tree
 from verispec.ops.tree import DynamicTree, StaticTree
 from verispec.ops.tree_feed import TreeFeed
 from verispec.proposers.base import ProposalRequest
-from verispec.proposers.draft_model import TreeProposal
+from verispec.proposers.draft_tree import TreeProposal
 from verispec.proposers.grammar_walk import TreeGrammarMasks
 
 
