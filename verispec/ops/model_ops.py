@@ -39,7 +39,6 @@ on its own cache rows) only.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -341,13 +340,3 @@ def triton_model_ops(batch_invariant: bool = True) -> ModelOps:
     return ModelOps(
         "triton", triton_model.rms_norm, triton_model.rope_cache_attention,
         linear, cublas_linear_silu_mul, triton_model.argmax, triton_ssm.ssm_state_update)
-
-
-def get_model_ops(device: torch.device | str, batch_invariant: bool = True) -> ModelOps:
-    """Triton on CUDA (Triton is a dependency there), the torch twins elsewhere."""
-    if torch.device(device).type == "cuda":
-        if importlib.util.find_spec("triton") is None:
-            raise ValueError("running on CUDA needs Triton: pip install 'verispec[gpu]'")
-        return triton_model_ops(batch_invariant)
-    return TORCH_MODEL_OPS
-

@@ -39,7 +39,7 @@ from verispec import ops
 from verispec.models.llama import AttentionMetadata, FlatBatch
 from verispec.models.rope import rope_tables
 from verispec.ops import cpu_kernels, to_device
-from verispec.ops.model_ops import get_model_ops
+from verispec.ops.backend import get_backend
 from verispec.ops.tree_feed import TreeFeed
 from verispec.runtime.cuda_graphs import CUDAGraphRunner, StepInput
 from verispec.runtime.kv_cache import DEFAULT_BLOCK_SIZE, BlockTables
@@ -192,7 +192,7 @@ class ModelRunner:
             raise ValueError(
                 f"head_dim={self.config.head_dim}: the GPU attention kernel needs head_dim >= 16 "
                 f"(tensor-core products of 16 features); run this model with device='cpu'")
-        self.ops = get_model_ops(self.device, batch_invariant)
+        self.ops = get_backend(self.device).model_ops(batch_invariant)
         # Rows past max_model_len for the padding tokens of a fixed-shape step, and a scratch
         # slot for the padding rows of a bucket (kv_cache.KVCache; a hybrid's states too).
         self.kv_cache = make_cache(self.config, num_slots, self.max_model_len,
