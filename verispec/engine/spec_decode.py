@@ -422,7 +422,7 @@ class SpeculativeDecoder:
             sampling.min_p, sampling.seeds, positions,
             max_num_draft_tokens=max(1, int(num_drafts.max())), max_depth=tree.depth,
             max_width=tree.max_width, without_replacement=True,
-            all_greedy=sampling.all_greedy, check=False)
+            all_greedy=sampling.all_greedy, check=False, kernels=self.runner.backend.cpu)
         accepted_nodes = accepted_nodes.cpu().numpy()
         commit_tree_path(cache, slots, starts, accepted_nodes)
         keep_path_hidden(self.runner, accepted_nodes)  # what an EAGLE head reads next

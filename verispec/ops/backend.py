@@ -148,13 +148,16 @@ def _few_rows_on_one_thread(op: Callable) -> Callable:
 
 
 def _torch_backend(device_type: str, cpu: ModuleType | None) -> Backend:
+    def twin(op: Callable) -> Callable:  # given the compiled CPU kernels where they run
+        return _few_rows_on_one_thread(op if cpu is None else functools.partial(op, kernels=cpu))
+
     return Backend(
         name="torch",
         device_type=device_type,
         processed_probs=_few_rows_on_one_thread(sampling.processed_probs),
-        sample=_few_rows_on_one_thread(sampling.sample),
-        sample_draft=_few_rows_on_one_thread(sampling.sample_draft),
-        rejection_sample=_few_rows_on_one_thread(rejection.rejection_sample),
+        sample=twin(sampling.sample),
+        sample_draft=twin(sampling.sample_draft),
+        rejection_sample=twin(rejection.rejection_sample),
         apply_penalties=options.apply_penalties,
         cpu=cpu,
     )

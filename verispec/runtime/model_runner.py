@@ -142,6 +142,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.flat = self.device.type == "cuda" if flat_layout is None else flat_layout
         self.batch_invariant = batch_invariant
+        self.backend = get_backend(self.device)  # every kernel this device runs
         # A hybrid's captured steps also take each request's number of real tokens (its padding
         # tokens must leave the recurrent states alone).
         self.hybrid = is_hybrid(self.config)
@@ -192,7 +193,7 @@ class ModelRunner:
             raise ValueError(
                 f"head_dim={self.config.head_dim}: the GPU attention kernel needs head_dim >= 16 "
                 f"(tensor-core products of 16 features); run this model with device='cpu'")
-        self.ops = get_backend(self.device).model_ops(batch_invariant)
+        self.ops = self.backend.model_ops(batch_invariant)
         # Rows past max_model_len for the padding tokens of a fixed-shape step, and a scratch
         # slot for the padding rows of a bucket (kv_cache.KVCache; a hybrid's states too).
         self.kv_cache = make_cache(self.config, num_slots, self.max_model_len,
