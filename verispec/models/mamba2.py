@@ -38,6 +38,7 @@ the attention KV cache. Which lengths a slot still holds is the cache's to track
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -249,9 +250,11 @@ class Mamba2Mixer(nn.Module):
         self.out_proj_weight = _param(c.hidden_size, self.intermediate_size, dtype=dtype)
         self.out_proj_bias = _param(c.hidden_size, dtype=dtype) if c.mamba_proj_bias else None
         self.matmul_splits, self.upcast_rows, self.batch_invariant = 1, 0, False
+        self.kernels: ModuleType | None = None  # see models.llama.set_cpu_matmuls
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-        return linear(x, weight, bias, self.matmul_splits, self.upcast_rows, self.batch_invariant)
+        return linear(x, weight, bias, self.matmul_splits, self.upcast_rows, self.batch_invariant,
+                      self.kernels)
 
     def _heads(self, BC: torch.Tensor) -> torch.Tensor:
         """[..., groups * d_state] -> [..., heads, d_state] (each group serves heads / groups)."""

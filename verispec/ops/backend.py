@@ -57,6 +57,10 @@ class Backend:
             raise ValueError("running on CUDA needs Triton: pip install 'verispec[gpu]'")
         return triton_model_ops(batch_invariant)
 
+    def quant_kernels(self) -> ModuleType | None:
+        """``cpu`` where it also runs GGUF-quantised weights (``quant_linear``: AVX-512)."""
+        return self.cpu if self.cpu is not None and self.cpu.quant_available() else None
+
 
 # name -> factory(device_type, cpu kernels or None): the sampling and verification ops
 _FACTORIES: dict[str, Callable[[str, ModuleType | None], Backend]] = {}

@@ -38,7 +38,7 @@ import torch
 from verispec import ops
 from verispec.models.llama import AttentionMetadata, FlatBatch
 from verispec.models.rope import rope_tables
-from verispec.ops import cpu_kernels, to_device
+from verispec.ops import to_device
 from verispec.ops.backend import get_backend
 from verispec.ops.tree_feed import TreeFeed
 from verispec.runtime.cuda_graphs import CUDAGraphRunner, StepInput
@@ -104,7 +104,7 @@ class StepPenalties:
 
 # bfloat16 CPU matmuls of this many rows or more run in float32 (prefill; see models.llama.linear).
 # Decode and verify steps keep a bfloat16 matmul: widening the LM head every step costs more than
-# it saves there. With the compiled bfloat16 kernel (ops.cpu_kernels) the crossover is later
+# it saves there. With the compiled bfloat16 kernel (Backend.cpu) the crossover is later
 # (docs/benchmarks.md).
 CPU_UPCAST_ROWS = 16
 CPU_UPCAST_ROWS_WITH_KERNEL = 32
@@ -174,10 +174,10 @@ class ModelRunner:
             # widened to float32 (models.llama.linear says why).
             upcast_rows = 0
             if self.dtype != torch.float32:
-                upcast_rows = (CPU_UPCAST_ROWS_WITH_KERNEL if cpu_kernels.available()
+                upcast_rows = (CPU_UPCAST_ROWS_WITH_KERNEL if self.backend.cpu is not None
                                else CPU_UPCAST_ROWS)
             model.set_cpu_matmuls(torch.get_num_threads(), upcast_rows=upcast_rows,
-                                  batch_invariant=batch_invariant)
+                                  batch_invariant=batch_invariant, kernels=self.backend.cpu)
         # A hybrid (Mamba2 + attention) model also keeps recurrent state per slot and position.
         self.kv_cache = make_cache(self.config, num_slots, max_model_len, kv_cache_dtype,
                                    self.device, max_step_tokens=max_step_tokens, **self._paging)
