@@ -42,12 +42,12 @@ from verispec.models.llama import (
     FlatBatch,
     RMSNorm,
     _param,
-    linear,
     set_cpu_matmuls,
 )
 from verispec.models.loader import SKIP, iter_safetensors, tensor_parallel_slice
 from verispec.models.parallel import SINGLE, TensorParallel
 from verispec.ops import quant
+from verispec.ops.cpu_linear import linear
 from verispec.ops.model_ops import ModelOps
 
 EAGLE_METHODS = ("eagle", "eagle3")

@@ -31,12 +31,12 @@ from verispec.models.llama import (
     RMSNorm,
     _param,
     input_norm_flat,
-    linear,
     set_cpu_matmuls,
 )
 from verispec.models.llama import Attention as LlamaAttention
 from verispec.models.mamba2 import HybridStep, Mamba2Mixer
 from verispec.models.mamba2_flat import FlatMambaStep, mixer_forward_flat
+from verispec.ops.cpu_linear import linear
 from verispec.ops.model_ops import ModelOps
 
 

@@ -46,7 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.models.config import HybridModelConfig
-from verispec.models.llama import AttentionMetadata, _param, linear
+from verispec.models.llama import AttentionMetadata, _param
+from verispec.ops.cpu_linear import linear
 from verispec.ops.model_ops import ssm_state_update
 
 # A request feeding at most this many new tokens in a forward runs the recurrent form (33: a

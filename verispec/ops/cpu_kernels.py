@@ -40,7 +40,7 @@ The C files are compiled on first use with the system C compiler (``cc -O3 -mavx
 torch already loaded, so they share its thread pool. They are built on every x86-64 CPU with
 AVX2 (AVX-512 ones included). Where that is impossible (another CPU, no compiler,
 ``VERISPEC_CPU_KERNELS=0``) ``available()`` is False and callers use torch's ops (batch
-invariant by running them one row at a time: ``models.llama.invariant_linear``).
+invariant by running them one row at a time: ``ops.cpu_linear.invariant_linear``).
 """
 
 from __future__ import annotations

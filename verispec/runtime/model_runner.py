@@ -102,7 +102,7 @@ class StepPenalties:
     applied: bool = False
 
 
-# bfloat16 CPU matmuls of this many rows or more run in float32 (prefill; see models.llama.linear).
+# bfloat16 CPU matmuls of this many rows or more run in float32 (prefill; see ops.cpu_linear).
 # Decode and verify steps keep a bfloat16 matmul: widening the LM head every step costs more than
 # it saves there. With the compiled bfloat16 kernel (Backend.cpu) the crossover is later
 # (docs/benchmarks.md).
@@ -169,9 +169,9 @@ class ModelRunner:
             kv_cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         if self.device.type == "cpu":
             # Batch invariant (the default): every matmul and attention row computed one way
-            # whatever the number of rows (models.llama.invariant_linear). Otherwise float32
+            # whatever the number of rows (ops.cpu_linear.invariant_linear). Otherwise float32
             # products as one weight block per thread and bfloat16 ones of many rows (prefill)
-            # widened to float32 (models.llama.linear says why).
+            # widened to float32 (ops.cpu_linear.linear says why).
             upcast_rows = 0
             if self.dtype != torch.float32:
                 upcast_rows = (CPU_UPCAST_ROWS_WITH_KERNEL if self.backend.cpu is not None
