@@ -57,6 +57,12 @@ class Backend:
             raise ValueError("running on CUDA needs Triton: pip install 'verispec[gpu]'")
         return triton_model_ops(batch_invariant)
 
+    def torch_has_fast_bf16(self) -> bool:
+        """torch's own bfloat16 matmul is fast here: on CUDA, and on a CPU where oneDNN has
+        bfloat16 instructions (elsewhere torch widens every weight for every row)."""
+        return self.device_type == "cuda" or (self.device_type == "cpu"
+                                              and cpu_kernels.torch_has_fast_bf16())
+
     def quant_kernels(self) -> ModuleType | None:
         """``cpu`` where it also runs GGUF-quantised weights (``quant_linear``: AVX-512)."""
         return self.cpu if self.cpu is not None and self.cpu.quant_available() else None
