@@ -108,7 +108,7 @@ def _cpu_kernels_on() -> bool:
 
 def get_backend(device: torch.device | str) -> Backend:
     """The backend of ``device``'s type (built once per type and overrides)."""
-    device_type = torch.device(device).type
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
     name = os.environ.get("VERISPEC_BACKEND") or _default_name(device_type)
     return _build(device_type, name, _cpu_kernels_on())
 
