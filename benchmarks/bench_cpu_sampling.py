@@ -4,7 +4,7 @@ Part 1 (``ops``): the exponential race over a draft vocabulary (8192 tokens, one
 the bundled model's 49 152 tokens (k + 1 = 4 rows), the draft sampler (``sample_draft``) and the
 rejection sampler at B = 1, k = 3 (full rule, temperature 0.7), each through the compiled CPU
 kernels (``verispec.ops.cpu_kernels``: ``race_rows``, ``rejection_rows``) and through the
-torch twins (``sampling.torch_race``; ``rejection_sample`` with the kernels off). Each op is
+torch twins (the ops without ``kernels``). Each op is
 timed back to back and "after a forward": right after a parallel bfloat16 product of the
 bundled model's LM head size, as in a running engine, where the first call of each op pays
 its cache misses again (median microseconds). The two paths' tokens are compared.
@@ -65,18 +65,6 @@ def _one_thread(fn):
     return run
 
 
-def _without_kernels(fn):
-    """``fn`` with the compiled kernels reported absent: the torch twins throughout."""
-    def run():
-        saved = cpu_kernels.available
-        cpu_kernels.available = lambda: False
-        try:
-            return fn()
-        finally:
-            cpu_kernels.available = saved
-    return run
-
-
 def bench_ops(repeats: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     seeds, positions = torch.tensor([5]), torch.tensor([100])
@@ -99,16 +87,17 @@ def bench_ops(repeats: int) -> list[dict]:
         torch.nn.functional.linear(x, weight)
 
     cases = [
-        ("race, 1 x 8192", lambda: sampling.race(q_small, seeds, positions, 0),
+        ("race, 1 x 8192", lambda: sampling.race(q_small, seeds, positions, 0, cpu_kernels),
          lambda: sampling.torch_race(q_small, seeds, positions, 0)),
-        ("race, 4 x 49152", lambda: sampling.race(p_rows, row_seeds, row_positions, 3),
+        ("race, 4 x 49152",
+         lambda: sampling.race(p_rows, row_seeds, row_positions, 3, cpu_kernels),
          lambda: sampling.torch_race(p_rows, row_seeds, row_positions, 3)),
         ("sample_draft, 1 x 8192",
-         lambda: sampling.sample_draft(draft_logits, temperature, seeds, positions),
-         _without_kernels(lambda: sampling.sample_draft(draft_logits, temperature, seeds,
-                                                        positions))),
-        ("rejection, B = 1, k = 3", lambda: rejection.rejection_sample(*rejection_args),
-         _without_kernels(lambda: rejection.rejection_sample(*rejection_args))),
+         lambda: sampling.sample_draft(draft_logits, temperature, seeds, positions, cpu_kernels),
+         lambda: sampling.sample_draft(draft_logits, temperature, seeds, positions)),
+        ("rejection, B = 1, k = 3",
+         lambda: rejection.rejection_sample(*rejection_args, kernels=cpu_kernels),
+         lambda: rejection.rejection_sample(*rejection_args)),
     ]
     results = []
     for name, compiled, twin in cases:

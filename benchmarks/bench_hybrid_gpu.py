@@ -124,7 +124,7 @@ def ssm_update_seconds(runner, slots: list[int], num_queries: int, repeats: int)
     """Seconds of the SSM state update of every Mamba2 layer for a step of ``num_queries``
     tokens per request of ``slots``, on the runner's own rings (the step's shapes): one CUDA
     graph of all the layers' launches on the GPU, the torch twin timed eagerly elsewhere."""
-    from verispec.models.mamba2_flat import ssm_state_update_for
+    from verispec.ops.backend import get_backend
 
     cache, device = runner.kv_cache, runner.device
     config = runner.config
@@ -140,7 +140,7 @@ def ssm_update_seconds(runner, slots: list[int], num_queries: int, repeats: int)
     counts = torch.full((G,), S, dtype=torch.int64, device=device)
     operands = (rand(S, G, H, P), rand(S, G, H, N, scale=0.1),
                 torch.rand(S, G, H, generator=gen).to(device), rand(S, G, H, N))
-    update = ssm_state_update_for("triton" if device.type == "cuda" else "torch")
+    update = get_backend(device).model_ops().ssm_state_update
     rings = [state.ssm for state in cache.states]
 
     def all_layers():

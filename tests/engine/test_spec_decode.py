@@ -282,22 +282,26 @@ def test_verify_costs_tables():
 def test_verify_costs_follow_the_cpu_kernels(monkeypatch):
     """Verification is cheap where the compiled kernels run the matmuls (each weight row read
     once for several input rows), dear with torch's bfloat16 matmul."""
+    from types import SimpleNamespace
+
     import torch
 
     from verispec.engine import spec_decode
 
-    monkeypatch.setattr(spec_decode.cpu_kernels, "available", lambda: True)
-    monkeypatch.setattr(spec_decode.cpu_kernels, "bf16_isas", lambda: ("avx2", "avx512_bf16"))
+    def backend(*bf16_isas):  # a CPU backend with compiled kernels of these ISAs, or none
+        cpu = SimpleNamespace(bf16_isas=lambda: bf16_isas) if bf16_isas else None
+        monkeypatch.setattr(spec_decode, "get_backend", lambda device: SimpleNamespace(cpu=cpu))
+
+    backend("avx2", "avx512_bf16")
     fast = verify_costs(torch.device("cpu"), torch.bfloat16, 6)
     assert fast == spec_decode.CPU_VERIFY_COSTS_WITH_KERNELS
     assert verify_costs(torch.device("cpu"), torch.float32, 6) == fast
-    monkeypatch.setattr(spec_decode.cpu_kernels, "bf16_isas",
-                        lambda: ("avx2", "avx512_bf16", "amx"))
+    backend("avx2", "avx512_bf16", "amx")
     amx = verify_costs(torch.device("cpu"), torch.bfloat16, 6)
     assert amx == spec_decode.CPU_VERIFY_COSTS_AMX
     assert all(a <= f for a, f in zip(amx, fast))
     assert verify_costs(torch.device("cpu"), torch.float32, 6) == fast  # AMX is bfloat16 only
-    monkeypatch.setattr(spec_decode.cpu_kernels, "available", lambda: False)
+    backend()
     slow = verify_costs(torch.device("cpu"), torch.bfloat16, 6)
     assert slow == spec_decode.CPU_VERIFY_COSTS[torch.bfloat16]
     assert all(f < s for f, s in zip(fast[1:], slow[1:]))

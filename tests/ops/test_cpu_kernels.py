@@ -25,8 +25,10 @@ def test_built_wherever_it_is_wanted():
 
 
 def test_switched_off_by_environment(monkeypatch):
+    from verispec.ops.backend import get_backend
+
     monkeypatch.setenv("VERISPEC_CPU_KERNELS", "0")
-    assert not cpu_kernels._wanted()
+    assert get_backend("cpu").cpu is None
 
 
 @needs_kernel
@@ -270,7 +272,7 @@ def test_avx2_kernels_alone_where_the_avx512_file_does_not_build(tmp_path, monke
 
 
 @needs_kernel
-def test_philox_uniforms_are_the_torch_uniforms(monkeypatch):
+def test_philox_uniforms_are_the_torch_uniforms():
     """The compiled uniforms (every draw of ``verispec.ops.philox`` on this CPU) are the bits of
     the torch path (``_nonzero(uint_to_uniform(words))``), over 400 000 random offsets and
     seeds of every sign, for each function that draws: per-token noise, a block of it, noise at
@@ -284,15 +286,15 @@ def test_philox_uniforms_are_the_torch_uniforms(monkeypatch):
     starts = torch.randint(0, 2**20, (8,), generator=g) * 4
     stream = torch.tensor([0, 1, 2, 3, 3, 2, 1, 0])
 
-    def draws():
-        return (philox.vocab_uniform(seeds, positions, stream, 50001),
-                philox.exponential_block(seeds, positions, 2, starts, 4096),
-                philox.exponential_at(seeds, positions, stream, index),
-                philox.uniform(seeds, positions, 1), philox.uniform(seeds, positions, 3, 6))
+    def draws(kernels):
+        return (philox.vocab_uniform(seeds, positions, stream, 50001, kernels),
+                philox.exponential_block(seeds, positions, 2, starts, 4096, kernels),
+                philox.exponential_at(seeds, positions, stream, index, kernels),
+                philox.uniform(seeds, positions, 1, kernels=kernels),
+                philox.uniform(seeds, positions, 3, 6, kernels))
 
-    compiled = draws()
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    for mine, theirs in zip(compiled, draws()):
+    compiled = draws(cpu_kernels)
+    for mine, theirs in zip(compiled, draws(None)):
         assert mine.dtype == theirs.dtype == torch.float32 and mine.shape == theirs.shape
         assert torch.equal(mine, theirs)
 
@@ -325,7 +327,7 @@ def test_compiled_race_draws_the_torch_race_tokens():
             seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=g)
             positions = torch.randint(0, 2**40, (rows,), generator=g)
             stream = torch.randint(0, 4, (rows,), generator=g) if trial % 2 else 3
-            mine = sampling.race(weights, seeds, positions, stream)
+            mine = sampling.race(weights, seeds, positions, stream, cpu_kernels)
             theirs = sampling.torch_race(weights, seeds, positions, stream)
             assert mine.dtype == torch.int64 and torch.equal(mine, theirs), (vocab_size, trial)
             checked += rows
@@ -364,7 +366,7 @@ def _rejection_case(g: torch.Generator, vocab_size: int, batch_size: int, k: int
 
 
 @needs_kernel
-def test_compiled_rejection_gives_the_torch_tokens(monkeypatch):
+def test_compiled_rejection_gives_the_torch_tokens():
     """``rejection_sample`` on this CPU (p from torch, the rest one compiled call) gives the
     tokens of the torch twin, over 600 random batches: vocabularies under and over one race
     block, the full and the one-hot rule, greedy and sampled requests together, all-greedy
@@ -380,9 +382,8 @@ def test_compiled_rejection_gives_the_torch_tokens(monkeypatch):
         if all_greedy:
             args[4] = torch.zeros_like(args[4])
         cases.append((args, all_greedy))
-    compiled = [rejection.rejection_sample(*args, all_greedy=all_greedy)
+    compiled = [rejection.rejection_sample(*args, all_greedy=all_greedy, kernels=cpu_kernels)
                 for args, all_greedy in cases]
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     accepted = 0
     for (args, all_greedy), mine in zip(cases, compiled):
         theirs = rejection.rejection_sample(*args, all_greedy=all_greedy)
@@ -400,4 +401,5 @@ def test_compiled_rejection_names_a_draft_id_out_of_range():
     t = torch.tensor
     with pytest.raises(ValueError, match="draft_token_ids must lie in"):
         rejection.rejection_sample(torch.randn(3, 50), t([3, 50]), t([0, 2]), None, t([0.5]),
-                                   None, None, None, t([1]), t([9]), 2, check_draft_ids=False)
+                                   None, None, None, t([1]), t([9]), 2, check_draft_ids=False,
+                                   kernels=cpu_kernels)

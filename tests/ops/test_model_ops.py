@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from verispec.ops import model_ops
+from verispec.ops.backend import get_backend
 
 triton_model = pytest.importorskip("verispec.ops.triton_model")
 
@@ -328,7 +329,7 @@ def test_linear_tiles_follow_the_shape():
 
 
 def test_model_ops_choice():
-    assert model_ops.get_model_ops("cpu") is model_ops.TORCH_MODEL_OPS
+    assert get_backend("cpu").model_ops() is model_ops.TORCH_MODEL_OPS
 
 
 def test_strided_index_tensors_are_refused(device):

@@ -21,7 +21,7 @@ import torch
 
 from tests.models.utils import save_tiny_model
 from verispec.models import load_model
-from verispec.ops import cpu_kernels, tree
+from verispec.ops import tree
 from verispec.ops.model_ops import triton_model_ops
 from verispec.runtime.model_runner import ModelRunner
 from verispec.runtime.tree_verify import commit_tree_path, keep_path_hidden, verify_tree
@@ -58,7 +58,7 @@ def _chain_logits(runner, slot, prompt, tokens):
 @pytest.mark.parametrize("kernels", [True, False], ids=["c_kernels", "torch"])
 def test_tree_node_logits_equal_their_chains(model, kernels, monkeypatch):
     if not kernels:  # invariant_attention and torch matmuls instead of the compiled kernels
-        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+        monkeypatch.setenv("VERISPEC_CPU_KERNELS", "0")
     runner = ModelRunner(model, 4, 64)
     for slot, prompt in zip((0, 1, 2, 3), PROMPTS + PROMPTS):
         runner.forward([slot], [prompt[:-1]], logits="none")  # the last token is the root

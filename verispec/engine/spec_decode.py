@@ -15,7 +15,7 @@ tokens) costs more than a plain decode step. ``verify_costs`` gives that cost in
 fixed table per device and dtype measured on our CPU (docs/benchmarks.md). On CPU it is not
 linear in n: in float32 the first extra token costs most (a different matmul shape), then the
 cost is nearly flat; in bfloat16 every token adds ~0.5 with torch's matmul; with the compiled
-kernels (``ops.cpu_kernels``, where they run) ~0.1 in both dtypes, and with their bfloat16
+kernels (``Backend.cpu``, where they run) ~0.1 in both dtypes, and with their bfloat16
 AMX kernel ~0.03. On a GPU with captured graphs every step drafts and verifies at a fixed shape
 (k drafts, k + 1 rows per request), so a step with drafts costs the same whatever n:
 ``measured_costs`` times the captured decode, verify and draft graphs once at start-up, on the
@@ -56,8 +56,8 @@ from verispec.config import SpeculativeConfig
 from verispec.engine.metrics import SpecDecodingLogger, SpecDecodingStats
 from verispec.engine.request import Request
 from verispec.models.parallel import SINGLE, TensorParallel
-from verispec.ops import cpu_kernels
 from verispec.ops import tree_rejection as ops_tree_rejection
+from verispec.ops.backend import get_backend
 from verispec.proposers import ProposerContext, build_proposer
 from verispec.runtime.model_runner import ModelRunner
 from verispec.runtime.tree_verify import commit_tree_path, keep_path_hidden, verify_tree
@@ -80,7 +80,7 @@ CPU_VERIFY_COSTS = {
     torch.float32: (1.0, 1.7, 2.0, 2.0, 2.0, 2.05, 2.1),
     torch.bfloat16: (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 3.9),
 }
-# Where the compiled kernels run the matmuls of a few rows (ops.cpu_kernels: each weight row
+# Where the compiled kernels run the matmuls of a few rows (Backend.cpu: each weight row
 # read once for up to four input rows), both dtypes; the measured ranges are in
 # docs/benchmarks.md.
 CPU_VERIFY_COSTS_WITH_KERNELS = (1.0, 1.1, 1.2, 1.25, 1.4, 1.5, 1.65)
@@ -92,13 +92,15 @@ GPU_COST_PER_TOKEN = 0.01  # memory-bound decode: a few more rows are nearly fre
 
 def verify_costs(device: torch.device, dtype: torch.dtype, max_n: int) -> tuple[float, ...]:
     """``costs[n]``: a forward over ``n + 1`` new tokens, in one-token decode steps, for
-    ``n = 0 .. max_n`` (past the table, the table's last step repeats)."""
+    ``n = 0 .. max_n`` (past the table, the table's last step repeats); on a CPU, with the
+    compiled kernels where the device's backend has them."""
     if device.type == "cuda":
         return tuple(1.0 + GPU_COST_PER_TOKEN * n for n in range(max_n + 1))
     table = list(CPU_VERIFY_COSTS.get(dtype, CPU_VERIFY_COSTS[torch.bfloat16]))
-    if dtype in (torch.bfloat16, torch.float32) and cpu_kernels.available():
+    kernels = get_backend(device).cpu
+    if dtype in (torch.bfloat16, torch.float32) and kernels is not None:
         table = list(CPU_VERIFY_COSTS_WITH_KERNELS)
-        if dtype == torch.bfloat16 and "amx" in cpu_kernels.bf16_isas():
+        if dtype == torch.bfloat16 and "amx" in kernels.bf16_isas():
             table = list(CPU_VERIFY_COSTS_AMX)
     while len(table) < max_n + 1:
         table.append(table[-1] + (table[-1] - table[-2]))
@@ -422,7 +424,7 @@ class SpeculativeDecoder:
             sampling.min_p, sampling.seeds, positions,
             max_num_draft_tokens=max(1, int(num_drafts.max())), max_depth=tree.depth,
             max_width=tree.max_width, without_replacement=True,
-            all_greedy=sampling.all_greedy, check=False)
+            all_greedy=sampling.all_greedy, check=False, kernels=self.runner.backend.cpu)
         accepted_nodes = accepted_nodes.cpu().numpy()
         commit_tree_path(cache, slots, starts, accepted_nodes)
         keep_path_hidden(self.runner, accepted_nodes)  # what an EAGLE head reads next

@@ -29,6 +29,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -41,11 +42,12 @@ from verispec.models.llama import (
     FlatBatch,
     RMSNorm,
     _param,
-    linear,
+    set_cpu_matmuls,
 )
 from verispec.models.loader import SKIP, iter_safetensors, tensor_parallel_slice
 from verispec.models.parallel import SINGLE, TensorParallel
 from verispec.ops import quant
+from verispec.ops.cpu_linear import linear
 from verispec.ops.model_ops import ModelOps
 
 EAGLE_METHODS = ("eagle", "eagle3")
@@ -205,6 +207,7 @@ class EagleHead(nn.Module):
                 raise ValueError("an EAGLE-1 head drafts through the target's LM head: give it")
             self.lm_head_weight = target_lm_head  # [vocab_size, H], the target's
         self.matmul_splits, self.upcast_rows, self.batch_invariant = 1, 0, False
+        self.kernels: ModuleType | None = None
 
     def draft_to_target(self) -> torch.Tensor | None:
         """[draft_vocab_size] int64 target id of each draft id; None when they coincide (an
@@ -215,7 +218,8 @@ class EagleHead(nn.Module):
         return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-        return linear(x, weight, bias, self.matmul_splits, self.upcast_rows, self.batch_invariant)
+        return linear(x, weight, bias, self.matmul_splits, self.upcast_rows, self.batch_invariant,
+                      self.kernels)
 
     def forward(
         self,
@@ -291,13 +295,10 @@ class EagleHead(nn.Module):
             return self.tp.gather_vocab(logits, self.eagle.vocab_size)
         return logits
 
-    def set_cpu_matmuls(self, splits: int, upcast_rows: int = 0,
-                        batch_invariant: bool = False) -> None:
-        """As ``LlamaForCausalLM.set_cpu_matmuls``."""
-        for module in (self, self.attn, self.mlp):
-            module.matmul_splits = splits
-            module.upcast_rows = upcast_rows
-            module.batch_invariant = batch_invariant
+    def set_cpu_matmuls(self, splits: int, upcast_rows: int = 0, batch_invariant: bool = False,
+                        kernels: ModuleType | None = None) -> None:
+        """``models.llama.set_cpu_matmuls`` of every module."""
+        set_cpu_matmuls(self, splits, upcast_rows, batch_invariant, kernels)
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -30,11 +31,12 @@ from verispec.models.llama import (
     RMSNorm,
     _param,
     input_norm_flat,
-    linear,
+    set_cpu_matmuls,
 )
 from verispec.models.llama import Attention as LlamaAttention
 from verispec.models.mamba2 import HybridStep, Mamba2Mixer
 from verispec.models.mamba2_flat import FlatMambaStep, mixer_forward_flat
+from verispec.ops.cpu_linear import linear
 from verispec.ops.model_ops import ModelOps
 
 
@@ -116,6 +118,7 @@ class GraniteHybridForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.matmul_splits, self.upcast_rows, self.batch_invariant = 1, 0, False
+        self.kernels: ModuleType | None = None
         self.embed_weight = _param(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(HybridDecoderLayer(config, t, dtype)
                                     for t in config.layer_types)
@@ -215,19 +218,15 @@ class GraniteHybridForCausalLM(nn.Module):
             return logits if self.config.logits_scaling == 1.0 else logits.div_(
                 self.config.logits_scaling)
         logits = linear(hidden, self.lm_head_weight, None, self.matmul_splits, self.upcast_rows,
-                        self.batch_invariant)
+                        self.batch_invariant, self.kernels)
         # In place: the product is a new tensor, and a second [rows, vocab_size] one would cost a
         # fresh allocation (page faults) per step.
         return logits.float().div_(self.config.logits_scaling)
 
-    def set_cpu_matmuls(self, splits: int, upcast_rows: int = 0,
-                        batch_invariant: bool = False) -> None:
-        """As ``LlamaForCausalLM.set_cpu_matmuls``: every projection of every layer."""
-        for module in self.modules():
-            if hasattr(module, "batch_invariant"):
-                module.matmul_splits = splits
-                module.upcast_rows = upcast_rows
-                module.batch_invariant = batch_invariant
+    def set_cpu_matmuls(self, splits: int, upcast_rows: int = 0, batch_invariant: bool = False,
+                        kernels: ModuleType | None = None) -> None:
+        """``models.llama.set_cpu_matmuls`` of every module."""
+        set_cpu_matmuls(self, splits, upcast_rows, batch_invariant, kernels)
 
     def weight_target(self, name: str) -> tuple[str, slice | None] | None:
         """Our parameter and its rows for HF checkpoint tensor ``name`` (None: not ours)."""

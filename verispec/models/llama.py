@@ -16,6 +16,7 @@ the loader splits HF checkpoints' separate matrices into them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,8 @@ from torch import nn
 from verispec.models.config import ModelConfig
 from verispec.models.parallel import SINGLE, TensorParallel
 from verispec.models.rope import apply_rope
-from verispec.ops import cpu_kernels, quant
+from verispec.ops import quant
+from verispec.ops.cpu_linear import linear
 from verispec.ops.model_ops import ModelOps
 
 
@@ -65,11 +67,9 @@ class AttentionMetadata:
 
 
 # Steps of at most this many new tokens per request (decode, verify, short prefills) attend
-# through cpu_kernels.cache_attention on CPU where it is available (torch's SDPA call is mostly
-# fixed overhead at so few queries); longer ones through SDPA.
+# through the compiled CPU kernel (``kernels.cache_attention``) where the model has the kernels
+# (torch's SDPA call is mostly fixed overhead at so few queries); longer ones through SDPA.
 CPU_KERNEL_MAX_QUERIES = 16
-# float32 products of at most this many rows use cpu_kernels.f32_linear on CPU (see linear).
-CPU_KERNEL_MAX_ROWS = 8
 
 
 class RMSNorm(nn.Module):
@@ -78,108 +78,24 @@ class RMSNorm(nn.Module):
     Computed as a layer norm of ``[x, -x]``: that vector has mean exactly 0 and variance
     ``mean(x^2)``, so its first half is x / sqrt(mean(x^2) + eps). ``F.layer_norm`` is one fused
     CPU kernel (statistics in float32, output rounded once to x's dtype, then scaled by w as HF
-    does), where ``F.rms_norm`` runs as half a dozen separate ops on CPU. Where the compiled
-    CPU kernels run, ``cpu_kernels.rms_norm`` instead (one call, no parallel region for the few
-    rows of a decode or verify step).
+    does), where ``F.rms_norm`` runs as half a dozen separate ops on CPU. Given the compiled
+    CPU kernels (``set_cpu_matmuls``), ``kernels.rms_norm`` instead (one call, no parallel
+    region for the few rows of a decode or verify step).
     """
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
         self.eps = eps
+        self.kernels: ModuleType | None = None  # see LlamaForCausalLM.set_cpu_matmuls
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.device.type == "cpu" and x.dtype == self.weight.dtype
-                and x.dtype in (torch.bfloat16, torch.float32) and not torch.is_grad_enabled()
-                and cpu_kernels.available()):
-            return cpu_kernels.rms_norm(x, self.weight, self.eps)
+        if (self.kernels is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype
+                and x.dtype in (torch.bfloat16, torch.float32) and not torch.is_grad_enabled()):
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         n = x.shape[-1]
         normed = F.layer_norm(torch.cat((x, x.neg()), dim=-1), (2 * n,), eps=self.eps)
         return normed[..., :n] * self.weight
-
-
-def linear(
-    x: torch.Tensor,  # [..., in_features]
-    weight: torch.Tensor,  # [out_features, in_features]
-    bias: torch.Tensor | None,  # [out_features] or None
-    splits: int = 1,
-    upcast_rows: int = 0,
-    batch_invariant: bool = False,
-) -> torch.Tensor:
-    """``F.linear``, or with ``splits > 1`` the same product computed as ``splits`` blocks of the
-    weight's rows in one ``bmm`` (each output element is still one dot product over the input).
-
-    With ``batch_invariant`` (the model runner's default on CPU) every row is computed the same
-    way whatever the number of rows: ``invariant_linear``, and none of the choices below (MKL and
-    oneDNN pick their kernels, and so the summation order of a row, by the number of rows).
-
-    Why: on CPU, torch's float32 ``F.linear`` goes to MKL's sgemm, which for a few rows (decode, a
-    verify step) runs on one thread; ``bmm`` over row blocks gives each thread its own block.
-    Faster at every row count we measured (docs/benchmarks.md). float32 only:
-    bfloat16's CPU matmul (oneDNN) already uses every thread.
-
-    With ``upcast_rows > 0`` and at least that many rows, a bfloat16 product runs in float32: the
-    weight and input widened exactly, float32 accumulation, the output rounded to bfloat16 once —
-    what a bfloat16 matmul computes, up to summation order. Why: on a CPU without bfloat16
-    instructions the bfloat16 matmul of many rows is compute-bound and several times slower
-    than the widened product (docs/benchmarks.md). For a few rows widening
-    every weight costs more than it saves, hence the threshold.
-
-    Below it, a bfloat16 product on a CPU without a fast bfloat16 matmul in torch goes to
-    ``cpu_kernels.bf16_linear`` (float32 accumulation, one rounding, memory-bound where torch's
-    fallback is compute-bound), and a float32 product of at most ``CPU_KERNEL_MAX_ROWS`` rows to
-    ``cpu_kernels.f32_linear`` (each weight row read once for up to four input rows, faster than
-    the row blocks up to where MKL takes over; docs/benchmarks.md).
-    """
-    if isinstance(weight, quant.QuantizedWeight):  # GGUF weights kept quantised: ops.quant
-        return weight.linear(x, bias)
-    out_features, in_features = weight.shape
-    if batch_invariant and weight.device.type == "cpu":
-        return invariant_linear(x, weight, bias)
-    if upcast_rows and x.numel() >= upcast_rows * in_features and x.dtype != torch.float32:
-        return linear(x.float(), weight.float(), None if bias is None else bias.float(),
-                      splits).to(x.dtype)
-    if weight.device.type == "cpu" and x.dtype == weight.dtype and cpu_kernels.available():
-        if weight.dtype == torch.bfloat16 and not cpu_kernels.torch_has_fast_bf16():
-            return cpu_kernels.bf16_linear(x, weight, bias)
-        if weight.dtype == torch.float32 and x.numel() <= CPU_KERNEL_MAX_ROWS * in_features:
-            return cpu_kernels.f32_linear(x, weight, bias)
-    if splits <= 1 or out_features % splits or weight.dtype != torch.float32:
-        return F.linear(x, weight, bias)
-    rows = x.reshape(-1, in_features)
-    blocks = weight.view(splits, out_features // splits, in_features)
-    y = torch.bmm(rows.expand(splits, -1, -1), blocks.transpose(1, 2))  # [splits, M, out/splits]
-    if rows.shape[0] == 1:  # [splits, 1, out/splits] is already the row's memory layout
-        y = y.view(*x.shape[:-1], out_features)
-    else:
-        y = y.transpose(0, 1).reshape(*x.shape[:-1], out_features)
-    return y if bias is None else y.add_(bias)
-
-
-def invariant_linear(
-    x: torch.Tensor,  # [..., in_features]
-    weight: torch.Tensor,  # [out_features, in_features]
-    bias: torch.Tensor | None,  # [out_features] or None
-) -> torch.Tensor:
-    """``F.linear`` on CPU with every output row computed by one algorithm, in one summation
-    order, whatever the number of rows (docs/design.md §12): a token's row has the same bits decoded
-    alone, in a batch, as one of a verify step's k + 1 rows or in a prefill.
-
-    The compiled kernels (``cpu_kernels.bf16_linear`` / ``f32_linear``, float32 accumulation in
-    an order fixed by the input size alone) where they run; elsewhere one row per ``F.linear``
-    call (always the one-row kernel; each row copied to its own aligned buffer, so no alignment
-    peeling differs between rows). Returns [..., out_features] in x's dtype.
-    """
-    if (x.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float32)
-            and cpu_kernels.available()):
-        kernel = (cpu_kernels.bf16_linear if weight.dtype == torch.bfloat16
-                  else cpu_kernels.f32_linear)
-        return kernel(x, weight, bias)
-    rows = x.reshape(-1, weight.shape[1])
-    y = x.new_empty((rows.shape[0], weight.shape[0]))
-    for i in range(rows.shape[0]):
-        y[i] = F.linear(rows[i].clone(), weight, bias)
-    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def gather_positions(cache: torch.Tensor, block_tables: torch.Tensor, kv_len: int
@@ -255,6 +171,7 @@ class Attention(nn.Module):
         self.window = c.sliding_window
         # see LlamaForCausalLM.set_cpu_matmuls
         self.matmul_splits, self.upcast_rows, self.batch_invariant = 1, 0, False
+        self.kernels: ModuleType | None = None
 
     def forward(
         self,
@@ -265,7 +182,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, S, _ = x.shape
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.matmul_splits,
-                     self.upcast_rows, self.batch_invariant)
+                     self.upcast_rows, self.batch_invariant, self.kernels)
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         v = qkv[..., self.q_size + self.kv_size :].view(B, S, hkv, d)
         if self.q_norm is None:
@@ -289,12 +206,11 @@ class Attention(nn.Module):
         v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, new_v)
 
         invariant = self.batch_invariant and k_cache.device.type == "cpu"
-        if ((S <= CPU_KERNEL_MAX_QUERIES or invariant)
+        if ((S <= CPU_KERNEL_MAX_QUERIES or invariant) and self.kernels is not None
                 and k_cache.dtype == torch.float32 and k_cache.device.type == "cpu"
-                and k_cache.is_contiguous() and v_cache.is_contiguous()
-                and cpu_kernels.available()):
+                and k_cache.is_contiguous() and v_cache.is_contiguous()):
             # One (token, head) at a time over its visible rows in order: batch invariant.
-            out = cpu_kernels.cache_attention(q, k_cache, v_cache, meta.block_tables,
+            out = self.kernels.cache_attention(q, k_cache, v_cache, meta.block_tables,
                                               meta.kv_len, meta.attn_mask, meta.is_causal,
                                               self.scale)
         elif invariant:
@@ -304,7 +220,7 @@ class Attention(nn.Module):
         if out is not None:
             return self.tp.all_reduce(linear(
                 out.to(x.dtype).reshape(B, S, self.q_size), self.o_weight, self.o_bias,
-                self.matmul_splits, self.upcast_rows, self.batch_invariant))
+                self.matmul_splits, self.upcast_rows, self.batch_invariant, self.kernels))
         keys = gather_positions(k_cache, meta.block_tables, meta.kv_len)  # [B, kv_len, hkv, d]
         values = gather_positions(v_cache, meta.block_tables, meta.kv_len)
         out = F.scaled_dot_product_attention(
@@ -318,7 +234,7 @@ class Attention(nn.Module):
         ).to(x.dtype)  # [B, hq, S, d]
         return self.tp.all_reduce(linear(
             out.transpose(1, 2).reshape(B, S, self.q_size), self.o_weight, self.o_bias,
-            self.matmul_splits, self.upcast_rows, self.batch_invariant))
+            self.matmul_splits, self.upcast_rows, self.batch_invariant, self.kernels))
 
 
     def forward_flat(self, h: torch.Tensor, batch: FlatBatch, k_cache: torch.Tensor,
@@ -357,14 +273,15 @@ class MLP(nn.Module):
         self.down_weight = _param(c.hidden_size, c.intermediate_size, dtype=dtype)
         self.down_bias = _param(c.hidden_size, dtype=dtype) if c.mlp_bias else None
         self.matmul_splits, self.upcast_rows, self.batch_invariant = 1, 0, False
+        self.kernels: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.matmul_splits,
-                         self.upcast_rows, self.batch_invariant)
+                         self.upcast_rows, self.batch_invariant, self.kernels)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.tp.all_reduce(linear(F.silu(gate) * up, self.down_weight, self.down_bias,
                                          self.matmul_splits, self.upcast_rows,
-                                         self.batch_invariant))
+                                         self.batch_invariant, self.kernels))
 
 
     def forward_flat(self, h: torch.Tensor, ops: ModelOps, reduce: bool = True) -> torch.Tensor:
@@ -436,6 +353,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.config = config = tp.shard_config(config)
         self.matmul_splits, self.upcast_rows, self.batch_invariant = 1, 0, False
+        self.kernels: ModuleType | None = None
         vocab_rows = tp.vocab_shard_size(config.vocab_size)
         self.embed_weight = _param(vocab_rows, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
@@ -520,17 +438,26 @@ class LlamaForCausalLM(nn.Module):
             logits = ops.linear(hidden, self.lm_head_weight, out_dtype=torch.float32)
         else:
             logits = linear(hidden, self.lm_head_weight, None, self.matmul_splits,
-                            self.upcast_rows, self.batch_invariant).float()
+                            self.upcast_rows, self.batch_invariant, self.kernels).float()
         return self.tp.gather_vocab(logits, self.config.vocab_size)
 
-    def set_cpu_matmuls(self, splits: int, upcast_rows: int = 0,
-                        batch_invariant: bool = False) -> None:
-        """Compute every weight matmul as ``splits`` row blocks in one bmm, and in float32 from
-        ``upcast_rows`` rows on (0: never); or, with ``batch_invariant``, every matmul and
-        attention row the same way whatever the number of rows (``invariant_linear``,
-        ``invariant_attention``); see ``linear``."""
-        for module in self.modules():
-            if isinstance(module, (Attention, MLP, LlamaForCausalLM)):
-                module.matmul_splits = splits
-                module.upcast_rows = upcast_rows
-                module.batch_invariant = batch_invariant
+    def set_cpu_matmuls(self, splits: int, upcast_rows: int = 0, batch_invariant: bool = False,
+                        kernels: ModuleType | None = None) -> None:
+        """``set_cpu_matmuls`` of every module (the function's docstring)."""
+        set_cpu_matmuls(self, splits, upcast_rows, batch_invariant, kernels)
+
+
+def set_cpu_matmuls(model: nn.Module, splits: int, upcast_rows: int = 0,
+                    batch_invariant: bool = False, kernels: ModuleType | None = None) -> None:
+    """Compute every weight matmul of ``model`` as ``splits`` row blocks in one bmm, and in
+    float32 from ``upcast_rows`` rows on (0: never); or, with ``batch_invariant``, every matmul
+    and attention row the same way whatever the number of rows (``ops.cpu_linear``,
+    ``invariant_attention``); with the compiled CPU kernels ``kernels`` (``Backend.cpu``: the
+    runner's) or torch's ops alone (None); see ``ops.cpu_linear.linear``."""
+    for module in model.modules():
+        if hasattr(module, "batch_invariant"):
+            module.matmul_splits = splits
+            module.upcast_rows = upcast_rows
+            module.batch_invariant = batch_invariant
+        if hasattr(module, "kernels"):
+            module.kernels = kernels

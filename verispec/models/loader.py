@@ -28,7 +28,7 @@ from verispec.models.gguf_quant import load_quantized
 from verispec.models.llama import LlamaForCausalLM
 from verispec.models.parallel import SINGLE, TensorParallel
 from verispec.models.registry import resolve_architecture
-from verispec.ops import cpu_kernels
+from verispec.ops.backend import get_backend
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's load_format values that apply here
@@ -289,7 +289,7 @@ def quantized_gguf(model: str | None, dtype: str | torch.dtype | None,
         path = os.fspath(model)
     else:
         return None
-    return path if cpu_kernels.quant_available() else None
+    return path if get_backend(device).quant_kernels() is not None else None
 
 
 def load_model(

@@ -38,6 +38,7 @@ the attention KV cache. Which lengths a slot still holds is the cache's to track
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -45,7 +46,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.models.config import HybridModelConfig
-from verispec.models.llama import AttentionMetadata, _param, linear
+from verispec.models.llama import AttentionMetadata, _param
+from verispec.ops.cpu_linear import linear
+from verispec.ops.model_ops import ssm_state_update
 
 # A request feeding at most this many new tokens in a forward runs the recurrent form (33: a
 # verify step of k + 1 tokens with k <= 32, SpeculativeConfig's cap); more run the chunked scan.
@@ -177,83 +180,6 @@ class HybridStep:
         return cls(slots_all[first], positions[first], counts)
 
 
-def ssm_state_update(
-    ssm_ring: torch.Tensor,  # [num_slots, ring_size, heads, head_dim, d_state] float32, updated
-    slots: torch.Tensor,  # [G] int64
-    starts: torch.Tensor,  # [G] int64: each request's length before the step
-    counts: torch.Tensor,  # [G] int64 >= 1: its new tokens (S = counts.max())
-    x: torch.Tensor,  # [S, G, heads, head_dim] float32, token-major
-    dtB: torch.Tensor,  # [S, G, heads, d_state] float32: dt * B (groups expanded to heads)
-    decay: torch.Tensor,  # [S, G, heads] float32: exp(dt * A)
-    C: torch.Tensor,  # [S, G, heads, d_state] float32
-) -> torch.Tensor:
-    """The multi-token SSM state update of a decode or verify step, on CPU tensors (the torch
-    twin; the Triton kernel ``verispec.ops.triton_ssm.ssm_state_update`` has the same
-    signature).
-
-    For each request g, from the state after ``starts[g]`` tokens (ring entry
-    ``starts[g] % ring_size``, zeros when ``starts[g] == 0``), token s < counts[g]::
-
-        h = h * decay[s, g] + x[s, g] (outer) dtB[s, g]     stored at ring entry starts + s + 1
-        y[s, g] = C[s, g] . h                                (over d_state)
-
-    Returns y [S, G, heads, head_dim] float32 (zeros for the padding tokens s >= counts[g]).
-    Per (request, head) the products have a fixed shape, so a request's bits do not depend on
-    G; one request writes each new state straight into its ring entry, several into one of two
-    scratch states (the state before the token is in the other) scattered into the ring. ``y``
-    as a row vector times the transposed state: much faster here than ``h @ C``.
-    """
-    S, G, H, P = x.shape
-    N = dtB.shape[-1]
-    ring_size = ssm_ring.shape[1]
-    slots_np, starts_np, counts_np = slots.numpy(), starts.numpy(), counts.numpy()
-    # Token s's operands and output as [G * H, ...] blocks, viewed once.
-    xs = x.view(S, G * H, P, 1).unbind(0)
-    dtBs = dtB.view(S, G * H, 1, N).unbind(0)
-    decays = decay.view(S, G * H, 1, 1).unbind(0)
-    Cs = C.view(S, G * H, 1, N).unbind(0)
-    ys = torch.empty(S, G * H, 1, P, dtype=torch.float32, device=x.device)
-    y_rows = ys.unbind(0)
-    if G == 1:  # each new state straight into its ring entry
-        entries = ssm_ring[int(slots_np[0])].view(ring_size, H, P, N).unbind(0)
-        start, count = int(starts_np[0]), int(counts_np[0])
-        ssm = entries[start % ring_size] if start > 0 else x.new_zeros(H, P, N)
-        if count < S:  # padding tokens (a fixed-shape step) leave the state alone
-            ys[count:] = 0.0
-        for s in range(count):
-            new_ssm = entries[(start + s + 1) % ring_size]
-            torch.mul(ssm, decays[s], out=new_ssm)
-            new_ssm.baddbmm_(xs[s], dtBs[s])
-            torch.bmm(Cs[s], new_ssm.transpose(1, 2), out=y_rows[s])
-            ssm = new_ssm
-        return ys.view(S, G, H, P)
-    ssm = ssm_ring[slots, starts % ring_size]
-    ssm[starts == 0] = 0.0
-    ssm = ssm.view(G * H, P, N)
-    buffers = torch.empty(2, G * H, P, N, dtype=torch.float32, device=x.device).unbind(0)
-    for s in range(S):
-        new_ssm = buffers[s % 2]  # the state before token s is in the other one
-        torch.mul(ssm, decays[s], out=new_ssm)
-        new_ssm.baddbmm_(xs[s], dtBs[s])
-        torch.bmm(Cs[s], new_ssm.transpose(1, 2), out=y_rows[s])
-        per_request = new_ssm.view(G, H, P, N)
-        active = counts_np > s
-        if active.all():
-            live = slots
-            lengths = (starts + s + 1) % ring_size
-        else:  # padding tokens leave the state alone and output zeros
-            idle = torch.from_numpy(np.flatnonzero(~active))
-            per_request[idle] = ssm.view(G, H, P, N)[idle]
-            y_rows[s].view(G, H, P)[idle] = 0.0
-            rows = np.flatnonzero(active)
-            live = slots[torch.from_numpy(rows)]
-            lengths = torch.from_numpy((starts_np[rows] + s + 1) % ring_size)
-            per_request = per_request[torch.from_numpy(rows)]
-        ssm_ring.index_put_((live, lengths), per_request)
-        ssm = new_ssm
-    return ys.view(S, G, H, P)
-
-
 def chunk_scan(
     x: torch.Tensor,  # [n, heads, head_dim] float32
     dt: torch.Tensor,  # [n, heads] float32 (after softplus and clamp)
@@ -325,9 +251,11 @@ class Mamba2Mixer(nn.Module):
         self.out_proj_weight = _param(c.hidden_size, self.intermediate_size, dtype=dtype)
         self.out_proj_bias = _param(c.hidden_size, dtype=dtype) if c.mamba_proj_bias else None
         self.matmul_splits, self.upcast_rows, self.batch_invariant = 1, 0, False
+        self.kernels: ModuleType | None = None  # see models.llama.set_cpu_matmuls
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-        return linear(x, weight, bias, self.matmul_splits, self.upcast_rows, self.batch_invariant)
+        return linear(x, weight, bias, self.matmul_splits, self.upcast_rows, self.batch_invariant,
+                      self.kernels)
 
     def _heads(self, BC: torch.Tensor) -> torch.Tensor:
         """[..., groups * d_state] -> [..., heads, d_state] (each group serves heads / groups)."""

@@ -10,9 +10,9 @@ as in a replayed graph; a gather otherwise):
 - the conv state at each request's committed length is gathered from the ring (zeros for an
   empty slot), the conv, dt, the decays and dt * B computed elementwise for all tokens
   (``Mamba2Mixer.step_inputs``, shared with the CPU path);
-- the SSM state update runs token by token inside one kernel (``verispec.ops.triton_ssm``; its
-  torch twin ``mamba2.ssm_state_update`` on CPU), reading each request's number of real tokens
-  on the device, so padding tokens of a fixed-shape step leave every state alone;
+- the SSM state update runs token by token inside one kernel (``ModelOps.ssm_state_update``:
+  ``verispec.ops.triton_ssm``, its torch twin on CPU), reading each request's number of real
+  tokens on the device, so padding tokens of a fixed-shape step leave every state alone;
 - the conv state after each real token is scattered into the ring entry of its length; padding
   tokens' scatters go to the scratch slot (a device ``where``, no boolean indexing).
 
@@ -39,19 +39,7 @@ from verispec.models.mamba2 import (
     Mamba2Mixer,
     MambaLayerState,
     pointwise,
-    ssm_state_update,
 )
-
-
-def ssm_state_update_for(ops_name: str):
-    """The SSM state update of a model-ops backend: the Triton kernel with the Triton ops (CUDA),
-    the torch twin with the torch ops; same signature."""
-    if ops_name == "triton":
-        # imports triton (the optional gpu extra): only with the Triton ops, on CUDA
-        from verispec.ops.triton_ssm import ssm_state_update as triton_update
-
-        return triton_update
-    return ssm_state_update
 
 
 @dataclass
@@ -164,7 +152,7 @@ def mixer_forward_flat(mixer: Mamba2Mixer, h: torch.Tensor, batch: FlatBatch,
         y_chunked = h.new_zeros(T, mixer.intermediate_size, dtype=torch.float32)
         for feed in step.chunked:
             _chunked(mixer, feed, xBC, dt, y_chunked, state)
-    y = _recurrent(mixer, xBC, dt, step, state, ssm_state_update_for(ops.name))
+    y = _recurrent(mixer, xBC, dt, step, state, ops.ssm_state_update)
     y = y.reshape(-1, mixer.intermediate_size)  # [G * S, I]
     if step.out_rows is not None:
         y = y[step.out_rows]

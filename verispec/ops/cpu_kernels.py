@@ -38,9 +38,10 @@ The C files are compiled on first use with the system C compiler (``cc -O3 -mavx
 -fopenmp``, a few seconds, one log line) into ``$VERISPEC_CACHE/kernels`` (default
 ``~/.cache/verispec/kernels``) and loaded with ``ctypes``; their OpenMP runtime is the one
 torch already loaded, so they share its thread pool. They are built on every x86-64 CPU with
-AVX2 (AVX-512 ones included). Where that is impossible (another CPU, no compiler,
-``VERISPEC_CPU_KERNELS=0``) ``available()`` is False and callers use torch's ops (batch
-invariant by running them one row at a time: ``models.llama.invariant_linear``).
+AVX2 (AVX-512 ones included); where that is impossible (another CPU, no compiler)
+``available()`` is False. Which ops run them is ``ops.backend``'s choice (``Backend.cpu``; off
+with ``VERISPEC_CPU_KERNELS=0``); without them the callers use torch's ops (batch invariant by
+running them one row at a time: ``ops.cpu_linear.invariant_linear``).
 """
 
 from __future__ import annotations
@@ -81,12 +82,10 @@ def _cache_dir() -> Path:
 
 
 def _wanted() -> bool:
-    """This CPU can run the kernels (x86-64 Linux with AVX2 and FMA, as every AVX-512 CPU has)
-    and they are not switched off. They are built wherever they can run: they are the CPU
-    path's batch-invariant matmul and attention (every row summed in one order whatever the
-    number of rows), and its fast bfloat16 matmul where torch has none."""
-    if os.environ.get("VERISPEC_CPU_KERNELS", "1") == "0":
-        return False
+    """This CPU can run the kernels (x86-64 Linux with AVX2 and FMA, as every AVX-512 CPU has).
+    They are built wherever they can run: they are the CPU path's batch-invariant matmul and
+    attention (every row summed in one order whatever the number of rows), and its fast
+    bfloat16 matmul where torch has none."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")

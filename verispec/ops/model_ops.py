@@ -31,16 +31,18 @@ on its own cache rows) only.
 - ``linear``: ``x @ weight.T + bias``, on the GPU a kernel whose reduction order over the input
   features is fixed by the weight's shape alone (never by the number of rows);
 - ``linear_silu_mul``: ``silu_mul(linear(x, weight, bias))`` of the fused gate|up weight;
-- ``argmax``: the first maximum of each row of logits (greedy drafting).
+- ``argmax``: the first maximum of each row of logits (greedy drafting);
+- ``ssm_state_update``: a hybrid model's Mamba2 state update over a step's few new tokens per
+  request, the states after each token into the slot's state ring.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -225,6 +227,83 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
     return silu_mul(linear(x, weight, bias))
 
 
+def ssm_state_update(
+    ssm_ring: torch.Tensor,  # [num_slots, ring_size, heads, head_dim, d_state] float32, updated
+    slots: torch.Tensor,  # [G] int64
+    starts: torch.Tensor,  # [G] int64: each request's length before the step
+    counts: torch.Tensor,  # [G] int64 >= 1: its new tokens (S = counts.max())
+    x: torch.Tensor,  # [S, G, heads, head_dim] float32, token-major
+    dtB: torch.Tensor,  # [S, G, heads, d_state] float32: dt * B (groups expanded to heads)
+    decay: torch.Tensor,  # [S, G, heads] float32: exp(dt * A)
+    C: torch.Tensor,  # [S, G, heads, d_state] float32
+) -> torch.Tensor:
+    """The multi-token SSM state update of a hybrid model's decode or verify step
+    (``verispec.models.mamba2``), on CPU tensors (the torch twin; the Triton kernel
+    ``verispec.ops.triton_ssm.ssm_state_update`` has the same signature).
+
+    For each request g, from the state after ``starts[g]`` tokens (ring entry
+    ``starts[g] % ring_size``, zeros when ``starts[g] == 0``), token s < counts[g]::
+
+        h = h * decay[s, g] + x[s, g] (outer) dtB[s, g]     stored at ring entry starts + s + 1
+        y[s, g] = C[s, g] . h                                (over d_state)
+
+    Returns y [S, G, heads, head_dim] float32 (zeros for the padding tokens s >= counts[g]).
+    Per (request, head) the products have a fixed shape, so a request's bits do not depend on
+    G; one request writes each new state straight into its ring entry, several into one of two
+    scratch states (the state before the token is in the other) scattered into the ring. ``y``
+    as a row vector times the transposed state: much faster here than ``h @ C``.
+    """
+    S, G, H, P = x.shape
+    N = dtB.shape[-1]
+    ring_size = ssm_ring.shape[1]
+    slots_np, starts_np, counts_np = slots.numpy(), starts.numpy(), counts.numpy()
+    # Token s's operands and output as [G * H, ...] blocks, viewed once.
+    xs = x.view(S, G * H, P, 1).unbind(0)
+    dtBs = dtB.view(S, G * H, 1, N).unbind(0)
+    decays = decay.view(S, G * H, 1, 1).unbind(0)
+    Cs = C.view(S, G * H, 1, N).unbind(0)
+    ys = torch.empty(S, G * H, 1, P, dtype=torch.float32, device=x.device)
+    y_rows = ys.unbind(0)
+    if G == 1:  # each new state straight into its ring entry
+        entries = ssm_ring[int(slots_np[0])].view(ring_size, H, P, N).unbind(0)
+        start, count = int(starts_np[0]), int(counts_np[0])
+        ssm = entries[start % ring_size] if start > 0 else x.new_zeros(H, P, N)
+        if count < S:  # padding tokens (a fixed-shape step) leave the state alone
+            ys[count:] = 0.0
+        for s in range(count):
+            new_ssm = entries[(start + s + 1) % ring_size]
+            torch.mul(ssm, decays[s], out=new_ssm)
+            new_ssm.baddbmm_(xs[s], dtBs[s])
+            torch.bmm(Cs[s], new_ssm.transpose(1, 2), out=y_rows[s])
+            ssm = new_ssm
+        return ys.view(S, G, H, P)
+    ssm = ssm_ring[slots, starts % ring_size]
+    ssm[starts == 0] = 0.0
+    ssm = ssm.view(G * H, P, N)
+    buffers = torch.empty(2, G * H, P, N, dtype=torch.float32, device=x.device).unbind(0)
+    for s in range(S):
+        new_ssm = buffers[s % 2]  # the state before token s is in the other one
+        torch.mul(ssm, decays[s], out=new_ssm)
+        new_ssm.baddbmm_(xs[s], dtBs[s])
+        torch.bmm(Cs[s], new_ssm.transpose(1, 2), out=y_rows[s])
+        per_request = new_ssm.view(G, H, P, N)
+        active = counts_np > s
+        if active.all():
+            live = slots
+            lengths = (starts + s + 1) % ring_size
+        else:  # padding tokens leave the state alone and output zeros
+            idle = torch.from_numpy(np.flatnonzero(~active))
+            per_request[idle] = ssm.view(G, H, P, N)[idle]
+            y_rows[s].view(G, H, P)[idle] = 0.0
+            rows = np.flatnonzero(active)
+            live = slots[torch.from_numpy(rows)]
+            lengths = torch.from_numpy((starts_np[rows] + s + 1) % ring_size)
+            per_request = per_request[torch.from_numpy(rows)]
+        ssm_ring.index_put_((live, lengths), per_request)
+        ssm = new_ssm
+    return ys.view(S, G, H, P)
+
+
 @dataclass(frozen=True)
 class ModelOps:
     """The model ops of one backend (all with the twins' signatures)."""
@@ -235,37 +314,29 @@ class ModelOps:
     linear: Callable[..., torch.Tensor]
     linear_silu_mul: Callable[..., torch.Tensor]
     argmax: Callable[..., torch.Tensor]
+    ssm_state_update: Callable[..., torch.Tensor]
 
 
 TORCH_MODEL_OPS = ModelOps("torch", rms_norm, rope_cache_attention, linear, linear_silu_mul,
-                           argmax)
+                           argmax, ssm_state_update)
 
 
 @functools.cache
 def triton_model_ops(batch_invariant: bool = True) -> ModelOps:
     """The Triton model ops; ``batch_invariant=False`` keeps torch's (cuBLAS) matmul, whose
     algorithm depends on the number of rows (faster at some sizes, not batch invariant)."""
-    from verispec.ops import triton_model  # imports triton (the optional gpu extra): CUDA only
+    # imports triton (the optional gpu extra): CUDA only
+    from verispec.ops import triton_model, triton_ssm
 
     if batch_invariant:
         return ModelOps(
             "triton", triton_model.rms_norm, triton_model.rope_cache_attention,
             triton_model.linear, triton_model.linear_silu_mul,
-            triton_model.argmax)
+            triton_model.argmax, triton_ssm.ssm_state_update)
 
     def cublas_linear_silu_mul(x, weight, bias=None):
         return triton_model.silu_mul(linear(x, weight, bias))
 
     return ModelOps(
         "triton", triton_model.rms_norm, triton_model.rope_cache_attention,
-        linear, cublas_linear_silu_mul, triton_model.argmax)
-
-
-def get_model_ops(device: torch.device | str, batch_invariant: bool = True) -> ModelOps:
-    """Triton on CUDA (Triton is a dependency there), the torch twins elsewhere."""
-    if torch.device(device).type == "cuda":
-        if importlib.util.find_spec("triton") is None:
-            raise ValueError("running on CUDA needs Triton: pip install 'verispec[gpu]'")
-        return triton_model_ops(batch_invariant)
-    return TORCH_MODEL_OPS
-
+        linear, cublas_linear_silu_mul, triton_model.argmax, triton_ssm.ssm_state_update)

@@ -14,16 +14,17 @@ four consecutive vocabulary indices, so noise over V costs V / 4 evaluations. ``
 absolute token position that the draw decides.
 
 All arithmetic is on int64 tensors holding uint32 values, so it runs on any device torch runs on;
-on the CPU the same rounds run in numpy's uint64 (faster there), and the draws' uniforms come
-from the compiled rounds (``verispec.ops.cpu_kernels``) where those are built.
+on the CPU the same rounds run in numpy's uint64 (faster there), and given the compiled CPU
+kernels (``kernels``, the backend's choice: ``ops.backend``) the draws' uniforms come from their
+rounds, bit for bit the same.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
 import torch
-
-from verispec.ops import cpu_kernels
 
 # Named streams (docs/design.md §4). Keep in sync with verispec/ops/triton_kernels.py.
 DRAFT_STREAM = 0  # the proposer's draft sampling
@@ -106,20 +107,17 @@ def randint4x(seed: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, .
     return philox4x32(seed, offset & _MASK32, (offset >> 32) & _MASK32)
 
 
-def _compiled_uniform(seed: torch.Tensor, offset: torch.Tensor,
+def _compiled_uniform(kernels: ModuleType | None, seed: torch.Tensor, offset: torch.Tensor,
                       word: torch.Tensor | int | None = None) -> torch.Tensor | None:
     """The uniforms of ``offset``'s words (``word`` of each, or all four in the vocabulary
-    layout) from the compiled rounds on a CPU where they are built, bit for bit what
+    layout) from the compiled rounds of ``kernels`` for CPU tensors, bit for bit what
     ``_nonzero(uint_to_uniform(...))`` of ``randint4x`` gives (one call instead of ~10 torch
-    ops a draw); None elsewhere."""
-    if seed.device.type != "cpu":
-        return None
-
-    if not cpu_kernels.available():
+    ops a draw); None without them."""
+    if kernels is None or seed.device.type != "cpu":
         return None
     if isinstance(word, int):
         word = torch.tensor(word & 3)
-    return cpu_kernels.philox_uniform(seed, offset & _MASK32, (offset >> 32) & _MASK32, word)
+    return kernels.philox_uniform(seed, offset & _MASK32, (offset >> 32) & _MASK32, word)
 
 
 def randint(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -145,26 +143,29 @@ def _nonzero(u: torch.Tensor) -> torch.Tensor:
 
 
 def uniform(
-    seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor | int, index: int = 0
+    seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor | int, index: int = 0,
+    kernels: ModuleType | None = None,
 ) -> torch.Tensor:
     """Uniforms in (0, 1) for the scalar draws ``(seed, position, stream, index)`` (broadcast):
-    ``tl.rand`` with an exact 0 replaced by ``MIN_UNIFORM``."""
+    ``tl.rand`` with an exact 0 replaced by ``MIN_UNIFORM``. ``kernels``: the compiled CPU
+    kernels (``Backend.cpu``) to draw with, or None (here and in the draws below)."""
     offset = make_offset(position, stream, index)
-    compiled = _compiled_uniform(seed, offset, index)
+    compiled = _compiled_uniform(kernels, seed, offset, index)
     if compiled is not None:
         return compiled
     return _nonzero(uint_to_uniform(randint4x(seed, offset)[index & 3]))
 
 
 def uniform_at(
-    seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor | int, index: torch.Tensor
+    seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor | int, index: torch.Tensor,
+    kernels: ModuleType | None = None,
 ) -> torch.Tensor:
     """``uniform`` with a per-draw ``index`` (int64 tensor, broadcast with ``seed`` and
     ``position``): float32 in (0, 1), entry i the draw ``(seed[i], position[i], stream,
     index[i])``. Index 0 gives exactly ``uniform``'s draw (a token tree's first child draws
     what a chain's draft does; docs/design.md §16)."""
     offset = make_offset(position, stream, index)
-    compiled = _compiled_uniform(seed, offset, index & 3)
+    compiled = _compiled_uniform(kernels, seed, offset, index & 3)
     if compiled is not None:
         return compiled
     words = torch.stack(torch.broadcast_tensors(*randint4x(seed, offset)), dim=-1)
@@ -173,7 +174,8 @@ def uniform_at(
 
 
 def vocab_uniform(
-    seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor | int, vocab_size: int
+    seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor | int, vocab_size: int,
+    kernels: ModuleType | None = None,
 ) -> torch.Tensor:
     """Uniforms in (0, 1) for every vocabulary index of each row.
 
@@ -192,7 +194,7 @@ def vocab_uniform(
     if isinstance(stream, torch.Tensor):
         stream = stream[:, None]
     offset = make_offset(position[:, None], stream, 0) | counter[None, :]
-    compiled = _compiled_uniform(seed[:, None], offset)
+    compiled = _compiled_uniform(kernels, seed[:, None], offset)
     if compiled is not None:
         return compiled[:, :vocab_size]
     words = torch.stack(randint4x(seed[:, None], offset), dim=-1)  # [rows, V/4, 4]
@@ -201,16 +203,17 @@ def vocab_uniform(
 
 
 def exponential(
-    seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor | int, vocab_size: int
+    seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor | int, vocab_size: int,
+    kernels: ModuleType | None = None,
 ) -> torch.Tensor:
     """Exp(1) noise ``E = -log u`` for every vocabulary index of each row: [num_rows, V] float32,
     strictly positive and finite (same arguments as ``vocab_uniform``)."""
-    return -torch.log(vocab_uniform(seed, position, stream, vocab_size))
+    return -torch.log(vocab_uniform(seed, position, stream, vocab_size, kernels))
 
 
 def exponential_block(
     seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor | int, start: torch.Tensor,
-    n: int,
+    n: int, kernels: ModuleType | None = None,
 ) -> torch.Tensor:
     """Exp(1) noise for the ``n`` consecutive vocabulary indices ``start[r] .. start[r] + n - 1``
     of each row (``start`` [num_rows] int64 and ``n`` multiples of 4): [num_rows, n] float32,
@@ -220,7 +223,7 @@ def exponential_block(
     if isinstance(stream, torch.Tensor):
         stream = stream[:, None]
     offset = make_offset(position[:, None], stream, 0) | counter
-    u = _compiled_uniform(seed[:, None], offset)
+    u = _compiled_uniform(kernels, seed[:, None], offset)
     if u is None:
         words = torch.stack(randint4x(seed[:, None], offset), dim=-1)  # [rows, n / 4, 4]
         u = _nonzero(uint_to_uniform(words.reshape(seed.shape[0], n)))
@@ -228,7 +231,8 @@ def exponential_block(
 
 
 def exponential_at(
-    seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor | int, index: torch.Tensor
+    seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor | int, index: torch.Tensor,
+    kernels: ModuleType | None = None,
 ) -> torch.Tensor:
     """Exp(1) noise at chosen indices: ``index`` [num_rows, n] int64; entry ``[r, j]`` is draw
     ``(seed[r], position[r], stream, index[r, j])``, the same value ``exponential`` gives at
@@ -236,7 +240,7 @@ def exponential_at(
     if isinstance(stream, torch.Tensor):
         stream = stream[:, None]
     offset = make_offset(position[:, None], stream, index)
-    u = _compiled_uniform(seed[:, None], offset, index & 3)
+    u = _compiled_uniform(kernels, seed[:, None], offset, index & 3)
     if u is None:
         words = torch.stack(randint4x(seed[:, None], offset), dim=-1)  # [rows, n, 4]
         u = _nonzero(uint_to_uniform(words.gather(-1, (index & 3)[..., None])[..., 0]))

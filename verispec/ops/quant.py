@@ -23,10 +23,11 @@ where they all are float16 values, else float32; 4-bit types as nibbles, the oth
 
 - ``linear(x, bias)``: ``x @ w.T (+ bias)`` in float32 through the compiled kernel (one chain of
   fused multiply-adds over the inputs per output, in an order fixed by the layout, whatever the
-  number of rows: batch invariant, docs/design.md §12), or where it does not run (no AVX-512), the
-  torch twin: the weights dequantised and multiplied one row at a time (the same per-row
-  algorithm for any number of rows, another summation order; slow, so there the loader
-  dequantises the model instead: ``models.loader.quantized_gguf``);
+  number of rows: batch invariant, docs/design.md §12), or where it does not run (no AVX-512;
+  ``Backend.quant_kernels``, asked when the weight is made), the torch twin: the weights
+  dequantised and multiplied one row at a time (the same per-row algorithm for any number of
+  rows, another summation order; slow, so there the loader dequantises the model instead:
+  ``models.loader.quantized_gguf``);
 - ``dequantize()``: the float32 weights, the gguf package's ``gguf.quants.dequantize`` of the
   same blocks exactly (as numbers: +0 where it may give -0), the reference the tests multiply
   by;
@@ -43,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.ops import cpu_kernels
+from verispec.ops.backend import get_backend
 
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 NR = 16  # output features interleaved in the layout (one AVX-512 vector)
@@ -129,6 +130,7 @@ class QuantizedWeight(nn.Module):
         self.shape = torch.Size(shape)
         self.bits, self.group, self.qtype = bits, group, qtype
         self.dtype = torch.float32
+        self.quant_kernels = get_backend("cpu").quant_kernels()  # None: the twin
 
     @property
     def out_padded(self) -> int:
@@ -176,9 +178,9 @@ class QuantizedWeight(nn.Module):
             bias = bias.float()
             if padded != out_features:
                 bias = F.pad(bias, (0, padded - out_features))
-        if cpu_kernels.quant_available():
+        if self.quant_kernels is not None:
             buffers = self._buffers  # not through nn.Module.__getattr__: ~130 calls a step
-            y = cpu_kernels.quant_linear(rows, buffers["qs"], buffers["scales"],
+            y = self.quant_kernels.quant_linear(rows, buffers["qs"], buffers["scales"],
                                          None if bias is None else bias.contiguous(),
                                          padded, self.bits, self.group)
             if padded != out_features:

@@ -23,9 +23,11 @@ tokens do not depend on the rest of the batch.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
-from verispec.ops import cpu_kernels, philox, sampling
+from verispec.ops import philox, sampling
 from verispec.ops.sampling import (
     FLOAT_DTYPES,
     INT_DTYPES,
@@ -57,6 +59,7 @@ def rejection_sample(
     all_greedy: bool = False,
     *,
     check_draft_ids: bool = True,
+    kernels: ModuleType | None = None,
 ) -> torch.Tensor:
     """Verify the drafts of a batch and return each request's output tokens.
 
@@ -84,6 +87,8 @@ def rejection_sample(
     check_draft_ids : raise ``ValueError`` for a draft id outside [-1, V). The check reads the
         ids on the host (a sync on a GPU); callers whose drafts are in range by construction
         (the engine's proposers) turn it off. Skipped while a CUDA graph is being captured.
+    kernels : the compiled CPU kernels (``Backend.cpu``), or None. Given, CPU tensors take
+        p from the ops below and the rest from one compiled call (``_compiled``).
 
     Returns
     -------
@@ -100,12 +105,10 @@ def rejection_sample(
     width = max_num_draft_tokens + 1
     if check_draft_ids:
         check_draft_token_ids(draft_token_ids, target_logits.shape[1])
-    if device.type == "cpu" and synthetic_conditional_rates is None:
-        token_ids = _compiled(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs,
-                              temperature, top_k, top_p, min_p, seeds, positions, width,
-                              all_greedy)
-        if token_ids is not None:
-            return token_ids
+    if kernels is not None and device.type == "cpu" and synthetic_conditional_rates is None:
+        return _compiled(kernels, target_logits, draft_token_ids, cu_num_draft_tokens,
+                         draft_probs, temperature, top_k, top_p, min_p, seeds, positions, width,
+                         all_greedy)
 
     cu = cu_num_draft_tokens.to(torch.int64)
     num_drafts = cu[1:] - cu[:-1]  # [B]
@@ -139,7 +142,7 @@ def rejection_sample(
 
     # --- acceptance of every draft (only the leading run of accepts counts) ---
     u = philox.uniform(
-        seeds[draft_req], positions[draft_req] + draft_index, philox.ACCEPT_STREAM
+        seeds[draft_req], positions[draft_req] + draft_index, philox.ACCEPT_STREAM, 0, kernels
     )  # [N] in (0, 1)
     accepted = draft_ids == argmax_rows[verify_rows]
     if synthetic_conditional_rates is not None:
@@ -176,7 +179,7 @@ def rejection_sample(
             use_residual = rejected[:, None] & has_residual
             weights = torch.where(use_residual, residual, p)
         stream = torch.where(rejected, philox.RESIDUAL_STREAM, philox.SAMPLE_STREAM)
-        random_ids = race(weights, seeds, positions + num_accepted, stream)
+        random_ids = race(weights, seeds, positions + num_accepted, stream, kernels)
         final_ids = torch.where(greedy, final_ids, random_ids)
 
     # --- output: accepted drafts, the final token, -1 padding ---
@@ -189,18 +192,14 @@ def rejection_sample(
     return token_ids.to(torch.int32)
 
 
-def _compiled(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, temperature,
-              top_k, top_p, min_p, seeds, positions, width: int, all_greedy: bool
-              ) -> torch.Tensor | None:
-    """``rejection_sample`` on a CPU where the compiled kernels are built: p and the greedy
-    rows' argmax from the torch ops above (the same bits), then the acceptance, the residual,
-    the race and the output in one call (``cpu_kernels.rejection_rows``) instead of ~45 small
-    torch ops, each of which pays its cache misses again after a forward. The same
-    tokens as the ops above; the race's logarithm and block sums are C's
-    (``sampling.race``). None where the kernels are not built."""
-
-    if not cpu_kernels.available():
-        return None
+def _compiled(kernels: ModuleType, target_logits, draft_token_ids, cu_num_draft_tokens,
+              draft_probs, temperature, top_k, top_p, min_p, seeds, positions, width: int,
+              all_greedy: bool) -> torch.Tensor:
+    """``rejection_sample`` of CPU tensors with the compiled kernels: p and the greedy rows'
+    argmax from the torch ops above (the same bits), then the acceptance, the residual, the
+    race and the output in one call (``kernels.rejection_rows``) instead of ~45 small torch
+    ops, each of which pays its cache misses again after a forward. The same tokens as the ops
+    above; the race's logarithm and block sums are C's (``sampling.race``)."""
     batch_size = cu_num_draft_tokens.shape[0] - 1
     num_rows, vocab_size = target_logits.shape
     greedy = all_greedy or bool((temperature == 0).any())  # (a host read is free here)
@@ -213,7 +212,7 @@ def _compiled(target_logits, draft_token_ids, cu_num_draft_tokens, draft_probs, 
         probs = _processed_probs(target_logits, temperature[row_req],
                                  *(None if x is None else x[row_req] for x in (top_k, top_p,
                                                                               min_p)))
-    token_ids = cpu_kernels.rejection_rows(
+    token_ids = kernels.rejection_rows(
         probs, draft_probs, argmax_rows, draft_token_ids, cu_num_draft_tokens, vocab_size,
         temperature, all_greedy, seeds, positions,
         (philox.ACCEPT_STREAM, philox.RESIDUAL_STREAM, philox.SAMPLE_STREAM), width,

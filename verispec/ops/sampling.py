@@ -21,9 +21,11 @@ runs in two levels (``race``), so that a kernel draws noise for one block of the
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
-from verispec.ops import cpu_kernels, philox
+from verispec.ops import philox
 
 # Tokens per block of the two-level race. A fixed part of the sampling semantics (the kernels
 # take it from here), not a tuning knob: another value draws other tokens for the same seeds.
@@ -153,6 +155,7 @@ def race(
     seeds: torch.Tensor,
     positions: torch.Tensor,
     stream: torch.Tensor | int,
+    kernels: ModuleType | None = None,
 ) -> torch.Tensor:
     """Sample one index per row with probability proportional to ``weights`` (exponential race).
 
@@ -161,6 +164,7 @@ def race(
     weights : [R, V] float32, non-negative, at least one positive entry per row
     seeds, positions : [R] int64
     stream : named stream, int or [R] int64
+    kernels : the compiled CPU kernels (``Backend.cpu``) or None
 
     Returns
     -------
@@ -173,18 +177,15 @@ def race(
     the same distribution as the flat race, with noise for one block instead of the whole row.
     Ties go to the smallest index at both levels.
 
-    On a CPU where the compiled kernels are built (``ops.cpu_kernels``) the race is one call
-    (``race_rows``) instead of ~25 torch ops: the same draws, its logarithm and block sums
-    rounded by C instead of torch (a token differs from ``torch_race``'s only where two scores
-    agree to the last bit: tests/models/test_cpu_kernels.py).
+    Given the compiled CPU kernels, CPU rows race in one call (``race_rows``) instead of ~25
+    torch ops: the same draws, its logarithm and block sums rounded by C instead of torch (a
+    token differs from ``torch_race``'s only where two scores agree to the last bit:
+    tests/ops/test_cpu_kernels.py).
     """
-    if weights.device.type == "cpu":
-
-        if cpu_kernels.available():
-            streams = stream if isinstance(stream, torch.Tensor) else torch.full_like(seeds,
-                                                                                   stream)
-            return cpu_kernels.race_rows(weights.to(torch.float32), seeds, positions, streams,
-                                         SAMPLING_BLOCK, BLOCK_NOISE_INDEX)
+    if kernels is not None and weights.device.type == "cpu":
+        streams = stream if isinstance(stream, torch.Tensor) else torch.full_like(seeds, stream)
+        return kernels.race_rows(weights.to(torch.float32), seeds, positions, streams,
+                                 SAMPLING_BLOCK, BLOCK_NOISE_INDEX)
     return torch_race(weights, seeds, positions, stream)
 
 
@@ -222,6 +223,7 @@ def sample(
     positions: torch.Tensor,
     stream: int = philox.SAMPLE_STREAM,
     all_greedy: bool = False,
+    kernels: ModuleType | None = None,
 ) -> torch.Tensor:
     """Sample one token per row from its processed distribution; greedy rows take the argmax.
 
@@ -233,6 +235,7 @@ def sample(
     positions : [R] int64, the position the sampled token will occupy
     stream : the named Philox stream (``SAMPLE_STREAM`` for normal and bonus sampling)
     all_greedy : the caller's host-side knowledge that every row is greedy (skips the noise)
+    kernels : the compiled CPU kernels (``Backend.cpu``) for the race, or None
 
     Returns
     -------
@@ -253,10 +256,10 @@ def sample(
             pick = [None if x is None else x[rows] for x in (top_k, top_p, min_p)]
             probs = _processed_probs(logits[rows], temperature[rows], *pick)
             ids[rows] = race(probs, seeds[rows], positions[rows],
-                             stream[rows] if isinstance(stream, torch.Tensor) else stream)
+                             stream[rows] if isinstance(stream, torch.Tensor) else stream, kernels)
         return ids
     probs = _processed_probs(logits, temperature, top_k, top_p, min_p)
-    random_ids = race(probs, seeds, positions, stream)
+    random_ids = race(probs, seeds, positions, stream, kernels)
     return torch.where(temperature == 0, greedy_ids, random_ids)
 
 
@@ -271,6 +274,7 @@ def sample_draft(
     temperature: torch.Tensor,
     seeds: torch.Tensor,
     positions: torch.Tensor,
+    kernels: ModuleType | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The draft sampler: sample draft tokens from q on the draft stream.
 
@@ -280,6 +284,7 @@ def sample_draft(
     temperature : [R] float32 (0 = greedy drafting: argmax)
     seeds : [R] int64
     positions : [R] int64, the position each draft token will occupy
+    kernels : the compiled CPU kernels (``Backend.cpu``) for the race, or None
 
     Returns
     -------
@@ -291,6 +296,6 @@ def sample_draft(
     ids = torch.where(
         temperature == 0,
         first_argmax(logits),
-        race(q, seeds, positions, philox.DRAFT_STREAM),
+        race(q, seeds, positions, philox.DRAFT_STREAM, kernels),
     )
     return ids, q

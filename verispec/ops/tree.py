@@ -22,6 +22,8 @@ exactness because verification descends into one node per depth.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
 import torch
 
@@ -199,6 +201,7 @@ def sample_children(
     num_children: int,
     without_replacement: bool,
     node_ids: torch.Tensor | None = None,
+    kernels: ModuleType | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft the children of one node per row.
 
@@ -217,6 +220,7 @@ def sample_children(
         static shape). Else, without replacement only, each row races with draws of its own,
         at indices ``node_ids * SIBLING_INDEX_STRIDE + v``: a dynamic tree, whose shape
         depends on other nodes' children, needs every node's children independent of them.
+    kernels : the compiled CPU kernels (``Backend.cpu``) for the draws, or None
 
     Returns
     -------
@@ -230,19 +234,21 @@ def sample_children(
     greedy_ids = torch.where(greedy_logits > float("-inf"), greedy_ids, -1)  # masked: none
     if without_replacement:
         if node_ids is None:
-            noise = philox.exponential(seeds, positions, philox.DRAFT_STREAM, vocab_size)
+            noise = philox.exponential(seeds, positions, philox.DRAFT_STREAM, vocab_size,
+                                       kernels)
         else:
             vocab = torch.arange(vocab_size, device=logits.device)
             noise = philox.exponential_at(seeds, positions, philox.DRAFT_STREAM,
-                                          node_ids[:, None] * SIBLING_INDEX_STRIDE + vocab)
+                                          node_ids[:, None] * SIBLING_INDEX_STRIDE + vocab,
+                                          kernels)
         scores, random_ids = torch.topk(q / noise, num_children, dim=-1)
         random_ids = torch.where(scores > 0, random_ids, -1)
     else:
         vocab = torch.arange(vocab_size, device=logits.device)
         random_ids = torch.stack([
             (q / philox.exponential_at(seeds, positions, philox.DRAFT_STREAM,
-                                       (j * SIBLING_INDEX_STRIDE + vocab).expand(num_rows, -1))
-             ).argmax(-1)
+                                       (j * SIBLING_INDEX_STRIDE + vocab).expand(num_rows, -1),
+                                       kernels)).argmax(-1)
             for j in range(num_children)], dim=1)
     return torch.where((temperature == 0)[:, None], greedy_ids, random_ids), q
 

@@ -38,6 +38,8 @@ returns its tokens; no draw depends on the rest of the batch. No host sync.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from verispec.ops import philox
@@ -77,6 +79,7 @@ def tree_rejection_sample(
     all_greedy: bool = False,
     *,
     check: bool = True,
+    kernels: ModuleType | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify a batch of token trees; return each request's output tokens and accepted path.
 
@@ -100,6 +103,7 @@ def tree_rejection_sample(
     all_greedy : the caller's host-side knowledge that every request is greedy (skips p).
     check : run ``check_tree`` (reads the trees on the host; proposers' trees are valid by
         construction and turn it off).
+    kernels : the compiled CPU kernels (``Backend.cpu``) for the draws and the race, or None.
 
     Returns
     -------
@@ -141,7 +145,8 @@ def tree_rejection_sample(
         # u of every node: acceptance stream at the node's position, index = its sibling rank
         node_depth = depths[draft_req, draft_index + 1]
         u_nodes = philox.uniform_at(seeds[draft_req], positions[draft_req] + node_depth - 1,
-                                    philox.ACCEPT_STREAM, ranks[draft_req, draft_index])  # [N]
+                                    philox.ACCEPT_STREAM, ranks[draft_req, draft_index],
+                                    kernels)  # [N]
 
     cur = torch.zeros(batch_size, dtype=torch.int64, device=device)  # current slot
     tried = torch.zeros_like(cur)  # children of the current slot tried (all rejected)
@@ -203,7 +208,7 @@ def tree_rejection_sample(
     final_ids = argmax_rows[root_rows + cur]
     if probs is not None:
         stream = torch.where(tried > 0, philox.RESIDUAL_STREAM, philox.SAMPLE_STREAM)
-        random_ids = race(w, seeds, positions + depth, stream)
+        random_ids = race(w, seeds, positions + depth, stream, kernels)
         final_ids = torch.where(greedy, final_ids, random_ids)
 
     accepted_nodes = path[:, :max_depth]

@@ -1,6 +1,6 @@
 """Triton kernel of the Mamba2 multi-token state update (a decode or verify step of a hybrid
 model); the torch twin, with the same signature and the contract, is
-``verispec.models.mamba2.ssm_state_update``.
+``verispec.ops.model_ops.ssm_state_update``.
 
 ``_ssm_state_update_kernel``: one program per (request, head, block of ``BLOCK_P`` head-dim
 rows). It loads the request's state rows ``[BLOCK_P, d_state]`` from the ring entry of its
@@ -61,7 +61,7 @@ def ssm_state_update(
     decay: torch.Tensor,  # [S, G, heads] float32
     C: torch.Tensor,  # [S, G, heads, d_state] float32
 ) -> torch.Tensor:
-    """See ``verispec.models.mamba2.ssm_state_update``. Returns y [S, G, heads, head_dim]
+    """See ``verispec.ops.model_ops.ssm_state_update``. Returns y [S, G, heads, head_dim]
     float32, zeros for the padding tokens."""
     S, G, H, P = x.shape
     N = dtB.shape[-1]

@@ -125,7 +125,7 @@ class DraftTreeDrafting:
                 seeds[row_index].repeat_interleave(parent_slots.size),
                 ops.to_device(num_tokens[rows] + t - 1, device).repeat_interleave(
                     parent_slots.size),
-                m, without_replacement=True)
+                m, without_replacement=True, kernels=self.runner.backend.cpu)
             # (on a GPU a sync per level: the host builds the level's feed)
             child_ids = child_ids.view(rows.size, parent_slots.size, m).cpu().numpy()
             # node i of this level: parent slot parents[i] + 1, rank sibling_rank[i]

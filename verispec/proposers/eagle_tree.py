@@ -141,7 +141,8 @@ class EagleTreeDrafting:
             ops.to_device(levels.num_tokens[rows] + depth - 1, self.device).repeat_interleave(
                 num_parents),
             m, without_replacement=True,
-            node_ids=None if node_ids is None else node_ids.to(self.device))
+            node_ids=None if node_ids is None else node_ids.to(self.device),
+            kernels=self.runner.backend.cpu)
         # the j-th largest probability: child j's own for greedy children (top m of the
         # logits); for sampled ones a score that does not depend on which token was drawn
         top = torch.topk(q, m, dim=-1).values

@@ -38,8 +38,8 @@ import torch
 from verispec import ops
 from verispec.models.llama import AttentionMetadata, FlatBatch
 from verispec.models.rope import rope_tables
-from verispec.ops import cpu_kernels, to_device
-from verispec.ops.model_ops import get_model_ops
+from verispec.ops import to_device
+from verispec.ops.backend import get_backend
 from verispec.ops.tree_feed import TreeFeed
 from verispec.runtime.cuda_graphs import CUDAGraphRunner, StepInput, bucket_for
 from verispec.runtime.kv_cache import DEFAULT_BLOCK_SIZE, BlockTables
@@ -102,9 +102,9 @@ class StepPenalties:
     applied: bool = False
 
 
-# bfloat16 CPU matmuls of this many rows or more run in float32 (prefill; see models.llama.linear).
+# bfloat16 CPU matmuls of this many rows or more run in float32 (prefill; see ops.cpu_linear).
 # Decode and verify steps keep a bfloat16 matmul: widening the LM head every step costs more than
-# it saves there. With the compiled bfloat16 kernel (ops.cpu_kernels) the crossover is later
+# it saves there. With the compiled bfloat16 kernel (Backend.cpu) the crossover is later
 # (docs/benchmarks.md).
 CPU_UPCAST_ROWS = 16
 CPU_UPCAST_ROWS_WITH_KERNEL = 32
@@ -145,6 +145,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.flat = self.device.type == "cuda" if flat_layout is None else flat_layout
         self.batch_invariant = batch_invariant
+        self.backend = get_backend(self.device)  # every kernel this device runs
         # A hybrid's captured steps also take each request's number of real tokens (its padding
         # tokens must leave the recurrent states alone).
         self.hybrid = is_hybrid(self.config)
@@ -174,15 +175,15 @@ class ModelRunner:
             kv_cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         if self.device.type == "cpu":
             # Batch invariant (the default): every matmul and attention row computed one way
-            # whatever the number of rows (models.llama.invariant_linear). Otherwise float32
+            # whatever the number of rows (ops.cpu_linear.invariant_linear). Otherwise float32
             # products as one weight block per thread and bfloat16 ones of many rows (prefill)
-            # widened to float32 (models.llama.linear says why).
+            # widened to float32 (ops.cpu_linear.linear says why).
             upcast_rows = 0
             if self.dtype != torch.float32:
-                upcast_rows = (CPU_UPCAST_ROWS_WITH_KERNEL if cpu_kernels.available()
+                upcast_rows = (CPU_UPCAST_ROWS_WITH_KERNEL if self.backend.cpu is not None
                                else CPU_UPCAST_ROWS)
             model.set_cpu_matmuls(torch.get_num_threads(), upcast_rows=upcast_rows,
-                                  batch_invariant=batch_invariant)
+                                  batch_invariant=batch_invariant, kernels=self.backend.cpu)
         # A hybrid (Mamba2 + attention) model also keeps recurrent state per slot and position.
         self.kv_cache = make_cache(self.config, num_slots, max_model_len, kv_cache_dtype,
                                    self.device, max_step_tokens=max_step_tokens, **self._paging)
@@ -198,7 +199,7 @@ class ModelRunner:
             raise ValueError(
                 f"head_dim={self.config.head_dim}: the GPU attention kernel needs head_dim >= 16 "
                 f"(tensor-core products of 16 features); run this model with device='cpu'")
-        self.ops = get_model_ops(self.device, batch_invariant)
+        self.ops = self.backend.model_ops(batch_invariant)
         # Rows past max_model_len for the padding tokens of a fixed-shape step, and a scratch
         # slot for the padding rows of a bucket (kv_cache.KVCache; a hybrid's states too).
         self.kv_cache = make_cache(self.config, num_slots, self.max_model_len,

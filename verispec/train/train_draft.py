@@ -46,7 +46,7 @@ from verispec.models.eagle import (
     save_eagle_head,
 )
 from verispec.models.loader import resolve_model_path
-from verispec.ops import cpu_kernels
+from verispec.ops.backend import get_backend
 from verispec.train.data import (
     Sample,
     builtin_prompts,
@@ -262,7 +262,7 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
                   device=cfg.device, max_model_len=_data_model_len(cfg, model_dir),
                   batch_invariant=False)
     target = llm.loaded.model
-    if llm.device.type == "cpu" and cpu_kernels.torch_has_fast_bf16():
+    if llm.device.type == "cpu" and get_backend(llm.device).torch_has_fast_bf16():
         # torch's bfloat16 matmul is fast here: keep it for many rows instead of the runner's
         # float32 widening, which slows the generation of many sequences at once
         set_matmuls = getattr(target, "set_cpu_matmuls", None)
@@ -313,7 +313,7 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
     # bfloat16 autocast: float32 weights, gradients and optimizer, the matmuls in bfloat16
     # (where torch has a fast bfloat16 matmul, a step is much faster); on a CPU without one, in
     # float32 (there autocast would be slower).
-    amp = cfg.amp and (device.type == "cuda" or cpu_kernels.torch_has_fast_bf16())
+    amp = cfg.amp and get_backend(device).torch_has_fast_bf16()
     draft_head = target.lm_head_weight.detach()[draft_ids.to(device)].to(  # [V_draft, H]
         torch.bfloat16 if amp else torch.float32)
     params = trainable_parameters(head)
