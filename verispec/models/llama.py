@@ -211,8 +211,8 @@ class Attention(nn.Module):
                 and k_cache.is_contiguous() and v_cache.is_contiguous()):
             # One (token, head) at a time over its visible rows in order: batch invariant.
             out = self.kernels.cache_attention(q, k_cache, v_cache, meta.block_tables,
-                                              meta.kv_len, meta.attn_mask, meta.is_causal,
-                                              self.scale)
+                                               meta.kv_len, meta.attn_mask, meta.is_causal,
+                                               self.scale)
         elif invariant:
             out = invariant_attention(q, k_cache, v_cache, meta, self.scale)
         else:

@@ -181,8 +181,8 @@ class QuantizedWeight(nn.Module):
         if self.quant_kernels is not None:
             buffers = self._buffers  # not through nn.Module.__getattr__: ~130 calls a step
             y = self.quant_kernels.quant_linear(rows, buffers["qs"], buffers["scales"],
-                                         None if bias is None else bias.contiguous(),
-                                         padded, self.bits, self.group)
+                                                None if bias is None else bias.contiguous(),
+                                                padded, self.bits, self.group)
             if padded != out_features:
                 y = y[:, :out_features]
         else:  # the twin: one row per F.linear call, the same way for any number of rows
