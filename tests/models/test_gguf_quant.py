@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.models.utils import requires_bundled
+from tests.models.utils import bundled_llm, requires_bundled
 from verispec import LLM, SamplingParams
 from verispec.models.loader import load_model
 from verispec.ops import cpu_kernels
@@ -48,8 +48,8 @@ def quantized(rng, qtype: str, rows: int, cols: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory, monkeypatch_module):
-    monkeypatch_module.setenv("VERISPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
+def tiny_gguf(tmp_path_factory) -> tuple[str, str]:
+    """The tiny GGUF file, and a cache directory of its own for its converted copies."""
     path = str(tmp_path_factory.mktemp("model") / "tiny.gguf")
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(path, "llama")
@@ -84,13 +84,16 @@ def gguf_path(tmp_path_factory, monkeypatch_module):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path, str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture
+def gguf_path(tiny_gguf, monkeypatch) -> str:
+    """The tiny GGUF, its conversions kept out of the user's cache. Set per test: the bundled
+    model's tests below use the usual cache, where its float32 copy is converted once."""
+    path, cache = tiny_gguf
+    monkeypatch.setenv("VERISPEC_CACHE", cache)
     return path
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
 
 
 def test_quantised_weights_are_the_dequantised_models(gguf_path):
@@ -149,7 +152,7 @@ def test_bundled_quantised_greedy_agrees_with_float32():
     params = SamplingParams(temperature=0.0, max_tokens=32)
     quant = LLM(max_model_len=512, max_num_seqs=4)
     assert isinstance(quant.runner.model.embed_weight, QuantizedWeight)
-    dense = LLM(dtype="float32", max_model_len=512, max_num_seqs=4)
+    dense = bundled_llm()  # the session's float32 engine
     assert ([o.token_ids for o in quant.generate(prompts, params)]
             == [o.token_ids for o in dense.generate(prompts, params)])
 

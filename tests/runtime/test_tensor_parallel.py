@@ -227,17 +227,22 @@ def test_no_process_outlives_its_script(target_dir, ending):
         """)
     process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, cwd=REPO)
-    line = process.stdout.readline()
-    assert line.startswith("worker"), line + process.stderr.read()
-    worker = int(line.split()[1])
-    if ending == "ctrl-c":
-        time.sleep(1.0)
-        process.send_signal(signal.SIGINT)
-    process.wait(timeout=60)
-    deadline = time.monotonic() + 10
-    while not _gone(worker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _gone(worker)
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("worker"), line + process.stderr.read()
+        worker = int(line.split()[1])
+        if ending == "ctrl-c":
+            time.sleep(1.0)
+            process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
+        deadline = time.monotonic() + 10
+        while not _gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(worker)
+    finally:
+        if process.poll() is None:  # the test failed: no script left generating forever
+            process.kill()
+            process.wait()
 
 
 def test_torchrun_launch(tmp_path, target_dir, reference):
