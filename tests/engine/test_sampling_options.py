@@ -184,7 +184,7 @@ def test_penalties_survive_preemption(target_dir):
 def test_a_bad_option_fails_its_request_only(target_dir):
     llm = engine(target_dir)
     prompts = workload()[:3]
-    outputs = llm.generate(prompts, [SamplingParams(max_tokens=4),
+    outputs = llm.generate(prompts, [SamplingParams(max_tokens=4, ignore_eos=True),
                                      SamplingParams(max_tokens=4, logit_bias={VOCAB + 1: 1.0}),
                                      SamplingParams(max_tokens=4, allowed_token_ids=[10**9])])
     assert len(outputs[0].token_ids) == 4 and outputs[0].error is None
