@@ -141,6 +141,56 @@ def test_greedy_speculation_and_batching_keep_plain_greedy(gguf_path):
     assert spec.get_metrics()["spec_decoding"]["num_drafts"] > 0
 
 
+def test_compiled_decoder_gives_the_per_op_bits(gguf_path):
+    """Every forward of a batched n-gram run (long and short prefills, decodes, verify steps of
+    several tokens, padded rows) through the compiled decoder (``ops.cpu_decoder``) and through
+    the per-op layers from the same caches: the same final hidden states and the same KV cache
+    afterwards, bit for bit; also with early exit (one layer) and captured layers (an EAGLE
+    head's inputs). Regression: RoPE's sum rounded separately instead of torch's addcmul FMA
+    differed in one element in a few hundred."""
+    llm = LLM(gguf_path, max_model_len=256, max_num_seqs=3, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    model = llm.runner.model
+    decoder = model.quant_decoder
+    assert decoder is not None
+    real, shapes = model.forward, []
+
+    def run(use, caches, saved, *args):
+        for cache, state in zip(caches, saved):
+            cache.copy_(state)
+        model.quant_decoder = decoder if use else None
+        try:
+            out = real(*args)
+        finally:
+            model.quant_decoder = decoder
+        return out, [c.clone() for c in caches]
+
+    def both(input_ids, meta, k_caches, v_caches, num_layers=None, capture_layers=()):
+        caches = [*k_caches, *v_caches]
+        saved = [c.clone() for c in caches]
+        for variant in ((1, ()), (None, (0, 1)), (num_layers, capture_layers)):
+            args = (input_ids, meta, k_caches, v_caches, *variant)
+            want, want_caches = run(False, caches, saved, *args)
+            got, got_caches = run(True, caches, saved, *args)
+            for a, b in zip(torch.utils._pytree.tree_leaves(got),
+                            torch.utils._pytree.tree_leaves(want)):
+                assert torch.equal(a, b)
+            assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+        shapes.append(tuple(input_ids.shape))
+        return got
+
+    model.forward = both
+    gen = torch.Generator().manual_seed(2)
+    prompts = [(torch.randint(3, VOCAB, (n,), generator=gen).tolist() * 4) for n in (5, 9, 50)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm.generate(prompts, params)
+    assert llm.get_metrics()["spec_decoding"]["num_drafts"] > 0
+    assert any(b > 1 and s > 1 for b, s in shapes)  # verify steps of several requests
+    assert any(b * s >= 128 for b, s in shapes)  # a prefill long enough to use every thread
+    assert LLM(gguf_path, dtype="float32", max_model_len=128,
+               max_num_seqs=1).runner.model.quant_decoder is None  # dense weights: per op
+
+
 @requires_bundled
 @pytest.mark.slow
 def test_bundled_quantised_greedy_agrees_with_float32():

@@ -250,6 +250,27 @@ def test_rms_norm_matches_hf_and_does_not_depend_on_the_batch(dtype, rows, size)
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 300])
+def test_silu_mul_matches_torch_and_does_not_depend_on_the_batch(rows):
+    """silu(gate) * up of a fused [gate | up] row, strided rows included (a padded matmul
+    output), within an ulp or two of torch's (exp differs in the last bit); each row the same
+    bits alone as in the batch (300 rows take the parallel region); adversarial values
+    (large, tiny, infinite, NaN) as torch gives them."""
+    n = 1024
+    gen = torch.Generator().manual_seed(rows)
+    wide = 6 * torch.randn(rows, 2 * n + 64, generator=gen)
+    wide[0, :6] = torch.tensor([100.0, -100.0, 1e-30, float("inf"), float("-inf"), float("nan")])
+    gate_up = wide[:, : 2 * n]  # rows strided by 2 n + 64
+    ours = cpu_kernels.silu_mul(gate_up, n)
+    want = torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]
+    torch.testing.assert_close(ours, want, rtol=3e-7, atol=1e-30, equal_nan=True)
+    for i in (0, rows - 1):
+        torch.testing.assert_close(cpu_kernels.silu_mul(gate_up[i:i + 1], n)[0], ours[i],
+                                   rtol=0, atol=0, equal_nan=True)
+    assert ours.shape == (rows, n)
+
+
+@needs_kernel
 def test_avx2_kernels_alone_where_the_avx512_file_does_not_build(tmp_path, monkeypatch):
     """A compiler that cannot build the AVX-512 BF16 / AMX file still gives the AVX2 kernels
     (and remembers the failed build instead of retrying it at every start)."""

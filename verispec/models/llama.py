@@ -26,6 +26,7 @@ from verispec.models.config import ModelConfig
 from verispec.models.parallel import SINGLE, TensorParallel
 from verispec.models.rope import apply_rope
 from verispec.ops import quant
+from verispec.ops.cpu_decoder import DecoderWeights, QuantDecoder
 from verispec.ops.cpu_linear import linear
 from verispec.ops.model_ops import ModelOps
 
@@ -278,8 +279,14 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.matmul_splits,
                          self.upcast_rows, self.batch_invariant, self.kernels)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(linear(F.silu(gate) * up, self.down_weight, self.down_bias,
+        if (self.kernels is not None and gate_up.dtype == torch.float32
+                and gate_up.device.type == "cpu"):
+            # the compiled decoder's activation (ops.cpu_decoder), so both give the same bits
+            act = self.kernels.silu_mul(gate_up, self.intermediate_size)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
+        return self.tp.all_reduce(linear(act, self.down_weight, self.down_bias,
                                          self.matmul_splits, self.upcast_rows,
                                          self.batch_invariant, self.kernels))
 
@@ -354,6 +361,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config = tp.shard_config(config)
         self.matmul_splits, self.upcast_rows, self.batch_invariant = 1, 0, False
         self.kernels: ModuleType | None = None
+        # the layers as one compiled call on the CPU (GGUF weights kept quantised; see
+        # set_cpu_matmuls); None: the per-op path
+        self.quant_decoder: QuantDecoder | None = None
         vocab_rows = tp.vocab_shard_size(config.vocab_size)
         self.embed_weight = _param(vocab_rows, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
@@ -387,10 +397,22 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)
         captured: dict[int, torch.Tensor] = {}
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        for i, (layer, k_cache, v_cache) in enumerate(zip(layers, k_caches, v_caches)):
-            if i in capture_layers:
-                captured[i] = x.clone()  # the layer adds into x in place
-            x = layer(x, meta, k_cache, v_cache)
+        decoder = self.quant_decoder
+        if decoder is not None and decoder.accepts(x, k_caches, v_caches):
+            # spans of layers between the captured ones, each one compiled call
+            step, keep = decoder.step(x, meta, k_caches[0].shape[1])
+            start = 0
+            for stop in sorted({i for i in capture_layers if i < len(layers)}) + [len(layers)]:
+                decoder.run(x, step, k_caches, v_caches, start, stop)
+                if stop < len(layers):
+                    captured[stop] = x.clone()
+                start = stop
+            del keep
+        else:
+            for i, (layer, k_cache, v_cache) in enumerate(zip(layers, k_caches, v_caches)):
+                if i in capture_layers:
+                    captured[i] = x.clone()  # the layer adds into x in place
+                x = layer(x, meta, k_cache, v_cache)
         if not capture_layers:
             return self.norm(x)
         return self.norm(x), [captured[i] for i in capture_layers]
@@ -443,8 +465,26 @@ class LlamaForCausalLM(nn.Module):
 
     def set_cpu_matmuls(self, splits: int, upcast_rows: int = 0, batch_invariant: bool = False,
                         kernels: ModuleType | None = None) -> None:
-        """``set_cpu_matmuls`` of every module (the function's docstring)."""
+        """``set_cpu_matmuls`` of every module (the function's docstring), and the compiled
+        decoder (``ops.cpu_decoder``) where the kernels run every layer: GGUF weights kept
+        quantised, one device, Llama's layers without Qwen3's q/k norms. It is batch invariant
+        whatever ``batch_invariant`` says, and the model then runs every forward through it."""
         set_cpu_matmuls(self, splits, upcast_rows, batch_invariant, kernels)
+        self.quant_decoder = None
+        if (self.tp.enabled or not self.layers
+                or any(type(layer) is not DecoderLayer or layer.attn.q_norm is not None
+                       for layer in self.layers)):
+            return
+        c, attn = self.config, self.layers[0].attn
+        self.quant_decoder = QuantDecoder.of(
+            kernels,
+            [DecoderWeights(layer.attn.qkv_weight, layer.attn.o_weight, layer.mlp.gate_up_weight,
+                            layer.mlp.down_weight, layer.input_norm.weight,
+                            layer.post_attn_norm.weight, layer.attn.qkv_bias, layer.attn.o_bias,
+                            layer.mlp.gate_up_bias, layer.mlp.down_bias)
+             for layer in self.layers],
+            c.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, c.intermediate_size,
+            self.layers[0].input_norm.eps, attn.scale)
 
 
 def set_cpu_matmuls(model: nn.Module, splits: int, upcast_rows: int = 0,

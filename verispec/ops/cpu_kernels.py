@@ -66,10 +66,12 @@ from verispec.paths import cache_root
 logger = logging.getLogger("verispec")
 
 _SOURCES = [Path(__file__).with_name(name) for name in (
-    "bf16_linear.c", "attention.c", "rms_norm.c", "sampling.c", "thread_pool.c")]
+    "bf16_linear.c", "attention.c", "rms_norm.c", "elementwise.c", "sampling.c",
+    "thread_pool.c")]
 _X512_SOURCE = Path(__file__).with_name("bf16_linear_avx512.c")
-# The quantised-weight linear layer (AVX-512; verispec.ops.quant): built with the AVX-512 kernels.
-_QUANT_SOURCE = Path(__file__).with_name("quant_linear.c")
+# The quantised-weight linear layer (AVX-512; verispec.ops.quant) and the decoder layers over it
+# (verispec.ops.cpu_decoder): built with the AVX-512 kernels.
+_QUANT_SOURCES = [Path(__file__).with_name(name) for name in ("quant_linear.c", "quant_decoder.c")]
 _HEADER = Path(__file__).with_name("cpu_kernels.h")
 # -ffp-contract=off: the scalar tails round each product as written (no FMA contraction that
 # one inlined copy could get and another not), so every row is summed alike.
@@ -123,10 +125,10 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         return None
     source = b"".join(path.read_bytes()
-                      for path in (*_SOURCES, _X512_SOURCE, _QUANT_SOURCE, _HEADER))
+                      for path in (*_SOURCES, _X512_SOURCE, *_QUANT_SOURCES, _HEADER))
     tag = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
     library, error = None, None
-    for sources, suffix in (([*_SOURCES, _X512_SOURCE, _QUANT_SOURCE], ""),
+    for sources, suffix in (([*_SOURCES, _X512_SOURCE, *_QUANT_SOURCES], ""),
                             (_SOURCES, "-avx2")):
         path = _cache_dir() / f"cpu_kernels-{tag}{suffix}.so"
         failed = path.with_suffix(".failed")  # a build that failed once is not retried
@@ -167,6 +169,8 @@ def _library() -> ctypes.CDLL | None:
     library.cache_attention.argtypes = (
         [ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr] + [i64] * 8
         + [ptr, ctypes.c_int, ctypes.c_float, ctypes.c_int])
+    library.silu_mul.restype = None
+    library.silu_mul.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_int]
     library.philox_uniform.restype = None
     library.philox_uniform.argtypes = [ptr] * 4 + [i64, ptr]
     library.race_rows.restype = None
@@ -237,6 +241,12 @@ def quant_available() -> bool:
     return library is not None and hasattr(library, "quant_linear") and library.quant_isa() == 1
 
 
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels (None where they are not built), for modules that declare their own
+    C functions' signatures (``ops.cpu_decoder``)."""
+    return _library()
+
+
 def quant_linear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None, out_features: int, bits: int,
                  group: int) -> torch.Tensor:
@@ -283,6 +293,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
                             x.dtype == torch.bfloat16, x.numel() // n, n, eps,
                             torch.get_num_threads())
     return y
+
+
+def silu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor:
+    """``F.silu(gate) * up`` of float32 CPU ``gate_up`` [..., >= 2 n] (gate in [0, n), up in
+    [n, 2 n); the last dimension contiguous, rows evenly strided), with the C library's exp: the
+    compiled decoder's activation (``ops/elementwise.c``), so the per-op path gives its bits.
+    Returns [..., n] float32. Only where ``available()``."""
+    rows = gate_up.reshape(-1, gate_up.shape[-1]) if gate_up.dim() != 2 else gate_up
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < 2 * n):
+        rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], n))
+    if out.numel():
+        _library().silu_mul(rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], n,
+                            torch.get_num_threads())
+    return out.view(*gate_up.shape[:-1], n)
 
 
 def philox_uniform(seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor,
