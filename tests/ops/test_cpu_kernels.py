@@ -171,8 +171,9 @@ def test_cache_attention_matches_sdpa(dtype, seq, heads, kv_heads, head_dim, vis
     """Grouped-query attention of S new tokens over a paged float32 cache read through shuffled
     block tables, q a strided view (as the model's rotated q and k share one tensor): equal to
     SDPA in float64 up to float32 arithmetic (bfloat16: one rounding of the output), and
-    bit-identical to the same cache with each slot's blocks in order (a contiguous cache). A
-    masked row that sees no key (a padding query) gets zeros."""
+    bit-identical to the same cache with each slot's blocks in order (a contiguous cache) and,
+    causal, to each token attending alone (a decode step). A masked row that sees no key (a
+    padding query) gets zeros."""
     gen = torch.Generator().manual_seed(seq * 100 + heads * 10 + head_dim)
     num_slots, max_len, kv_len, batch = 5, 40, 29, 3
     k_logical = torch.randn(num_slots, max_len, kv_heads, head_dim, generator=gen)
@@ -200,6 +201,14 @@ def test_cache_attention_matches_sdpa(dtype, seq, heads, kv_heads, head_dim, vis
     torch.testing.assert_close(ours.double(), ref, **tol)
     if visibility == "mask":
         assert (ours[1, 0] == 0).all()
+    if visibility == "causal":  # each token alone (a decode step) gives its row's bits
+        k_cache, table = _paged_cache(k_logical, 4, True)
+        v_cache, _ = _paged_cache(v_logical, 4, True)
+        for s in range(seq):
+            alone = cpu_kernels.cache_attention(q[:, s:s + 1], k_cache, v_cache,
+                                                table[slots].contiguous(),
+                                                kv_len - seq + s + 1, None, False, scale)
+            assert torch.equal(alone[:, 0], ours[:, s])
 
 
 @needs_kernel
