@@ -218,10 +218,16 @@ def pack_gguf(parts: list[tuple[str, np.ndarray]], in_features: int) -> Quantize
         for part_type, blocks in parts:
             head = _PAIRED_NIBBLES[part_type]
             b = blocks.reshape(blocks.shape[0], in_features // 32, head + 16)
-            d = _f16(b[:, :, :2])[..., 0]
+            # the fp16 fields as they are (2-byte rows of a uint8 array: copied, then viewed)
+            d = b[:, :, :2].copy().view(np.float16)[..., 0]
             q.append(b[:, :, head:])
             scale.append(d)
-            offset.append(-8 * d if part_type == "Q4_0" else _f16(b[:, :, 2:4])[..., 0])
+            if part_type == "Q4_1":
+                offset.append(b[:, :, 2:4].copy().view(np.float16)[..., 0])
+            else:  # -8 d is exact in float16 (an exponent step) unless it overflows
+                with np.errstate(over="ignore", invalid="ignore"):
+                    off = d * np.float16(-8)
+                offset.append(off if np.isfinite(off).all() else -8 * d.astype(np.float32))
         return _pack(q, scale, offset, 4, 32, qtype)
     bits = max(BITS[part_type] for part_type, _ in parts)
     decoded = []
@@ -263,7 +269,10 @@ def _pack(q: list[np.ndarray], scale: list[np.ndarray], offset: list[np.ndarray]
     groups = padded // NR
     qs = np.zeros((padded, k // 32, 16) if bits == 4 else (padded, k),
                   np.uint8 if bits == 4 else np.int8)
-    so = np.zeros((padded, k // group, 2), np.float32)
+    # float16 parts (the fp16 fields of Q4_0 / Q4_1) stay float16 where every value is finite
+    # (-8 d of Q4_0 may overflow it); anything else is float32 and tried as float16 below
+    finite16 = all(a.dtype == np.float16 and np.isfinite(a).all() for a in (*scale, *offset))
+    so = np.zeros((padded, k // group, 2), np.float16 if finite16 else np.float32)
     row = 0
     for part, part_scale, part_offset in zip(q, scale, offset):
         rows = part.shape[0]
@@ -275,9 +284,10 @@ def _pack(q: list[np.ndarray], scale: list[np.ndarray], offset: list[np.ndarray]
     else:
         qs = qs.reshape(groups, NR, k).transpose(0, 2, 1)  # [g, k, r]
     so = so.reshape(groups, NR, k // group, 2).transpose(0, 2, 3, 1)  # [g, K/G, 2, r]
-    half = so.astype(np.float16)
-    if np.array_equal(half.astype(np.float32), so):  # every scale and offset a float16 value
-        so = half
+    if so.dtype == np.float32:
+        half = so.astype(np.float16)
+        if np.array_equal(half.astype(np.float32), so):  # every scale and offset a float16 value
+            so = half
     return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(qs)),
                            torch.from_numpy(np.ascontiguousarray(so)), (n, k), bits, group,
                            qtype)
