@@ -114,8 +114,9 @@ def test_dequantize_is_the_gguf_packages_values(gguf_file, qtype):
 @needs_kernel
 @pytest.mark.parametrize("qtype", list(BLOCK_BYTES))
 def test_linear_is_the_float32_product_and_batch_invariant(gguf_file, qtype):
-    """Batches of 1..5 rows take the few-row path, 9 and 133 the panel one (133: two row
-    blocks of the kernel); every row's bits are those of the row alone."""
+    """Batches of 1..8 rows take the few-row paths (1..4 rows over a whole tile, 5..8 over
+    each half), 9 and 133 the panel one (133: two row blocks of the kernel); every row's bits
+    are those of the row alone."""
     found = tensors(gguf_file)
     gen = torch.Generator().manual_seed(0)
     for rows, cols in SHAPES:
@@ -126,7 +127,7 @@ def test_linear_is_the_float32_product_and_batch_invariant(gguf_file, qtype):
         bias = torch.randn(rows, generator=gen)
         alone = torch.cat([w.linear(x[i:i + 1], bias) for i in range(x.shape[0])])
         check_product(alone, x, ref, bias)
-        for size in (2, 3, 4, 5, 9, 133):
+        for size in (2, 3, 4, 5, 6, 7, 8, 9, 133):
             assert torch.equal(w.linear(x[:size], bias), alone[:size]), size
         assert torch.equal(w.linear(x[:6].view(2, 3, cols)), w.linear(x[:6]).view(2, 3, rows))
 
