@@ -215,11 +215,11 @@ def test_cached_gguf_tokenizer_is_autotokenizers():
     from transformers import AutoTokenizer
 
     from verispec.models import gguf as gguf_files
-    from verispec.models.loader import _load_tokenizer
+    from verispec.models.loader import _load_hf_tokenizer
 
     model_dir = gguf_files.gguf_meta_dir(gguf_files.bundled_gguf_path())
     assert gguf_files.cached_tokenizer_class(model_dir) is not None
-    fast, auto = _load_tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    fast, auto = _load_hf_tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
     assert type(fast) is type(auto)
     assert (fast.eos_token_id, fast.bos_token_id, fast.pad_token_id) == (
         auto.eos_token_id, auto.bos_token_id, auto.pad_token_id)

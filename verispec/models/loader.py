@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from verispec.models import gguf
+from verispec.models import fast_tokenizer, gguf
 from verispec.models.config import ModelConfig, read_hf_config
 from verispec.models.gguf_quant import load_quantized
 from verispec.models.llama import LlamaForCausalLM
@@ -243,6 +243,19 @@ _CACHED_TOKENIZER_CLASSES = {
 def _load_tokenizer(model_dir: str):
     if not any(os.path.isfile(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
         return None
+    if gguf.cached_tokenizer_class(model_dir) in _CACHED_TOKENIZER_CLASSES:
+        # a GGUF's cached directory: without transformers where that was checked to agree
+        fast = fast_tokenizer.load(model_dir, _load_hf_tokenizer)
+        if fast is not None:
+            return fast
+        tokenizer = _load_hf_tokenizer(model_dir)
+        if not os.path.isfile(os.path.join(model_dir, fast_tokenizer.VERDICT_FILE)):
+            fast_tokenizer.verify(model_dir, tokenizer)  # once: the next start may skip it
+        return tokenizer
+    return _load_hf_tokenizer(model_dir)
+
+
+def _load_hf_tokenizer(model_dir: str):
     cached = _CACHED_TOKENIZER_CLASSES.get(gguf.cached_tokenizer_class(model_dir))
     if cached is not None:
         # AutoTokenizer chose this class when it wrote the directory; naming it skips

@@ -78,7 +78,10 @@ class GrammarCompiler:
         # grammar need
         import llguidance.hf
 
-        return cls(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size), vocab_size)
+        # a GGUF's tokenizer without transformers (models.fast_tokenizer) hands over the
+        # transformers one, which llguidance reads
+        hf = getattr(tokenizer, "hf_tokenizer", tokenizer)
+        return cls(llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size), vocab_size)
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher; ValueError naming the field when the grammar does not compile."""
