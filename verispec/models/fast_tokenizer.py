@@ -38,7 +38,8 @@ VERSION = 1
 PROBE_TEXTS = (
     "", "Hello", " Hello  world\n\n\tdone ", "What is the capital of France?",
     "def add(a, b):\n    return a + b  # sum\n", "1234567890 3.14159 -42 1e-9",
-    "Ça déjà vu, naïve façade — «quotes» and ‘single’", "日本語のテキストと中文", "emoji 🙂👍🏽 end",
+    "Ça déjà vu, naïve façade — «quotes» and ‘single’", "日本語のテキストと中文",
+    "emoji 🙂👍🏽 end",
     "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>", "   leading and trailing   ", "a" * 300,
 )
 PROBE_CHATS = (
