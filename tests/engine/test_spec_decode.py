@@ -310,15 +310,15 @@ def test_verify_costs_follow_the_cpu_kernels(monkeypatch):
 
 
 def test_planner_costs_add_the_draft_models_forwards(target_dir, draft_dir):
-    """A proposer with a model of its own adds n times its forward (its matmul weights over
+    """A proposer with a model of its own adds n times its forward (the bytes of its matmul weights over
     the target's) to the cost of n drafts; a lookup adds nothing; a model drafting for itself
     costs a whole decode step per draft."""
-    from verispec.proposers.base import matmul_weights
+    from verispec.proposers.base import matmul_weight_bytes
 
     spec = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3}
     llm = LLM(target_dir, speculative_config=spec)
     proposer, runner = llm.spec.proposer, llm.runner
-    ratio = matmul_weights(proposer.runner.model) / matmul_weights(runner.model)
+    ratio = matmul_weight_bytes(proposer.runner.model) / matmul_weight_bytes(runner.model)
     assert 0 < ratio < 1 and proposer.draft_cost == pytest.approx(ratio)
     base = verify_costs(runner.device, runner.dtype, 3)
     assert llm.spec.costs == pytest.approx([c + n * ratio for n, c in enumerate(base)])

@@ -21,8 +21,8 @@ AMX kernel ~0.03. On a GPU with captured graphs every step drafts and verifies a
 ``measured_costs`` times the captured decode, verify and draft graphs once at start-up, on the
 scratch slot, and rounds the ratio to 0.05 steps (``SpeculativeDecoder.capture``; without
 graphs, 1 + 0.01 n). Where the costs are not measured, a proposer with a model of its own adds
-``n * draft_cost`` (its model's matmul weights over the target's: an EAGLE head of the bundled
-model ~0.07). Beyond that it is deliberately not timed at run time: the number of drafts must
+``n * draft_cost`` (the bytes of its model's matmul weights over the target's: a float32 EAGLE
+head of the bundled model's 4-bit GGUF ~0.4). Beyond that it is deliberately not timed at run time: the number of drafts must
 not depend on the machine's momentary load or on the batch, or a seeded request would stop being
 reproducible. Each request keeps an estimate of its per-token acceptance rate alpha and drafts
 ``n = argmax_n E(n) / cost(n)`` tokens, with ``E(n) = (1 - alpha^(n+1)) / (1 - alpha)`` the

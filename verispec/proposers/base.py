@@ -227,7 +227,7 @@ class Proposer(abc.ABC):
         """One draft token's cost in target decode steps, for the planner's choice of how many
         to draft where step costs are not measured (CPU). Default 0 (a lookup); proposers with
         a model of their own return the ratio of the weights a forward of each reads
-        (``matmul_weights``): a decode step reads every weight once."""
+        (``matmul_weight_bytes``): a decode step reads every weight once."""
         return 0.0
 
     def draft_ahead(self, requests: Sequence[ProposalRequest],
@@ -240,23 +240,29 @@ class Proposer(abc.ABC):
         return False
 
 
-def matmul_weights(model: torch.nn.Module) -> int:
-    """Weights a one-token forward of ``model`` multiplies by: its 2-D parameters but the
-    embedding tables (a lookup), plus an LM head tied to one of them."""
+def matmul_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a one-token forward of ``model`` reads (a decode step is bound by
+    them): its 2-D parameters but the embedding tables (a lookup), plus an LM head tied to one
+    of them; GGUF weights kept quantised (``ops.quant``) count their packed bytes, so a
+    float32 EAGLE head over a 4-bit target costs what it reads."""
     total, seen = 0, set()
     for name, p in model.named_parameters():
         if p.dim() == 2 and "embed" not in name:
-            total += p.numel()
+            total += p.numel() * p.element_size()
             seen.add(p.data_ptr())
-    for name, m in model.named_modules():  # GGUF weights kept quantised (ops.quant)
+    for name, m in model.named_modules():
         if isinstance(m, QuantizedWeight) and "embed" not in name:
-            total += m.shape.numel()
+            total += _packed_bytes(m)
     head = getattr(model, "lm_head_weight", None)
     if isinstance(head, torch.Tensor) and head.data_ptr() not in seen:
-        total += head.numel()
+        total += head.numel() * head.element_size()
     elif isinstance(head, QuantizedWeight) and head is getattr(model, "embed_weight", None):
-        total += head.shape.numel()
+        total += _packed_bytes(head)
     return total
+
+
+def _packed_bytes(weight: QuantizedWeight) -> int:
+    return sum(b.numel() * b.element_size() for b in weight.buffers())
 
 
 ProposerT = TypeVar("ProposerT", bound=Proposer)

@@ -73,7 +73,7 @@ from verispec.proposers.base import (
     ProposalRequest,
     Proposer,
     ProposerContext,
-    matmul_weights,
+    matmul_weight_bytes,
     register_proposer,
 )
 from verispec.proposers.draft_tree import DraftTreeDrafting, context_tail
@@ -110,12 +110,13 @@ class ModelProposer(DraftTreeDrafting, Proposer):
 
     @property
     def draft_cost(self) -> float:
-        """The proposer's model's matmul weights over the target's (``Proposer.draft_cost``);
+        """The bytes of the proposer's model's matmul weights over the target's
+        (``Proposer.draft_cost``);
         0 where it drafts with the target's own runner (early exit: not modelled)."""
         target = getattr(self.context.target_model, "model", None)
         if target is None or self.runner.model is target:
             return 0.0
-        return matmul_weights(self.runner.model) / max(1, matmul_weights(target))
+        return matmul_weight_bytes(self.runner.model) / max(1, matmul_weight_bytes(target))
 
     def _init_buffers(self, num_slots: int, vocab_size: int) -> None:
         k = self.num_speculative_tokens
