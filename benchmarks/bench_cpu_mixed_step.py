@@ -1,5 +1,5 @@
 """A CPU step that mixes decodes with a prefill chunk: one padded forward against one forward
-per group of similar token counts (``runtime.model_runner.padding_groups``).
+per group of similar token counts (``runtime.padded_layout.padding_groups``).
 
 One engine on the bundled model (quantised GGUF, the default) or ``--model``: ``--decodes``
 requests with a ``--context``-token prompt each, then one step that feeds each of them one token
@@ -23,13 +23,13 @@ import torch
 
 from verispec import LLM
 from verispec.bench.report import machine_description, print_table
-from verispec.runtime import model_runner
+from verispec.runtime import padded_layout
 
 
 def step(llm: LLM, decodes: int, context: int, chunk: int, grouped: bool, seed: int):
     """(seconds, logits) of one mixed step on empty slots (freed afterwards)."""
     runner = llm.runner
-    model_runner.MAX_PADDING_RATIO = 1.25 if grouped else 1e9
+    padded_layout.MAX_PADDING_RATIO = 1.25 if grouped else 1e9
     rng = np.random.default_rng(seed)
     vocab = runner.config.vocab_size
     slots = list(range(decodes + 1))

@@ -33,7 +33,8 @@ from verispec import LLM, SamplingParams
 from verispec.engine import llm as llm_module
 from verispec.proposers import draft_model as draft_model_module
 from verispec.proposers import eagle as eagle_module
-from verispec.runtime.model_runner import TREE_GRAPH_MAX_BATCH, ModelRunner
+from verispec.runtime.flat_layout import TREE_GRAPH_MAX_BATCH
+from verispec.runtime.model_runner import ModelRunner
 
 VOCAB = 64
 MAX_MODEL_LEN = 96

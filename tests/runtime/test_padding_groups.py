@@ -14,7 +14,7 @@ import torch
 
 from tests.models.utils import save_tiny_model
 from verispec.models import load_model
-from verispec.runtime import model_runner
+from verispec.runtime import padded_layout
 from verispec.runtime.model_runner import ModelRunner, padding_groups
 
 
@@ -37,7 +37,7 @@ def _step(model, logits, grouped, monkeypatch, capture_layers=()):
     """Prefill three requests, then one step of two decodes beside a 90-token chunk."""
     with monkeypatch.context() as patch:
         if not grouped:
-            patch.setattr(model_runner, "MAX_PADDING_RATIO", 1e9)
+            patch.setattr(padded_layout, "MAX_PADDING_RATIO", 1e9)
         runner = ModelRunner(model, 4, 256)
         runner.capture_layers = capture_layers
         rng = np.random.default_rng(0)
