@@ -310,9 +310,9 @@ def test_verify_costs_follow_the_cpu_kernels(monkeypatch):
 
 
 def test_planner_costs_add_the_draft_models_forwards(target_dir, draft_dir):
-    """A proposer with a model of its own adds n times its forward (the bytes of its matmul weights over
-    the target's) to the cost of n drafts; a lookup adds nothing; a model drafting for itself
-    costs a whole decode step per draft."""
+    """A proposer with a model of its own adds n times its forward (the bytes of its matmul
+    weights over the target's) to the cost of n drafts; a lookup adds nothing; a model drafting
+    for itself costs a whole decode step per draft."""
     from verispec.proposers.base import matmul_weight_bytes
 
     spec = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3}

@@ -22,10 +22,10 @@ AMX kernel ~0.03. On a GPU with captured graphs every step drafts and verifies a
 scratch slot, and rounds the ratio to 0.05 steps (``SpeculativeDecoder.capture``; without
 graphs, 1 + 0.01 n). Where the costs are not measured, a proposer with a model of its own adds
 ``n * draft_cost`` (the bytes of its model's matmul weights over the target's: a float32 EAGLE
-head of the bundled model's 4-bit GGUF ~0.4). Beyond that it is deliberately not timed at run time: the number of drafts must
-not depend on the machine's momentary load or on the batch, or a seeded request would stop being
-reproducible. Each request keeps an estimate of its per-token acceptance rate alpha and drafts
-``n = argmax_n E(n) / cost(n)`` tokens, with ``E(n) = (1 - alpha^(n+1)) / (1 - alpha)`` the
+head of the bundled model's 4-bit GGUF ~0.4). Beyond that it is deliberately not timed at run
+time: the number of drafts must not depend on the machine's momentary load or on the batch, or a
+seeded request would stop being reproducible. Each request keeps an estimate of its per-token
+acceptance rate alpha and drafts ``n = argmax_n E(n) / cost(n)`` tokens, with ``E(n) = (1 - alpha^(n+1)) / (1 - alpha)`` the
 expected tokens per step (Leviathan et al.). alpha is accepted drafts over drafts *tried*, each
 an exponential average over the request's own steps with drafts: drafts after the first rejected
 one were never tried (counting them as failures, accepted / drafted, read a per-position profile
