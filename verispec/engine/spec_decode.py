@@ -25,8 +25,8 @@ graphs, 1 + 0.01 n). Where the costs are not measured, a proposer with a model o
 head of the bundled model's 4-bit GGUF ~0.4). Beyond that it is deliberately not timed at run
 time: the number of drafts must not depend on the machine's momentary load or on the batch, or a
 seeded request would stop being reproducible. Each request keeps an estimate of its per-token
-acceptance rate alpha and drafts ``n = argmax_n E(n) / cost(n)`` tokens, with ``E(n) = (1 - alpha^(n+1)) / (1 - alpha)`` the
-expected tokens per step (Leviathan et al.). alpha is accepted drafts over drafts *tried*, each
+acceptance rate alpha and drafts ``n = argmax_n E(n) / cost(n)`` tokens, with
+``E(n) = (1 - alpha^(n+1)) / (1 - alpha)`` the expected tokens per step (Leviathan et al.). alpha is accepted drafts over drafts *tried*, each
 an exponential average over the request's own steps with drafts: drafts after the first rejected
 one were never tried (counting them as failures, accepted / drafted, read a per-position profile
 0.39, 0.16, 0.06 as alpha 0.2 instead of 0.4 and drafted half as often as pays). A request whose
