@@ -10,31 +10,30 @@ One step for a batch of running requests:
 4. the engine commits the output tokens in order (a stop inside an accepted run ends the request
    there), rolls the target cache back to the committed tokens, and the proposer rolls its own.
 
-Switching speculation off where it does not pay: verifying n drafts (a forward over n + 1
-tokens) costs more than a plain decode step. ``verify_costs`` gives that cost in decode steps, a
-fixed table per device and dtype measured on our CPU (docs/benchmarks.md). On CPU it is not
-linear in n: in float32 the first extra token costs most (a different matmul shape), then the
-cost is nearly flat; in bfloat16 every token adds ~0.5 with torch's matmul; with the compiled
-kernels (``Backend.cpu``, where they run) ~0.1 in both dtypes, and with their bfloat16
-AMX kernel ~0.03. On a GPU with captured graphs every step drafts and verifies at a fixed shape
-(k drafts, k + 1 rows per request), so a step with drafts costs the same whatever n:
-``measured_costs`` times the captured decode, verify and draft graphs once at start-up, on the
-scratch slot, and rounds the ratio to 0.05 steps (``SpeculativeDecoder.capture``; without
-graphs, 1 + 0.01 n). Where the costs are not measured, a proposer with a model of its own adds
-``n * draft_cost`` (the bytes of its model's matmul weights over the target's: a float32 EAGLE
-head of the bundled model's 4-bit GGUF ~0.4). Beyond that it is deliberately not timed at run
-time: the number of drafts must not depend on the machine's momentary load or on the batch, or a
-seeded request would stop being reproducible. Each request keeps an estimate of its per-token
-acceptance rate alpha and drafts ``n = argmax_n E(n) / cost(n)`` tokens, with
-``E(n) = (1 - alpha^(n+1)) / (1 - alpha)`` the expected tokens per step (Leviathan et al.). alpha is accepted drafts over drafts *tried*, each
-an exponential average over the request's own steps with drafts: drafts after the first rejected
-one were never tried (counting them as failures, accepted / drafted, read a per-position profile
-0.39, 0.16, 0.06 as alpha 0.2 instead of 0.4 and drafted half as often as pays). A request whose
-drafts keep failing therefore drops to ``n = 0`` (a plain decode step); every ``REPROBE_STEPS``
-steps it drafts one token again so a request whose text becomes predictable (a quoted passage,
-code being repeated) is noticed; each failed probe doubles that interval (up to
-``MAX_REPROBE_STEPS``), a passing one resets it, so free text pays almost nothing for probing.
-Synthetic mode never switches off: the user asked for a given acceptance.
+Switching speculation off where it does not pay: verifying n drafts (a forward over n + 1 tokens)
+costs more than a plain decode step. ``verify_costs`` gives that cost in decode steps, a fixed table
+per device and dtype measured on our CPU (docs/benchmarks.md). On CPU it is not linear in n: in
+float32 the first extra token costs most (a different matmul shape), then the cost is nearly flat;
+in bfloat16 every token adds ~0.5 with torch's matmul; with the compiled kernels (``Backend.cpu``,
+where they run) ~0.1 in both dtypes, and with their bfloat16 AMX kernel ~0.03. On a GPU with
+captured graphs every step drafts and verifies at a fixed shape (k drafts, k + 1 rows per request),
+so a step with drafts costs the same whatever n: ``measured_costs`` times the captured decode,
+verify and draft graphs once at start-up, on the scratch slot, and rounds the ratio to 0.05 steps
+(``SpeculativeDecoder.capture``; without graphs, 1 + 0.01 n). Where the costs are not measured, a
+proposer with a model of its own adds ``n * draft_cost`` (the bytes of its model's matmul weights
+over the target's: a float32 EAGLE head of the bundled model's 4-bit GGUF ~0.4). Beyond that it is
+deliberately not timed at run time: the number of drafts must not depend on the machine's momentary
+load or on the batch, or a seeded request would stop being reproducible. Each request keeps an
+estimate of its per-token acceptance rate alpha and drafts ``n = argmax_n E(n) / cost(n)`` tokens,
+with ``E(n) = (1 - alpha^(n+1)) / (1 - alpha)`` the expected tokens per step (Leviathan et al.).
+alpha is accepted drafts over drafts *tried*, each an exponential average over the request's own
+steps with drafts: drafts after the first rejected one were never tried (counting them as failures,
+accepted / drafted, read a per-position profile 0.39, 0.16, 0.06 as alpha 0.2 instead of 0.4 and
+drafted half as often as pays). A request whose drafts keep failing therefore drops to ``n = 0`` (a
+plain decode step); every ``REPROBE_STEPS`` steps it drafts one token again so a request whose text
+becomes predictable (a quoted passage, code being repeated) is noticed; each failed probe doubles
+that interval (up to ``MAX_REPROBE_STEPS``), a passing one resets it, so free text pays almost
+nothing for probing. Synthetic mode never switches off: the user asked for a given acceptance.
 
 A step in which no request drafted (the n-gram found no match, or every request is switched off)
 is a plain decode step: one row per request through the plain sampler. Its tokens are the ones
