@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import subprocess
@@ -68,6 +69,16 @@ def test_agrees_with_transformers_beyond_its_probes(model_dir, hf):
         for prompt in (True, False):
             assert fast.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt) \
                 == hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt)
+
+
+def test_pickled_as_the_server_sends_it(model_dir, hf):
+    fast = fast_tokenizer.FastTokenizer(model_dir, _load_hf_tokenizer)
+    chat = [{"role": "user", "content": "Hi"}]
+    text = fast.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    copy = pickle.loads(pickle.dumps(fast))
+    assert copy._full is None  # still no transformers
+    assert copy.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == text
+    assert copy.encode(text) == fast.encode(text) and copy.eos_token_id == fast.eos_token_id
 
 
 def test_the_rest_goes_to_transformers(model_dir, hf):

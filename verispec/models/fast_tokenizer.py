@@ -110,6 +110,11 @@ class FastTokenizer:
         self.bos_token_id = (None if self.bos_token is None
                              else self.backend_tokenizer.token_to_id(self.bos_token))
 
+    def __getstate__(self) -> dict:
+        """Pickled (the server sends the engine's tokenizer to its API process) without the
+        compiled template, which is compiled again on first use."""
+        return {**self.__dict__, "_template": None}
+
     @property
     def hf_tokenizer(self):
         """The transformers tokenizer of the same directory (loaded once, on first use)."""
