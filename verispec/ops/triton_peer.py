@@ -10,8 +10,8 @@ it is one kernel with one barrier:
    buffer (every rank maps every rank's buffer), alternating between two halves call by call;
 2. it raises its flag in every peer's flag array and waits for every peer's flag (the barrier);
 3. it adds the rows of every rank in rank order in float32 (the same bits on every rank),
-   rounds once to the model dtype, and finishes exactly as ``triton_model.rms_norm`` with a
-   residual does (the same code, ``triton_model.rms_norm_row``).
+   rounds once to the model dtype, and finishes exactly as ``triton_rowwise.rms_norm`` with a
+   residual does (the same code, ``triton_rowwise.rms_norm_row``).
 
 Program ``p`` always handles rows ``p, p + PROGRAMS, ...`` and each program has its own flag
 counter, so program ``p`` of one rank only ever waits for program ``p`` of the others. That is
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from verispec.ops.triton_model import rms_norm_row
+from verispec.ops.triton_rowwise import rms_norm_row
 
 PROGRAMS = 64  # fixed: the row -> program map must not depend on the number of rows
 MAX_POLLS = 1 << 27
