@@ -101,10 +101,13 @@ def test_head_starts_from_the_target_layer(target_dir):
     not fit (another shape, no attention) leaves the random start."""
     target = load_model(target_dir).model
     head = trainer.EagleHead(trainer._head_config(target.config, 48), target.embed_weight.float())
-    layer = trainer._copyable_layer(target, 3, head)
-    assert layer is target.layers[3]
+    weights = trainer._copyable_layer(target, 3, head)
+    layer = target.layers[3]
+    assert all(torch.equal(a, b) for a, b in zip(weights, (
+        layer.attn.qkv_weight, layer.attn.o_weight, layer.mlp.gate_up_weight,
+        layer.mlp.down_weight, layer.input_norm.weight, layer.post_attn_norm.weight)))
     draft_ids = torch.arange(48)
-    recipe.init_head(head, target.lm_head_weight, draft_ids, target.norm.weight, 0, layer)
+    recipe.init_head(head, target.lm_head_weight, draft_ids, target.norm.weight, 0, weights)
     H = head.eagle.hidden_size
     torch.testing.assert_close(head.attn.qkv_weight[:, H:], layer.attn.qkv_weight.float())
     for mine, theirs in ((head.attn.o_weight, layer.attn.o_weight),

@@ -243,7 +243,9 @@ TRAIN_DRAFT_HELP = {
     "max_seq_len": "longest sequence trained on (longer ones are cut)",
     "save_every": "write the head and the training state every N steps",
     "seed": "seed of the data order and the initial weights",
-    "dtype": "target dtype for generating and recording hidden states",
+    "dtype": "target dtype for generating and recording hidden states (default: the engine's: "
+             "a .gguf, the bundled model included, keeps its quantised weights on the CPU, "
+             "anything else bfloat16)",
     "device": "cpu, cuda or cuda:N: where the target generates and the head trains",
     "max_num_seqs": "requests generated at once",
     "aux_layers": "the three target layers the head reads (default: L // 2, halfway from it "

@@ -12,6 +12,9 @@ are checked against its float32 ones on chat prompts.
 
 from __future__ import annotations
 
+import importlib
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -23,10 +26,11 @@ from verispec.ops import cpu_kernels
 from verispec.ops.quant import QuantizedWeight
 
 gguf = pytest.importorskip("gguf")
+trainer = importlib.import_module("verispec.train.train_draft")  # the module, not the function
 pytestmark = pytest.mark.skipif(not cpu_kernels.quant_available(),
                                 reason="the quantised kernel needs AVX-512")
 
-HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 512
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 3, 4, 2, 512  # 3: an EAGLE-3 head
 TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_0", "attn_v": "Q6_K", "attn_output": "Q5_K",
          "ffn_gate": "Q4_1", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
@@ -139,6 +143,39 @@ def test_greedy_speculation_and_batching_keep_plain_greedy(gguf_path):
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
     assert [o.token_ids for o in spec.generate(prompts, params)] == alone
     assert spec.get_metrics()["spec_decoding"]["num_drafts"] > 0
+
+
+def test_train_draft_reads_the_quantised_model(gguf_path, tmp_path):
+    """``train-draft`` on a GGUF at its default dtype trains on the quantised model (the one the
+    head will draft for): the head starts from the dequantised target layer and LM head, and a
+    greedy EAGLE-3 run over the quantised target with it gives the plain greedy tokens."""
+    quant = load_model(gguf_path, dtype=None).model
+    dense = load_model(gguf_path, dtype="float32").model
+    head = trainer.EagleHead(trainer._head_config(quant.config, 64),
+                             trainer._dense(quant.embed_weight))
+    weights = trainer._copyable_layer(quant, 1, head)
+    layer = dense.layers[1]
+    assert all(torch.equal(a, b) for a, b in zip(weights, (
+        layer.attn.qkv_weight, layer.attn.o_weight, layer.mlp.gate_up_weight,
+        layer.mlp.down_weight, layer.input_norm.weight, layer.post_attn_norm.weight)))
+
+    gen = torch.Generator().manual_seed(2)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(
+        json.dumps({"prompt_token_ids": torch.randint(3, VOCAB, (6,), generator=gen).tolist()})
+        + "\n" for _ in range(8)))
+    out = tmp_path / "head"
+    summary = trainer.train_draft(trainer.TrainDraftConfig(
+        output_dir=str(out), model=gguf_path, prompts=str(prompts), max_new_tokens=12,
+        temperature=0.0, draft_vocab_size=64, ttt_steps=2, epochs=1, batch_size=4,
+        warmup_steps=1, max_num_seqs=4), log=lambda _: None)
+    assert summary["sequences"] == 8
+    ids = torch.randint(3, VOCAB, (7,), generator=gen).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = LLM(gguf_path, max_model_len=128, max_num_seqs=1).generate(ids, params)[0]
+    spec = LLM(gguf_path, max_model_len=128, max_num_seqs=1, speculative_config={
+        "method": "eagle3", "model": str(out), "num_speculative_tokens": 3})
+    assert spec.generate(ids, params)[0].token_ids == plain.token_ids
 
 
 def test_compiled_decoder_gives_the_per_op_bits(gguf_path):

@@ -22,6 +22,7 @@ the ``EagleHead``'s own, so a trained head is saved and loaded as any other.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -93,18 +94,29 @@ def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> tuple[torc
     return _SoftCrossEntropy.apply(logits, target)
 
 
+class LayerWeights(NamedTuple):
+    """A target decoder layer's weights, dense (``init_head`` starts the head's layer as it)."""
+
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    o: torch.Tensor  # [H, Hq D]
+    gate_up: torch.Tensor  # [2 I, H]
+    down: torch.Tensor  # [H, I]
+    input_norm: torch.Tensor  # [H]
+    post_attn_norm: torch.Tensor  # [H]
+
+
 def init_head(head: EagleHead, target_lm_head: torch.Tensor, draft_ids: torch.Tensor,
-              target_norm: torch.Tensor, seed: int = 0, target_layer=None) -> None:
+              target_norm: torch.Tensor, seed: int = 0,
+              target_layer: LayerWeights | None = None) -> None:
     """A fresh head: small random projections (fc near the identity on the last aux layer), unit
     norms, the final norm and the LM head rows of the draft vocabulary copied from the target
     (the head starts from the target's reading of a late hidden state).
 
-    ``target_layer``: a decoder layer of the target shaped like the head's (``attn.qkv_weight``,
-    ``attn.o_weight``, ``mlp.*``, ``input_norm``, ``post_attn_norm``), normally the one that
-    reads the last aux state. The head's layer then starts as that layer over the hidden half
-    of its input (the embedding half stays small and random): a trained layer's attention and
-    MLP rather than noise (held-out acceptance +0.04-0.05 on the bundled model,
-    docs/benchmarks.md)."""
+    ``target_layer``: the weights of a decoder layer of the target shaped like the head's,
+    normally the one that reads the last aux state. The head's layer then starts as that layer
+    over the hidden half of its input (the embedding half stays small and random): a trained
+    layer's attention and MLP rather than noise (held-out acceptance +0.04-0.05 on the bundled
+    model, docs/benchmarks.md)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in (head.fc_weight, head.attn.qkv_weight, head.attn.o_weight,
@@ -124,12 +136,12 @@ def init_head(head: EagleHead, target_lm_head: torch.Tensor, draft_ids: torch.Te
         head.d2t.copy_(draft_ids - torch.arange(draft_ids.shape[0]))
         if target_layer is not None:
             H = head.eagle.hidden_size
-            head.attn.qkv_weight[:, H:] = target_layer.attn.qkv_weight.float()
-            for mine, theirs in ((head.attn.o_weight, target_layer.attn.o_weight),
-                                 (head.mlp.gate_up_weight, target_layer.mlp.gate_up_weight),
-                                 (head.mlp.down_weight, target_layer.mlp.down_weight),
-                                 (head.hidden_norm.weight, target_layer.input_norm.weight),
-                                 (head.post_attn_norm.weight, target_layer.post_attn_norm.weight)):
+            head.attn.qkv_weight[:, H:] = target_layer.qkv.float()
+            for mine, theirs in ((head.attn.o_weight, target_layer.o),
+                                 (head.mlp.gate_up_weight, target_layer.gate_up),
+                                 (head.mlp.down_weight, target_layer.down),
+                                 (head.hidden_norm.weight, target_layer.input_norm),
+                                 (head.post_attn_norm.weight, target_layer.post_attn_norm)):
                 mine.copy_(theirs.float())
 
 

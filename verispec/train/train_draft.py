@@ -47,6 +47,7 @@ from verispec.models.eagle import (
 )
 from verispec.models.loader import resolve_model_path
 from verispec.ops.backend import get_backend
+from verispec.ops.quant import QuantizedWeight
 from verispec.train.data import (
     Sample,
     builtin_prompts,
@@ -54,7 +55,7 @@ from verispec.train.data import (
     load_prompt_file,
     select_draft_vocab,
 )
-from verispec.train.eagle3 import init_head, trainable_parameters, ttt_loss
+from verispec.train.eagle3 import LayerWeights, init_head, trainable_parameters, ttt_loss
 
 logger = logging.getLogger("verispec")
 STATE_FILE = "trainer_state.pt"
@@ -84,7 +85,9 @@ class TrainDraftConfig:
     max_seq_len: int = 512
     save_every: int = 100
     seed: int = 0
-    dtype: str = "bfloat16"  # the target's, for generation and hidden states
+    # the target's, for generation and hidden states; None: the engine's default, so the head
+    # learns the model it drafts for (a GGUF on the CPU keeps its quantised weights)
+    dtype: str | None = None
     device: str = "cpu"
     max_num_seqs: int = 256  # generation batch
     amp: bool = True  # bfloat16 matmuls in training on a GPU and where the CPU has fast ones
@@ -207,20 +210,27 @@ def _feature_rms(samples: list[Sample]) -> torch.Tensor:
     return rows.pow(2).mean(0).sqrt().clamp_min(1e-6)
 
 
-def _copyable_layer(target, index: int, head: EagleHead):
-    """The target's decoder layer ``index`` if the head's layer can start as it (the same
-    attention and MLP shapes; a hybrid target's SSM layer cannot), else None."""
+def _dense(weight) -> torch.Tensor:
+    """A target weight as a tensor: a GGUF weight kept quantised is dequantised (float32)."""
+    return weight.dequantize() if isinstance(weight, QuantizedWeight) else weight.detach()
+
+
+def _copyable_layer(target, index: int, head: EagleHead) -> LayerWeights | None:
+    """The weights of the target's decoder layer ``index`` if the head's layer can start as it
+    (the same attention and MLP shapes; a hybrid target's SSM layer cannot), else None."""
     try:
         layer = target.layers[index]
         theirs = (layer.attn.qkv_weight, layer.attn.o_weight, layer.mlp.gate_up_weight,
                   layer.mlp.down_weight, layer.input_norm.weight, layer.post_attn_norm.weight)
     except (AttributeError, IndexError, TypeError):
         return None
+    if not all(isinstance(t, (torch.Tensor, QuantizedWeight)) for t in theirs):
+        return None
+    theirs = LayerWeights(*(_dense(t) for t in theirs))
     H = head.eagle.hidden_size
     mine = (head.attn.qkv_weight[:, H:], head.attn.o_weight, head.mlp.gate_up_weight,
             head.mlp.down_weight, head.hidden_norm.weight, head.post_attn_norm.weight)
-    fits = all(isinstance(t, torch.Tensor) and t.shape == m.shape for t, m in zip(theirs, mine))
-    return layer if fits else None
+    return theirs if all(t.shape == m.shape for t, m in zip(theirs, mine)) else None
 
 
 def _load_or_generate(cfg: TrainDraftConfig, llm, aux_layers) -> list[Sample]:
@@ -262,7 +272,8 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
                   device=cfg.device, max_model_len=_data_model_len(cfg, model_dir),
                   batch_invariant=False)
     target = llm.loaded.model
-    if llm.device.type == "cpu" and get_backend(llm.device).torch_has_fast_bf16():
+    if (llm.device.type == "cpu" and target.embed_weight.dtype == torch.bfloat16
+            and get_backend(llm.device).torch_has_fast_bf16()):
         # torch's bfloat16 matmul is fast here: keep it for many rows instead of the runner's
         # float32 widening, which slows the generation of many sequences at once
         set_matmuls = getattr(target, "set_cpu_matmuls", None)
@@ -297,9 +308,10 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
         del llm
         gc.collect()
     eagle = _head_config(tc, cfg.draft_vocab_size, aux_layers)
-    embed = target.embed_weight.detach().float()
+    embed = _dense(target.embed_weight).float()
+    lm_head = _dense(target.lm_head_weight)
     head = EagleHead(eagle, embed, dtype=torch.float32)
-    init_head(head, target.lm_head_weight.detach(), draft_ids, target.norm.weight.detach(),
+    init_head(head, lm_head, draft_ids, target.norm.weight.detach(),
               cfg.seed, _copyable_layer(target, aux_layers[-1], head))
     # fc trains on standardised inputs, aux / s with s each feature's RMS, as W' = W * s (saved
     # as W = W' / s, so the head reads the raw states): the aux layers' streams differ ~7x in
@@ -314,7 +326,7 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
     # (where torch has a fast bfloat16 matmul, a step is much faster); on a CPU without one, in
     # float32 (there autocast would be slower).
     amp = cfg.amp and get_backend(device).torch_has_fast_bf16()
-    draft_head = target.lm_head_weight.detach()[draft_ids.to(device)].to(  # [V_draft, H]
+    draft_head = lm_head[draft_ids.to(device)].to(  # [V_draft, H]
         torch.bfloat16 if amp else torch.float32)
     params = trainable_parameters(head)
     for p in params:
