@@ -40,7 +40,7 @@ from tests.models.test_granite_hybrid import one_thread  # noqa: F401 (autouse f
 from tests.proposers.test_eagle_loader import eagle_checkpoint, write_checkpoint
 from tests.sample.stats import P_VALUE_THRESHOLD, chi_square_p_value, record, reference_probs
 from verispec import LLM, SamplingParams
-from verispec.engine import spec_decode
+from verispec.engine import draft_planner, spec_decode
 from verispec.models import load_model
 
 CHAIN = [(0,), (0, 0), (0, 0, 0)]
@@ -98,7 +98,7 @@ def test_chain_shaped_tree_equals_chain(target_dir, heads, monkeypatch, method, 
                                         layout):
     """Sampled drafts of a static chain use the chain's draws (rank 0 at each depth); greedy
     drafts use no draws. So, k drafts every step, both emit the chain's tokens."""
-    monkeypatch.setattr(spec_decode, "best_num_drafts", lambda alpha, n, costs: n)
+    monkeypatch.setattr(draft_planner, "best_num_drafts", lambda alpha, n, costs: n)
     prompts, params = workload()
     chain_llm, chain = generate(target_dir, spec(heads, method, None, draft), prompts, params,
                                 layout=layout)

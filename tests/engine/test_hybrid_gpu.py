@@ -20,7 +20,7 @@ import torch
 
 from tests.proposers.test_draft_model import save_llama
 from verispec import LLM, SamplingParams
-from verispec.engine import spec_decode
+from verispec.engine import draft_planner
 from verispec.models.loader import load_model
 from verispec.runtime.model_runner import ModelRunner
 
@@ -86,7 +86,7 @@ def _spec(dirs, name: str) -> dict:
 def test_graphs_match_eager_and_greedy_spec_matches_plain(dirs, dtype, monkeypatch):
     # every step drafts k: on these tiny models a captured draft costs more than it saves, so
     # the planner would otherwise stop drafting and leave the speculative paths untested
-    monkeypatch.setattr(spec_decode, "best_num_drafts", lambda alpha, n, costs: n)
+    monkeypatch.setattr(draft_planner, "best_num_drafts", lambda alpha, n, costs: n)
     plain = LLM(dirs[0], dtype=dtype, device="cuda", max_num_seqs=8)
     assert plain.runner.graphs is not None and plain.runner.graphs.capture_time_s > 0
     reference = _generate(plain, PROMPTS, temperature=0.0)
@@ -113,7 +113,7 @@ def test_captured_probabilistic_early_exit_equals_eager(dirs, temperature, monke
     eagerly first, then replays). The captured draft once wrote stale ids from its second replay
     on, after a verify graph had replayed: the sampler's scratch, made during the capture, came
     from the pool the graphs share."""
-    monkeypatch.setattr(spec_decode, "best_num_drafts", lambda alpha, n, costs: n)
+    monkeypatch.setattr(draft_planner, "best_num_drafts", lambda alpha, n, costs: n)
     llm = LLM(dirs[0], dtype="float32", device="cuda", max_num_seqs=8,
               speculative_config=_spec(dirs, "early_exit_probabilistic"))
     proposer = llm.spec.proposer

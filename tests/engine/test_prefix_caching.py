@@ -23,7 +23,8 @@ from tests.engine.test_preemption import (
 )
 from verispec import LLM, SamplingParams
 from verispec.engine.scheduler import attention_pairs
-from verispec.runtime.kv_cache import BlockPool, BlockTables
+from verispec.runtime.block_pool import BlockPool
+from verispec.runtime.kv_cache import BlockTables
 from verispec.runtime.prefix_cache import PrefixCache, extend_keys
 
 MAX_MODEL_LEN = 160

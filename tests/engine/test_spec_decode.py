@@ -21,7 +21,7 @@ from scipy import stats
 from tests.models.utils import copy_bundled_tokenizer, requires_bundled
 from tests.proposers.test_draft_model import save_llama
 from verispec import LLM, SamplingParams
-from verispec.engine.spec_decode import best_num_drafts, verify_costs
+from verispec.engine.draft_planner import best_num_drafts, verify_costs
 
 VOCAB = 16
 MAX_MODEL_LEN = 64
@@ -141,9 +141,9 @@ def test_synthetic_mean_acceptance_length(temperature, target_dir):
 def test_identical_draft_model_accepts_everything(target_dir, monkeypatch):
     """Every draft of a copy of the target is accepted (the planner, which would not draft
     with a model that costs a whole decode step per draft, always drafts k here)."""
-    from verispec.engine import spec_decode
+    from verispec.engine import draft_planner
 
-    monkeypatch.setattr(spec_decode, "best_num_drafts", lambda alpha, n, costs: n)
+    monkeypatch.setattr(draft_planner, "best_num_drafts", lambda alpha, n, costs: n)
     k = 3
     spec = {"method": "draft_model", "model": target_dir, "num_speculative_tokens": k}
     llm = engine(target_dir, spec, max_model_len=256)
@@ -286,24 +286,24 @@ def test_verify_costs_follow_the_cpu_kernels(monkeypatch):
 
     import torch
 
-    from verispec.engine import spec_decode
+    from verispec.engine import draft_planner
 
     def backend(*bf16_isas):  # a CPU backend with compiled kernels of these ISAs, or none
         cpu = SimpleNamespace(bf16_isas=lambda: bf16_isas) if bf16_isas else None
-        monkeypatch.setattr(spec_decode, "get_backend", lambda device: SimpleNamespace(cpu=cpu))
+        monkeypatch.setattr(draft_planner, "get_backend", lambda device: SimpleNamespace(cpu=cpu))
 
     backend("avx2", "avx512_bf16")
     fast = verify_costs(torch.device("cpu"), torch.bfloat16, 6)
-    assert fast == spec_decode.CPU_VERIFY_COSTS_WITH_KERNELS
+    assert fast == draft_planner.CPU_VERIFY_COSTS_WITH_KERNELS
     assert verify_costs(torch.device("cpu"), torch.float32, 6) == fast
     backend("avx2", "avx512_bf16", "amx")
     amx = verify_costs(torch.device("cpu"), torch.bfloat16, 6)
-    assert amx == spec_decode.CPU_VERIFY_COSTS_AMX
+    assert amx == draft_planner.CPU_VERIFY_COSTS_AMX
     assert all(a <= f for a, f in zip(amx, fast))
     assert verify_costs(torch.device("cpu"), torch.float32, 6) == fast  # AMX is bfloat16 only
     backend()
     slow = verify_costs(torch.device("cpu"), torch.bfloat16, 6)
-    assert slow == spec_decode.CPU_VERIFY_COSTS[torch.bfloat16]
+    assert slow == draft_planner.CPU_VERIFY_COSTS[torch.bfloat16]
     assert all(f < s for f, s in zip(fast[1:], slow[1:]))
     assert best_num_drafts(0.5, 6, fast) > best_num_drafts(0.5, 6, slow)
 
@@ -355,16 +355,16 @@ def test_failed_probes_back_off():
     (16, 32, 64, ... capped at MAX_REPROBE_STEPS); a passing probe resets the interval."""
     from types import SimpleNamespace
 
+    from verispec.engine import draft_planner as dp
     from verispec.engine import spec_decode as sd
 
     dec = sd.SpeculativeDecoder.__new__(sd.SpeculativeDecoder)
     dec.k, dec.max_model_len, dec.adaptive = 4, 10_000, True
     dec.costs = linear_costs(0.35, 4)
-    dec._accepted = np.full(1, sd.ALPHA_PRIOR * sd.PRIOR_TRIALS)
-    dec._tried = np.full(1, sd.PRIOR_TRIALS)
-    dec._steps_off = np.zeros(1, dtype=np.int64)
-    dec._probe_interval = np.full(1, sd.REPROBE_STEPS)
-    dec._probing = np.zeros(1, dtype=bool)
+    dec.planner = planner = dp.DraftPlanner(1)
+    assert planner._accepted[0] == dp.ALPHA_PRIOR * dp.PRIOR_TRIALS
+    assert planner._tried[0] == dp.PRIOR_TRIALS and planner._steps_off[0] == 0
+    assert planner._probe_interval[0] == dp.REPROBE_STEPS and not planner._probing[0]
     params = SimpleNamespace(max_tokens=100_000)
     req = SimpleNamespace(slot=0, num_tokens=10, num_output_tokens=0, params=params,
                           max_num_draft_tokens=0)
@@ -373,27 +373,26 @@ def test_failed_probes_back_off():
         dec._plan([req])
         if req.max_num_draft_tokens:
             drafted_at.append(step)
-            dec._observe(0, req.max_num_draft_tokens, 0)  # every draft fails
+            planner.observe(0, req.max_num_draft_tokens, 0)  # every draft fails
     gaps = np.diff(drafted_at).tolist()
     assert drafted_at[0] == 0  # the optimistic prior drafts at once
     probe_gaps = [g for g in gaps if g > 1]
     assert probe_gaps[:5] == [16, 32, 64, 128, 256]  # each failed probe doubles the interval
-    assert set(probe_gaps[5:]) == {sd.MAX_REPROBE_STEPS}
+    assert set(probe_gaps[5:]) == {dp.MAX_REPROBE_STEPS}
     assert len(drafted_at) < 20  # a fixed interval of 16 would probe ~120 times
-    dec._probing[0] = True  # a probe that passes resets the interval
-    dec._observe(0, 1, 1)
-    assert dec._probe_interval[0] == sd.REPROBE_STEPS
+    planner._probing[0] = True  # a probe that passes resets the interval
+    planner.observe(0, 1, 1)
+    assert planner._probe_interval[0] == dp.REPROBE_STEPS
 
 
 def test_alpha_counts_drafts_tried_not_drafted():
     """Drafts after the first rejected one were never tried: k = 3 drafts that stop at the
     second count 1 accepted of 2 tried (alpha 0.5), all accepted count k of k."""
-    from verispec.engine import spec_decode as sd
+    from verispec.engine.draft_planner import DraftPlanner
 
-    dec = sd.SpeculativeDecoder.__new__(sd.SpeculativeDecoder)
-    dec._accepted, dec._tried = np.zeros(2), np.zeros(2)
-    dec._probing = np.zeros(2, dtype=bool)
+    planner = DraftPlanner(2)
+    planner._accepted, planner._tried = np.zeros(2), np.zeros(2)
     for _ in range(50):
-        dec._observe(0, 3, 1)
-        dec._observe(1, 3, 3)
-    assert dec.alpha(0) == pytest.approx(0.5) and dec.alpha(1) == pytest.approx(1.0)
+        planner.observe(0, 3, 1)
+        planner.observe(1, 3, 3)
+    assert planner.alpha(0) == pytest.approx(0.5) and planner.alpha(1) == pytest.approx(1.0)

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from verispec.runtime import memory
-from verispec.runtime.kv_cache import SCRATCH_BLOCK, BlockPool, BlockTables
+from verispec.runtime.block_pool import SCRATCH_BLOCK, BlockPool
+from verispec.runtime.kv_cache import BlockTables
 
 
 def test_pool_allocates_frees_and_counts_references():

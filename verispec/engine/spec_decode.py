@@ -10,30 +10,10 @@ One step for a batch of running requests:
 4. the engine commits the output tokens in order (a stop inside an accepted run ends the request
    there), rolls the target cache back to the committed tokens, and the proposer rolls its own.
 
-Switching speculation off where it does not pay: verifying n drafts (a forward over n + 1 tokens)
-costs more than a plain decode step. ``verify_costs`` gives that cost in decode steps, a fixed table
-per device and dtype measured on our CPU (docs/benchmarks.md). On CPU it is not linear in n: in
-float32 the first extra token costs most (a different matmul shape), then the cost is nearly flat;
-in bfloat16 every token adds ~0.5 with torch's matmul; with the compiled kernels (``Backend.cpu``,
-where they run) ~0.1 in both dtypes, and with their bfloat16 AMX kernel ~0.03. On a GPU with
-captured graphs every step drafts and verifies at a fixed shape (k drafts, k + 1 rows per request),
-so a step with drafts costs the same whatever n: ``measured_costs`` times the captured decode,
-verify and draft graphs once at start-up, on the scratch slot, and rounds the ratio to 0.05 steps
-(``SpeculativeDecoder.capture``; without graphs, 1 + 0.01 n). Where the costs are not measured, a
-proposer with a model of its own adds ``n * draft_cost`` (the bytes of its model's matmul weights
-over the target's: a float32 EAGLE head of the bundled model's 4-bit GGUF ~0.4). Beyond that it is
-deliberately not timed at run time: the number of drafts must not depend on the machine's momentary
-load or on the batch, or a seeded request would stop being reproducible. Each request keeps an
-estimate of its per-token acceptance rate alpha and drafts ``n = argmax_n E(n) / cost(n)`` tokens,
-with ``E(n) = (1 - alpha^(n+1)) / (1 - alpha)`` the expected tokens per step (Leviathan et al.).
-alpha is accepted drafts over drafts *tried*, each an exponential average over the request's own
-steps with drafts: drafts after the first rejected one were never tried (counting them as failures,
-accepted / drafted, read a per-position profile 0.39, 0.16, 0.06 as alpha 0.2 instead of 0.4 and
-drafted half as often as pays). A request whose drafts keep failing therefore drops to ``n = 0`` (a
-plain decode step); every ``REPROBE_STEPS`` steps it drafts one token again so a request whose text
-becomes predictable (a quoted passage, code being repeated) is noticed; each failed probe doubles
-that interval (up to ``MAX_REPROBE_STEPS``), a passing one resets it, so free text pays almost
-nothing for probing. Synthetic mode never switches off: the user asked for a given acceptance.
+How many drafts each request gets (the cost of verifying n drafts, each request's acceptance
+estimate, switching speculation off where it does not pay) is ``engine.draft_planner``'s: this
+step asks it for n and tells it what was accepted. Synthetic mode never switches off: the user
+asked for a given acceptance.
 
 A step in which no request drafted (the n-gram found no match, or every request is switched off)
 is a plain decode step: one row per request through the plain sampler. Its tokens are the ones
@@ -52,11 +32,11 @@ import torch
 
 from verispec import ops
 from verispec.config import SpeculativeConfig
+from verispec.engine.draft_planner import DraftPlanner, measured_costs, verify_costs
 from verispec.engine.metrics import SpecDecodingLogger, SpecDecodingStats
 from verispec.engine.request import Request
 from verispec.models.parallel import SINGLE, TensorParallel
 from verispec.ops import tree_rejection as ops_tree_rejection
-from verispec.ops.backend import get_backend
 from verispec.proposers import ProposerContext, build_proposer
 from verispec.runtime.model_runner import ModelRunner
 from verispec.runtime.tree_verify import commit_tree_path, keep_path_hidden, verify_tree
@@ -65,79 +45,6 @@ from verispec.sample.rejection_sampler import RejectionSampler
 from verispec.sample.sampler import Sampler, SamplingTensors
 
 logger = logging.getLogger("verispec")
-
-ALPHA_PRIOR = 0.8  # a new request starts optimistic: full k, backing off as drafts fail
-PRIOR_TRIALS = 1.0  # the prior's weight, in drafts tried
-ALPHA_DECAY = 0.9  # weight of the old estimate in the exponential averages
-REPROBE_STEPS = 16
-MAX_REPROBE_STEPS = 256
-
-
-# Cost of a forward over 1, 2, 3, ... new tokens in one-token steps (bundled model, ~100-400
-# cached tokens, 2-core AVX2 CPU, medians; docs/benchmarks.md), made non-decreasing.
-CPU_VERIFY_COSTS = {
-    torch.float32: (1.0, 1.7, 2.0, 2.0, 2.0, 2.05, 2.1),
-    torch.bfloat16: (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 3.9),
-}
-# Where the compiled kernels run the matmuls of a few rows (Backend.cpu: each weight row
-# read once for up to four input rows), both dtypes; the measured ranges are in
-# docs/benchmarks.md.
-CPU_VERIFY_COSTS_WITH_KERNELS = (1.0, 1.1, 1.2, 1.25, 1.4, 1.5, 1.65)
-# bfloat16 through the AMX kernel (up to 16 rows cost about one; passive and spinning OpenMP
-# workers; docs/benchmarks.md).
-CPU_VERIFY_COSTS_AMX = (1.0, 1.05, 1.07, 1.1, 1.1, 1.12, 1.17)
-GPU_COST_PER_TOKEN = 0.01  # memory-bound decode: a few more rows are nearly free
-
-
-def verify_costs(device: torch.device, dtype: torch.dtype, max_n: int) -> tuple[float, ...]:
-    """``costs[n]``: a forward over ``n + 1`` new tokens, in one-token decode steps, for
-    ``n = 0 .. max_n`` (past the table, the table's last step repeats); on a CPU, with the
-    compiled kernels where the device's backend has them."""
-    if device.type == "cuda":
-        return tuple(1.0 + GPU_COST_PER_TOKEN * n for n in range(max_n + 1))
-    table = list(CPU_VERIFY_COSTS.get(dtype, CPU_VERIFY_COSTS[torch.bfloat16]))
-    kernels = get_backend(device).cpu
-    if dtype in (torch.bfloat16, torch.float32) and kernels is not None:
-        table = list(CPU_VERIFY_COSTS_WITH_KERNELS)
-        if dtype == torch.bfloat16 and "amx" in kernels.bf16_isas():
-            table = list(CPU_VERIFY_COSTS_AMX)
-    while len(table) < max_n + 1:
-        table.append(table[-1] + (table[-1] - table[-2]))
-    return tuple(table[: max_n + 1])
-
-
-COST_ROUNDING = 0.05  # measured step costs are rounded to this many decode steps
-
-
-def measured_costs(runner: ModelRunner, proposer, k: int) -> tuple[float, ...] | None:
-    """``costs[n]`` from the captured graphs (None without them): a step with drafts costs the
-    verify graph plus the proposer's captured draft (if any) over the decode graph, whatever
-    n >= 1; timed at batch 1 before any request ran (inputs on the scratch slot)."""
-    graphs = runner.graphs
-    if graphs is None or not graphs.capture_graphs:
-        return None
-    decode = graphs.time_step(runner.graph_name(1))
-    step = graphs.time_step(runner.graph_name(k + 1))
-    draft_graphs = None if proposer.runner is None else proposer.runner.graphs
-    name = proposer.graph_name
-    if draft_graphs is not None and name is not None and draft_graphs.has(name):
-        step += draft_graphs.time_step(name)
-    ratio = max(1.0, round(step / decode / COST_ROUNDING) * COST_ROUNDING)
-    return (1.0,) + (ratio,) * k
-
-
-def best_num_drafts(alpha: float, max_n: int, costs: Sequence[float]) -> int:
-    """``argmax_{0 <= n <= max_n} E(n) / costs[n]`` with ``E(n) = sum_{i<=n} alpha^i`` (0 drafts
-    unless some n is strictly better than a plain step)."""
-    best_n, best_value, expected, power = 0, 1.0 / costs[0], 1.0, 1.0
-    for n in range(1, max_n + 1):
-        power *= alpha
-        expected += power
-        value = expected / costs[n]
-        if value > best_value * (1.0 + 1e-9):
-            best_n, best_value = n, value
-    return best_n
-
 
 def check_tree_support(runner: ModelRunner, proposer, tp: TensorParallel) -> None:
     """ValueError where token trees do not run yet (docs/design.md §16): an attention-only
@@ -212,12 +119,7 @@ class SpeculativeDecoder:
         # (``[sum(n_r + 1), V]``, docs/design.md §2): output token j of request r came from row
         # ``first_rows[r] + j``. Read by the engine right after the step, for logprobs.
         self.step_logits: tuple[torch.Tensor, np.ndarray] | None = None
-        # Per slot: exponential averages of accepted drafts and drafts tried; alpha their ratio.
-        self._accepted = np.full(max_num_seqs, ALPHA_PRIOR * PRIOR_TRIALS)
-        self._tried = np.full(max_num_seqs, PRIOR_TRIALS)
-        self._steps_off = np.zeros(max_num_seqs, dtype=np.int64)
-        self._probe_interval = np.full(max_num_seqs, REPROBE_STEPS)  # per slot
-        self._probing = np.zeros(max_num_seqs, dtype=bool)
+        self.planner = DraftPlanner(max_num_seqs)  # each slot's acceptance estimate
         # A static or a dynamic token tree (docs/design.md §16), None for chains
         self.tree = config.tree_shape()
         if self.tree is not None:
@@ -269,11 +171,7 @@ class SpeculativeDecoder:
         """A request took a slot: start its acceptance estimate and its stats, or, for a
         request preempted earlier, restore them (its draft plan, hence its tokens, go on as if
         it had never left)."""
-        saved = getattr(request, "spec_plan_state", None)
-        state = saved if saved is not None else (
-            ALPHA_PRIOR * PRIOR_TRIALS, PRIOR_TRIALS, 0, REPROBE_STEPS, False)
-        (self._accepted[request.slot], self._tried[request.slot], self._steps_off[request.slot],
-         self._probe_interval[request.slot], self._probing[request.slot]) = state
+        self.planner.start(request.slot, getattr(request, "spec_plan_state", None))
         request.spec_plan_state = None
         if request.spec_stats is None:
             request.spec_stats = SpecDecodingStats(self.k)
@@ -282,9 +180,7 @@ class SpeculativeDecoder:
         """A request left its slot (``preempted``: it will be recomputed; keep its plan)."""
         slot = request.slot
         if preempted:
-            request.spec_plan_state = (
-                self._accepted[slot], self._tried[slot], self._steps_off[slot],
-                self._probe_interval[slot], self._probing[slot])
+            request.spec_plan_state = self.planner.state(slot)
         self.proposer.free(slot)
 
     def _plan(self, batch: Sequence[Request]) -> None:
@@ -294,29 +190,8 @@ class SpeculativeDecoder:
                        r.params.max_tokens - r.num_output_tokens - 1)
             n = max(0, room)
             if self.adaptive and n > 0:
-                planned = best_num_drafts(self.alpha(r.slot), n, self.costs)
-                if planned == 0:
-                    self._steps_off[r.slot] += 1
-                    if self._steps_off[r.slot] >= self._probe_interval[r.slot]:
-                        self._steps_off[r.slot] = 0
-                        self._probing[r.slot] = True
-                        planned = 1  # probe: one draft, its outcome updates alpha
-                n = planned
+                n = self.planner.plan(r.slot, n, self.costs)
             r.max_num_draft_tokens = n
-
-    def alpha(self, slot: int) -> float:
-        """The request in ``slot``'s estimated per-draft acceptance rate."""
-        return float(self._accepted[slot] / self._tried[slot])
-
-    def _observe(self, slot: int, num_drafts: int, num_accepted: int) -> None:
-        """Update a request's acceptance estimate (and probe interval) after a step with drafts."""
-        tried = num_accepted + (num_accepted < num_drafts)  # the first rejected one ends it
-        self._accepted[slot] = ALPHA_DECAY * self._accepted[slot] + (1 - ALPHA_DECAY) * num_accepted
-        self._tried[slot] = ALPHA_DECAY * self._tried[slot] + (1 - ALPHA_DECAY) * tried
-        if self._probing[slot]:
-            self._probing[slot] = False
-            interval = REPROBE_STEPS if num_accepted else 2 * self._probe_interval[slot]
-            self._probe_interval[slot] = min(interval, MAX_REPROBE_STEPS)
 
     def step(self, batch: Sequence[Request], sampling: SamplingTensors) -> list[list[int]]:
         """Propose, verify and accept for ``batch``; returns each request's output tokens (to be
@@ -364,7 +239,7 @@ class SpeculativeDecoder:
             if n > 0:
                 step_stats.observe(n, accepted)
                 r.spec_stats.observe(n, accepted)
-                self._observe(r.slot, n, accepted)
+                self.planner.observe(r.slot, n, accepted)
         self.logger.observe(step_stats)
         self.logger.maybe_log()
         return outputs
