@@ -29,15 +29,8 @@ import torch
 from torch import nn
 
 from verispec.models.config import ModelConfig
-from verispec.models.llama import (
-    MLP,
-    Attention,
-    AttentionMetadata,
-    FlatBatch,
-    RMSNorm,
-    _param,
-    set_cpu_matmuls,
-)
+from verispec.models.layers import MLP, Attention, RMSNorm, _param, set_cpu_matmuls
+from verispec.models.layout import AttentionMetadata, FlatBatch
 from verispec.models.parallel import SINGLE, TensorParallel
 from verispec.ops import quant
 from verispec.ops.cpu_linear import linear
@@ -274,5 +267,5 @@ class EagleHead(nn.Module):
 
     def set_cpu_matmuls(self, splits: int, upcast_rows: int = 0, batch_invariant: bool = False,
                         kernels: ModuleType | None = None) -> None:
-        """``models.llama.set_cpu_matmuls`` of every module."""
+        """``models.layers.set_cpu_matmuls`` of every module."""
         set_cpu_matmuls(self, splits, upcast_rows, batch_invariant, kernels)
