@@ -34,7 +34,7 @@ import torch
 
 from verispec.bench.prompts import FREE_PROMPTS
 from verispec.engine.llm import LLM
-from verispec.models.eagle import load_eagle_head
+from verispec.models.eagle_checkpoint import load_eagle_head
 from verispec.train import eagle3
 from verispec.train.data import generate_samples
 from verispec.train.prompts import builtin_prompts

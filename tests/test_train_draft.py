@@ -25,7 +25,7 @@ from tests.proposers.test_eagle_loader import eagle_checkpoint, eagle_proposer, 
 from verispec.cli import main
 from verispec.engine.llm import LLM
 from verispec.models import load_model
-from verispec.models.eagle import eagle_state_dict, load_eagle_head
+from verispec.models.eagle_checkpoint import eagle_state_dict, load_eagle_head
 from verispec.runtime.model_runner import ModelRunner
 from verispec.sampling_params import SamplingParams
 from verispec.train import TrainDraftConfig, train_draft

@@ -22,7 +22,8 @@ from tests.models.utils import (
 )
 from verispec.models import load_model
 from verispec.models.config import ModelConfig
-from verispec.models.llama import FlatBatch, LlamaForCausalLM
+from verispec.models.layout import FlatBatch
+from verispec.models.llama import LlamaForCausalLM
 from verispec.models.parallel import TensorParallel
 from verispec.models.rope import rope_tables
 from verispec.ops.model_ops import TORCH_MODEL_OPS

@@ -216,7 +216,7 @@ def test_model_attention_through_the_kernel_matches_sdpa(tmp_path, monkeypatch):
     """The model's steps of few tokens (short prefills, a padded batch, verify-shaped appends,
     decode) attend through the kernel, and give the logits of its SDPA path."""
     from tests.models.utils import save_tiny_model
-    from verispec.models import llama, load_model
+    from verispec.models import layers, load_model
     from verispec.runtime.model_runner import ModelRunner
 
     loaded = load_model(save_tiny_model(tmp_path, "LlamaForCausalLM"), "float32")
@@ -234,7 +234,7 @@ def test_model_attention_through_the_kernel_matches_sdpa(tmp_path, monkeypatch):
 
     with_kernel = steps()
     assert len(calls) == 4 * loaded.model.config.num_hidden_layers
-    monkeypatch.setattr(llama, "CPU_KERNEL_MAX_QUERIES", 0)  # batch-variant path: SDPA
+    monkeypatch.setattr(layers, "CPU_KERNEL_MAX_QUERIES", 0)  # batch-variant path: SDPA
     torch.testing.assert_close(with_kernel, steps(batch_invariant=False), rtol=1e-5, atol=1e-5)
     assert len(calls) == 4 * loaded.model.config.num_hidden_layers  # SDPA the second time
 

@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from verispec.ops import options, philox, rejection, sampling, triton_ops  # noqa: E402
+from verispec.ops import options, philox, rejection, sampling, triton_launch, triton_ops  # noqa: E402
 
 K = 4
 
@@ -162,7 +162,7 @@ def test_counters_reset_between_launches(device, monkeypatch):
     probe = torch.empty(1, device=device)
     tiny = tuple(torch.zeros(2, dtype=dtype, device=probe.device)
                  for dtype in (torch.float32, torch.int32, torch.int32))
-    triton_ops._SCRATCH[(probe.device, triton_ops._stream(probe))] = tiny
+    triton_ops._SCRATCH[(probe.device, triton_launch._stream(probe))] = tiny
     grown = {tiny[2].data_ptr()}
     for seed, num_drafts in [(71, NUM_DRAFTS[:2]), (72, NUM_DRAFTS), (73, NUM_DRAFTS[:5]),
                              (74, NUM_DRAFTS * 2)]:
@@ -485,19 +485,19 @@ def test_launch_argument_template():
     names = [p.name for p in params]
     assert names == list(_finish_kernel.arg_names)
     constexpr = [n for n in names if n.isupper()]  # the kernels' naming: constexprs in capitals
-    assert constexpr == [p.name for p in params if triton_ops._is_constexpr(p)]
+    assert constexpr == [p.name for p in params if triton_launch._is_constexpr(p)]
     runtime = [n for n in names if n not in constexpr]
     static = {n: f"static {n}" for n in runtime[1::2]}
-    launch = triton_ops._Launch(_finish_kernel, (1,), 4, {n: 7 for n in constexpr}, **static)
+    launch = triton_launch._Launch(_finish_kernel, (1,), 4, {n: 7 for n in constexpr}, **static)
     template = dict(zip(names, launch.template))
     assert all(template[n] == 7 for n in constexpr)
     assert all(template[n] == static[n] for n in static)
     assert [names[i] for i in launch.slots] == [n for n in runtime if n not in static]
     assert [names[i] for i in launch.runtime] == runtime
     with pytest.raises(AssertionError, match="no arguments"):
-        triton_ops._Launch(_finish_kernel, (1,), 4, {n: 7 for n in constexpr}, not_an_argument=1)
+        triton_launch._Launch(_finish_kernel, (1,), 4, {n: 7 for n in constexpr}, not_an_argument=1)
     with pytest.raises(KeyError):  # every constexpr must be given
-        triton_ops._Launch(_finish_kernel, (1,), 4, {})
+        triton_launch._Launch(_finish_kernel, (1,), 4, {})
 
 
 def test_backend_registry_and_signatures():

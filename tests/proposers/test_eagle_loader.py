@@ -23,7 +23,11 @@ import torch.nn.functional as F
 from tests.proposers.test_draft_model import save_llama
 from verispec.config import SpeculativeConfig
 from verispec.models import load_model
-from verispec.models.eagle import eagle_state_dict, load_eagle_head, save_eagle_head
+from verispec.models.eagle_checkpoint import (
+    eagle_state_dict,
+    load_eagle_head,
+    save_eagle_head,
+)
 from verispec.proposers import ProposerContext, build_proposer
 from verispec.runtime.model_runner import ModelRunner
 

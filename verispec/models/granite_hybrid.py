@@ -24,16 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.models.config import HybridModelConfig
-from verispec.models.llama import (
-    MLP,
-    AttentionMetadata,
-    FlatBatch,
-    RMSNorm,
-    _param,
-    input_norm_flat,
-    set_cpu_matmuls,
-)
-from verispec.models.llama import Attention as LlamaAttention
+from verispec.models.layers import MLP, RMSNorm, _param, input_norm_flat, set_cpu_matmuls
+from verispec.models.layers import Attention as LlamaAttention
+from verispec.models.layout import AttentionMetadata, FlatBatch
 from verispec.models.mamba2 import HybridStep, Mamba2Mixer
 from verispec.models.mamba2_flat import FlatMambaStep, mixer_forward_flat
 from verispec.ops.cpu_linear import linear
@@ -225,7 +218,7 @@ class GraniteHybridForCausalLM(nn.Module):
 
     def set_cpu_matmuls(self, splits: int, upcast_rows: int = 0, batch_invariant: bool = False,
                         kernels: ModuleType | None = None) -> None:
-        """``models.llama.set_cpu_matmuls`` of every module."""
+        """``models.layers.set_cpu_matmuls`` of every module."""
         set_cpu_matmuls(self, splits, upcast_rows, batch_invariant, kernels)
 
     def weight_target(self, name: str) -> tuple[str, slice | None] | None:

@@ -46,7 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.models.config import HybridModelConfig
-from verispec.models.llama import AttentionMetadata, _param
+from verispec.models.layers import _param
+from verispec.models.layout import AttentionMetadata
 from verispec.ops.cpu_linear import linear
 from verispec.ops.model_ops import ssm_state_update
 
@@ -251,7 +252,7 @@ class Mamba2Mixer(nn.Module):
         self.out_proj_weight = _param(c.hidden_size, self.intermediate_size, dtype=dtype)
         self.out_proj_bias = _param(c.hidden_size, dtype=dtype) if c.mamba_proj_bias else None
         self.matmul_splits, self.upcast_rows, self.batch_invariant = 1, 0, False
-        self.kernels: ModuleType | None = None  # see models.llama.set_cpu_matmuls
+        self.kernels: ModuleType | None = None  # see models.layers.set_cpu_matmuls
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
         return linear(x, weight, bias, self.matmul_splits, self.upcast_rows, self.batch_invariant,

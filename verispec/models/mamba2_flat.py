@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from verispec.models.llama import FlatBatch
+from verispec.models.layout import FlatBatch
 from verispec.models.mamba2 import (
     MAX_RECURRENT_TOKENS,
     Mamba2Mixer,

@@ -132,7 +132,7 @@ class QuantDecoder:
                         for c in (*k_caches, *v_caches)))
 
     def step(self, x: torch.Tensor, meta, block_size: int) -> tuple[_Step, list[torch.Tensor]]:
-        """One forward's ``models.llama.AttentionMetadata`` as the C structure (and the
+        """One forward's ``models.layout.AttentionMetadata`` as the C structure (and the
         tensors it points into, to keep alive for the forward). x: [B, S, hidden]; the caches'
         ``block_size``."""
         hidden, num_heads, num_kv_heads, head_dim, intermediate = self.shape

@@ -1,5 +1,5 @@
 /* SwiGLU's activation on CPU: out[r, i] = silu(g[r, i]) * u[r, i], silu(g) = g / (1 + exp(-g)),
- * with the C library's expf, for the float32 per-op path (models/llama.py MLP) and the compiled
+ * with the C library's expf, for the float32 per-op path (models/layers.py MLP) and the compiled
  * decoder (quant_decoder.c) alike, so the two give the same bits (torch's vectorised exp may
  * differ from expf in the last bit). Rows split over threads from PARALLEL_ELEMENTS on; a row's
  * result never depends on the thread. Built and loaded by verispec/ops/cpu_kernels.py.

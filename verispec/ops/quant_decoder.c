@@ -53,7 +53,7 @@ struct layer {
     const float *input_norm, *post_norm; /* [H] */
 };
 
-/* What every layer of one forward shares (models/llama.py AttentionMetadata). */
+/* What every layer of one forward shares (models/layout.py AttentionMetadata). */
 struct step {
     int64_t batch, seq, hidden, num_heads, num_kv_heads, head_dim, intermediate;
     const float *cos, *sin;         /* [T, head_dim]; sin signed ([-sin, sin]) */

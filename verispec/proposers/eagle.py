@@ -73,7 +73,7 @@ import torch
 
 from verispec import ops
 from verispec.config import SpeculativeConfig
-from verispec.models.eagle import load_eagle_head
+from verispec.models.eagle_checkpoint import load_eagle_head
 from verispec.ops.rejection import PLACEHOLDER_TOKEN_ID
 from verispec.ops.sampling import first_argmax
 from verispec.proposers.base import ProposalRequest, ProposerContext, register_proposer

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from verispec import ops
-from verispec.models.llama import FlatBatch
+from verispec.models.layout import FlatBatch
 from verispec.models.rope import rope_tables
 from verispec.ops import to_device
 from verispec.ops.tree_feed import TreeFeed

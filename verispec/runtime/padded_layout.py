@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from verispec.models.llama import AttentionMetadata
+from verispec.models.layout import AttentionMetadata
 from verispec.ops.tree_feed import TreeFeed
 from verispec.runtime.hidden_capture import CapturedHidden
 

@@ -39,12 +39,8 @@ import torch
 from verispec.bench.report import progress
 from verispec.engine.llm import LLM
 from verispec.models.config import ModelConfig, read_hf_config
-from verispec.models.eagle import (
-    EAGLE3_ARCHITECTURE,
-    EagleConfig,
-    EagleHead,
-    save_eagle_head,
-)
+from verispec.models.eagle import EAGLE3_ARCHITECTURE, EagleConfig, EagleHead
+from verispec.models.eagle_checkpoint import save_eagle_head
 from verispec.models.loader import resolve_model_path
 from verispec.ops.backend import get_backend
 from verispec.ops.quant import QuantizedWeight
