@@ -100,9 +100,9 @@ def test_bench_end_to_end(tmp_path, capsys):
 def test_synthetic_mode_warns_once_that_its_text_does_not_follow_the_model(tmp_path, capsys):
     """Issue 48: synthetic acceptance prints gibberish by design; the CLI (and the log) say so,
     once per process."""
-    from verispec.engine import llm as llm_module
+    from verispec.engine import builder as builder_module
 
-    logger = llm_module.logger
+    logger = builder_module.logger
     logger.__dict__.pop("_verispec_warned", None)
     model = tmp_path / "model"
     save_tiny_model(model, "LlamaForCausalLM", vocab_size=49152)

@@ -33,7 +33,7 @@ from tests.models.test_granite_hybrid import (
 )
 from tests.proposers.test_draft_model import save_llama
 from verispec import SamplingParams
-from verispec.engine import llm as llm_module
+from verispec.engine import builder as builder_module
 from verispec.models.loader import load_model
 from verispec.models.mamba2 import MAX_RECURRENT_TOKENS
 from verispec.proposers import draft_model as draft_model_module
@@ -143,7 +143,7 @@ def flat_engine(monkeypatch):
     """``engine`` with every runner (the target's, a draft model's) on the flat layout."""
     def make(*args, **kwargs):
         with monkeypatch.context() as patch:
-            patch.setattr(llm_module, "ModelRunner", _FlatRunner)
+            patch.setattr(builder_module, "ModelRunner", _FlatRunner)
             patch.setattr(draft_model_module, "ModelRunner", _FlatRunner)
             patch.setattr(eagle_module, "ModelRunner", _FlatRunner)
             llm = engine(*args, **kwargs)

@@ -31,7 +31,7 @@ from tests.engine.test_preemption import (
 )
 from tests.engine.test_token_trees import BINARY, tree_config
 from verispec import LLM, SamplingParams
-from verispec.engine import llm as llm_module
+from verispec.engine import builder as builder_module
 from verispec.runtime.model_runner import ModelRunner
 from verispec.sample.options import SamplingOptions
 
@@ -240,7 +240,7 @@ def test_captured_steps_apply_penalties_with_the_same_bits(method, target_dir, m
     runs = {}
     for in_graph in (False, True):
         with monkeypatch.context() as patch:
-            patch.setattr(llm_module, "ModelRunner", _FlatRunner)
+            patch.setattr(builder_module, "ModelRunner", _FlatRunner)
             if not in_graph:  # the same captured steps, without the penalties
                 patch.setattr(SamplingOptions, "attach", lambda self, runner: None)
             llm = engine(target_dir, spec)

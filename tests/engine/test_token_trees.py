@@ -30,7 +30,7 @@ from tests.engine.test_preemption import save_draft, save_target
 from tests.models.test_granite_hybrid import one_thread  # noqa: F401 (autouse fixture)
 from tests.sample.stats import P_VALUE_THRESHOLD, chi_square_p_value, reference_probs
 from verispec import LLM, SamplingParams
-from verispec.engine import llm as llm_module
+from verispec.engine import builder as builder_module
 from verispec.proposers import draft_model as draft_model_module
 from verispec.proposers import eagle as eagle_module
 from verispec.runtime.flat_layout import TREE_GRAPH_MAX_BATCH
@@ -87,7 +87,7 @@ def runners_on(layout: str):
     if layout == "cpu":
         yield
         return
-    with (mock.patch.object(llm_module, "ModelRunner", FlatRunner),
+    with (mock.patch.object(builder_module, "ModelRunner", FlatRunner),
           mock.patch.object(draft_model_module, "ModelRunner", FlatRunner),
           mock.patch.object(eagle_module, "ModelRunner", FlatRunner)):
         yield

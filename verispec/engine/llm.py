@@ -1,15 +1,14 @@
 """``LLM``: load a model once, then ``generate`` for batches of prompts with continuous batching.
 
-This module builds the engine (model, runner, proposer, scheduler, memory plan; the ranks of a
-tensor-parallel engine) and holds the public API; the step itself (schedule, run the model,
-sample, commit) is ``engine.stepping.StepLoop``.
+This module holds the public API (and starts the ranks of a tensor-parallel engine): building
+the engine (model, runner, proposer, scheduler, memory plan) is ``engine.builder.build_engine``,
+turning prompts into queued requests is ``engine.intake.RequestIntake`` and the step itself
+(schedule, run the model, sample, commit) is ``engine.stepping.StepLoop``.
 """
 
 from __future__ import annotations
 
-import functools
 import gc
-import logging
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -19,37 +18,21 @@ import torch
 
 from verispec.config import SpeculativeConfig
 from verispec.engine import inputs
-from verispec.engine.args import (
-    DEFAULT_DTYPE,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    EngineArgs,
-    feature,
-)
+from verispec.engine.args import DEFAULT_DTYPE, EngineArgs
+from verispec.engine.builder import build_engine
+from verispec.engine.intake import RequestIntake
 from verispec.engine.request import Request, RequestOutput
-from verispec.engine.samples import HeldSamples, sample_params
-from verispec.engine.scheduler import Scheduler
-from verispec.engine.spec_decode import SpeculativeDecoder
+from verispec.engine.samples import HeldSamples
 from verispec.engine.stepping import StepLoop
-from verispec.models.loader import check_tensor_parallel, load_model, parse_dtype
-from verispec.runtime import memory, workers
+from verispec.models.loader import check_tensor_parallel
+from verispec.runtime import workers
 from verispec.runtime.kv_cache import DEFAULT_BLOCK_SIZE
-from verispec.runtime.model_runner import ModelRunner
-from verispec.runtime.prefix_cache import PrefixCache
 from verispec.sample.grammar import LazyCompiler
-from verispec.sample.options import RequestOptions, SamplingOptions
-from verispec.sample.sampler import Sampler, SamplingTensors, draw_seed
+from verispec.sample.sampler import SamplingTensors, draw_seed
 from verispec.sampling_params import SamplingParams
 
-logger = logging.getLogger("verispec")
 
-# On the CPU a forward of more tokens runs in pieces of at most this many (the same bits: every
-# row is computed alike): the kernels reach their rate at a few hundred rows (ops/quant_linear.c
-# takes 128 at a time), and a 1 750-token prompt held ~35 MiB more activations in one piece than
-# in pieces of 512 (docs/benchmarks.md).
-CPU_MAX_FORWARD_TOKENS = 512
-
-
-class LLM(StepLoop):
+class LLM(StepLoop, RequestIntake):
     """A model ready to generate.
 
     Parameters
@@ -143,94 +126,7 @@ class LLM(StepLoop):
             raise
 
     def _init_engine(self, args: EngineArgs) -> None:
-        dtype, max_model_len, max_num_seqs = args.dtype, args.max_model_len, args.max_num_seqs
-        max_num_batched_tokens = args.max_num_batched_tokens
-        speculative_config = args.speculative_config
-        self._tp = workers.with_peer_all_reduce(
-            self._tp, self.device, parse_dtype("bfloat16" if dtype is None else dtype))
-        self.loaded = load_model(args.model, dtype, self.device, tp=self._tp,
-                                 load_format=args.load_format)
-        config = self.loaded.config
-        self.enable_prefix_caching = feature("enable_prefix_caching",
-                                             args.enable_prefix_caching, config)
-        self.enable_chunked_prefill = feature("enable_chunked_prefill",
-                                              args.enable_chunked_prefill, config)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS[self.enable_chunked_prefill]
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.model_config = config
-        self.tokenizer = self.loaded.tokenizer
-        self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
-        if max_model_len is None:
-            max_model_len = config.max_position_embeddings
-        elif max_model_len > config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                f"{config.max_position_embeddings}"
-            )
-        self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
-        self.encoder = inputs.PromptEncoder(self.tokenizer, config.vocab_size, max_model_len)
-        k = 0 if speculative_config is None else speculative_config.num_speculative_tokens
-        self.num_speculative_tokens = k
-        # the most drafts a request verifies in a step: k, or a token tree's nodes
-        max_drafts = k
-        if speculative_config is not None:
-            max_drafts = speculative_config.max_tree_tokens
-        # The runner starts on a pool of a few blocks; the memory plan sizes it once the
-        # proposer (whose caches share the blocks) is built and a step has been measured.
-        self.runner = ModelRunner(self.loaded.model, max_num_seqs, max_model_len, self.device,
-                                  max_step_tokens=max_drafts + 1, enforce_eager=args.enforce_eager,
-                                  batch_invariant=args.batch_invariant, block_size=args.block_size,
-                                  num_blocks=2)
-        self.sampler = Sampler()
-        self.options = SamplingOptions(max_num_seqs, config.vocab_size, self.device)
-        self.options.attach(self.runner)  # before the memory plan: the counts are in use
-        self.spec = None if speculative_config is None else SpeculativeDecoder(
-            speculative_config, self.runner, config.vocab_size, max_num_seqs, max_model_len,
-            tokenizer=self.tokenizer, tp=self._tp, options=self.options,
-            load_format=args.load_format,
-        )
-        # Longer forwards run in pieces: the memory plan measures a step of this many tokens.
-        forward_tokens = (max_num_batched_tokens if self.device.type != "cpu"
-                          else min(max_num_batched_tokens, CPU_MAX_FORWARD_TOKENS))
-        self.runner.max_forward_tokens = forward_tokens
-        draft_runner = None if self.spec is None else self.spec.proposer.runner
-        if draft_runner is not None and draft_runner is not self.runner:
-            draft_runner.max_forward_tokens = forward_tokens
-        self._captured_query_counts = [1] if self.spec is None else [1, k + 1]
-        if self.spec is not None and self.spec.tree is not None:  # the trees' verify graph
-            self.runner.tree_graph = (self.spec.tree.num_nodes_total + 1, self.spec.tree.depth)
-        self.kv_plan = memory.plan_kv_pool(
-            self.runner, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens,
-            verify_rows=max_num_seqs * (max_drafts + 1),
-            captured_query_counts=self._captured_query_counts,
-            utilization=args.gpu_memory_utilization, kv_bytes=args.kv_cache_memory, tp=self._tp)
-        logger.info("%s", self.kv_plan.summary())
-        # (a function of the proposer, not a method of the engine: no reference cycle keeps a
-        # dropped engine and its CUDA graphs alive until a garbage collection, which could then
-        # fall inside another engine's graph capture)
-        on_preempt = None if self.spec is None else functools.partial(self.spec.release,
-                                                                      preempted=True)
-        prefix_cache = None
-        if self.enable_prefix_caching:
-            shifted = self.spec is not None and self.spec.proposer.shifted_inputs
-            prefix_cache = PrefixCache(self.runner.kv_cache.block_tables, shifted=shifted)
-        self.scheduler = Scheduler(max_num_seqs, self.runner.kv_cache, max_num_batched_tokens,
-                                   lookahead=max_drafts + 1, on_preempt=on_preempt,
-                                   chunked_prefill=self.enable_chunked_prefill,
-                                   prefix_cache=prefix_cache,
-                                   prefill_attention_budget=args.prefill_attention_budget)
-        # CUDA graphs (no-op on CPU and with enforce_eager): decode, verify, the proposer's draft
-        self.runner.capture(self._captured_query_counts)
-        self.runner.capture_tree()
-        if self.spec is not None:
-            self.spec.capture()
-            # every rank plans its drafts with rank 0's measured step costs
-            self.spec.costs = self._tp.broadcast_object(self.spec.costs)
-        if self.runner.graphs is not None:
-            self.runner.graphs.log_summary("target")
+        build_engine(self, args)  # model, runner, proposer, memory plan, scheduler, graphs
         self._warm_up_samplers()
         self._next_request_id = 0
         # Seeds of requests that gave none: drawn from one stream that every rank of a
@@ -242,43 +138,6 @@ class LLM(StepLoop):
         self._grammars: LazyCompiler | None = None  # structured outputs' compiler
         self.num_steps = 0  # engine steps run (prefill and decode)
         self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
-
-    # ----------------------------------------------------------------- requests in and out
-
-    def _make_request(self, prompt: Any, params: Any, several: bool = False) -> Request:
-        """A validated request; ValueError naming the cause otherwise. With ``n`` > 1 (only
-        where ``several``) it is sample 0 and ``request.samples`` lists all n
-        (``engine.samples``)."""
-        params = inputs.as_sampling_params(params)
-        if params.num_samples != 1 and not several:
-            raise ValueError(f"n={params.n}, best_of={params.best_of}: this call makes one "
-                             "request; use generate, or add one request per sample")
-        text, ids = self.encoder.encode(prompt)
-        self.encoder.check_params(params, len(ids))
-        requests = []
-        for p in sample_params(params):
-            if p.seed is not None:
-                seed = p.seed
-            else:
-                seed = (draw_seed() if self._seed_rng is None
-                        else self._seed_rng.getrandbits(64) - 2**63)
-            requests.append(self._new_request(self._next_request_id, text, ids, p, seed))
-            self._next_request_id += 1
-        if len(requests) > 1:
-            requests[0].samples = requests
-            if params.num_samples > params.n:  # best_of: the n best are returned
-                requests[0].best_of = (params.n, params.logprobs is not None)
-        return requests[0]
-
-    def _new_request(self, request_id: int, text: str | None, ids: Sequence[int],
-                     params: SamplingParams, seed: int) -> Request:
-        request = Request(request_id, text, ids, params, seed, self.max_model_len)
-        if self._grammars is None or self._grammars.tokenizer is not self.tokenizer:
-            self._grammars = LazyCompiler(self.tokenizer, self.model_config.vocab_size)
-        request.options = RequestOptions.build(params, self.model_config.vocab_size,
-                                               sorted(self.eos_token_ids), self.tokenizer,
-                                               self._grammars)
-        return request
 
     # ----------------------------------------------------------------- the step loop
 
@@ -441,23 +300,6 @@ class LLM(StepLoop):
                     yield output
         finally:  # the consumer may stop early: release the request's slot
             self._abort([request])
-
-    def _queue_samples(self, request: Request) -> None:
-        """Queue a request, and its other samples when it has several (held back until it has
-        computed the prompt when the prefix cache can share it: ``engine.samples``)."""
-        self._queue(request)
-        for sample in (request.samples or [request])[1:]:
-            if self.scheduler.prefix_cache is not None:
-                self._held.hold(request, sample)
-            else:
-                self._queue(sample)
-
-    def _queue(self, request: Request) -> None:
-        """Queue a validated request (and send it to the spawned ranks with the next step)."""
-        self.scheduler.add(request)
-        if self._workers is not None:
-            self._workers.queue(("add", request.request_id, request.prompt,
-                                 request.prompt_token_ids, request.params, request.seed))
 
     def apply_command(self, command: tuple) -> None:
         """On a spawned rank of a tensor-parallel engine: apply one of rank 0's state changes

@@ -1,9 +1,9 @@
 """The engine's step: schedule, run the model (or propose and verify), sample, commit.
 
 ``StepLoop`` holds the step machinery of ``LLM`` (``engine.llm``), which builds the state it
-reads (the attributes declared below) and drives it through ``LLM.step``. A speculative step
-replaces "run the model, sample" by "propose, verify" and commits several tokens per request
-through the same ``_commit`` (stop conditions checked token by token).
+reads (the attributes declared below; ``engine.builder``) and drives it through ``LLM.step``.
+A speculative step replaces "run the model, sample" by "propose, verify" and commits several
+tokens per request through the same ``_commit`` (stop conditions checked token by token).
 """
 
 from __future__ import annotations
