@@ -134,7 +134,11 @@ def test_rollback_matches_fresh_proposer(head, target, sample_method, layout):
         assert got.cu_num_draft_tokens.tolist() == want.cu_num_draft_tokens.tolist()
         assert got.draft_token_ids.tolist() == want.draft_token_ids.tolist(), f"step {step}"
         if sample_method == "probabilistic":
-            torch.testing.assert_close(got.draft_probs, want.draft_probs, atol=1e-5, rtol=1e-4)
+            # the eager flat layout runs the torch twins, whose matmul rows depend on how many
+            # rows a forward holds, and the fresh proposer prefills each context at once: on an
+            # AMD EPYC (AVX-512) one probability moved by 1.9e-5 (the tokens stay equal)
+            tol = dict(atol=1e-4, rtol=1e-3) if layout == "flat" else dict(atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(got.draft_probs, want.draft_probs, **tol)
         for r, n in zip(requests, got.num_draft_tokens_cpu):
             # cached (fed with target hidden states) + pending = the known pairs; a request
             # that drafted has fed them all, one with n_r = 0 catches up when it drafts
