@@ -1,5 +1,5 @@
 """Token trees drafted by a model-based proposer (docs/design.md §16): the tree drafting of
-``proposers.draft_model.ModelProposer`` (a draft model; early exit shares it), on either layout.
+``proposers.model_proposer.ModelProposer`` (a draft model; early exit shares it), on either layout.
 
 The catch-up forward gives the root's logits; then for t = 1 .. depth the children of every
 node of depth t - 1 are drawn at once, and, while a request's tree goes deeper, one forward

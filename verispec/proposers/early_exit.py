@@ -38,7 +38,7 @@ from verispec.proposers.base import (
     ProposerContext,
     register_proposer,
 )
-from verispec.proposers.draft_model import ModelProposer
+from verispec.proposers.model_proposer import ModelProposer
 from verispec.runtime.model_runner import ModelRunner
 from verispec.runtime.state_cache import make_cache
 
