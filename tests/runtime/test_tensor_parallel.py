@@ -178,11 +178,22 @@ def test_bad_tensor_parallel_size(target_dir):
     assert not multiprocessing.active_children()
 
 
-def test_killed_worker_is_an_error_not_a_hang(target_dir):
+@pytest.mark.parametrize("slow_watchdog", [False, True])
+def test_killed_worker_is_an_error_not_a_hang(target_dir, slow_watchdog):
+    """With a slow watchdog, rank 0's collective fails on the dead peer's socket before the death
+    is recorded: still ``WorkerDied`` naming the worker, not gloo's connection error (a failure
+    seen once under load)."""
     script = textwrap.dedent(f"""
         import os, signal, time
         from verispec import LLM, SamplingParams
+        from verispec.runtime import workers
         from verispec.runtime.workers import WorkerDied
+        if {slow_watchdog}:
+            error_message = workers.WorkerGroup._error_message
+            def slow(self, process):
+                time.sleep(2.0)
+                return error_message(self, process)
+            workers.WorkerGroup._error_message = slow
         llm = LLM({target_dir!r}, dtype="float32", max_model_len={MAX_MODEL_LEN},
                   tensor_parallel_size=2)
         worker = llm._workers.processes[0]

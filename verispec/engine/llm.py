@@ -118,7 +118,7 @@ class LLM(StepLoop, RequestIntake):
             if self._workers is not None:
                 self._workers.wait_ready()
         except BaseException as e:
-            failure = None if self._workers is None else self._workers.failure
+            failure = None if self._workers is None else self._workers.failure_after_error()
             self.close()
             # a rank that died first is the cause, unless it failed as this rank did
             if failure is not None and str(e) not in failure:
@@ -159,8 +159,9 @@ class LLM(StepLoop, RequestIntake):
         try:
             return self._step()
         except Exception as e:
-            if self._workers.failure is not None:
-                raise workers.WorkerDied(self._workers.failure) from e
+            failure = self._workers.failure_after_error()
+            if failure is not None:
+                raise workers.WorkerDied(failure) from e
             raise
 
     # ----------------------------------------------------------------- public API

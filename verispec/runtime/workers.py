@@ -253,6 +253,17 @@ class WorkerGroup:
         if self.failure is not None:
             raise WorkerDied(self.failure)
 
+    def failure_after_error(self, timeout_s: float = 5.0) -> str | None:
+        """After a step of rank 0 failed: why a worker died, or None while every worker
+        lives. A collective can fail on a dead peer's closed socket before the watchdog has
+        recorded the death, so a dead worker is waited for up to ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.failure is None and time.monotonic() < deadline:
+            if all(p.is_alive() for p in self.processes):
+                return None
+            time.sleep(0.05)
+        return self.failure
+
     def queue(self, command: tuple) -> None:
         """A state change (``("add", ...)``, ``("abort", ids)``, ``("reset",)``) for the
         workers, sent with the next step."""
