@@ -62,6 +62,7 @@ def test_train_draft_learns_and_round_trips(tmp_path, target_dir, prompts_file):
     out = tmp_path / "head"
     summary = train_draft(_config(out, target_dir, prompts_file), log=lambda _: None)
     assert summary["steps"] == 12 and summary["sequences"] == 12
+    assert summary["target_weights"] == "float32"
     state = torch.load(out / "trainer_state.pt", weights_only=False)
     target = load_model(target_dir)
     # the loss over all the data, before training (the initial head) and after

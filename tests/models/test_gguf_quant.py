@@ -169,7 +169,7 @@ def test_train_draft_reads_the_quantised_model(gguf_path, tmp_path):
         output_dir=str(out), model=gguf_path, prompts=str(prompts), max_new_tokens=12,
         temperature=0.0, draft_vocab_size=64, ttt_steps=2, epochs=1, batch_size=4,
         warmup_steps=1, max_num_seqs=4), log=lambda _: None)
-    assert summary["sequences"] == 8
+    assert summary["sequences"] == 8 and summary["target_weights"] == "quantised"
     ids = torch.randint(3, VOCAB, (7,), generator=gen).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     plain = LLM(gguf_path, max_model_len=128, max_num_seqs=1).generate(ids, params)[0]

@@ -41,7 +41,8 @@ from verispec.engine.llm import LLM
 from verispec.models.config import ModelConfig, read_hf_config
 from verispec.models.eagle import EAGLE3_ARCHITECTURE, EagleConfig, EagleHead
 from verispec.models.eagle_checkpoint import save_eagle_head
-from verispec.models.loader import resolve_model_path
+from verispec.models.gguf import gguf_meta_dir
+from verispec.models.loader import quantized_gguf, resolve_model_path
 from verispec.ops.backend import get_backend
 from verispec.ops.quant import QuantizedWeight
 from verispec.train.data import (
@@ -263,11 +264,16 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
     own_engine = llm is None
     if own_engine:
         # The data needs the target's distribution, not batch-invariant bits: faster matmuls.
-        model_dir = resolve_model_path(cfg.model)
-        llm = LLM(model_dir, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
+        # a GGUF whose weights stay quantised is loaded from the file itself (no conversion)
+        gguf_path = quantized_gguf(cfg.model, cfg.dtype, cfg.device)
+        model_dir = gguf_meta_dir(gguf_path) if gguf_path else resolve_model_path(cfg.model)
+        llm = LLM(gguf_path or model_dir, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
                   device=cfg.device, max_model_len=_data_model_len(cfg, model_dir),
                   batch_invariant=False)
     target = llm.loaded.model
+    # what the head learns from: "quantised" (a GGUF's own blocks) or the weights' dtype
+    target_weights = ("quantised" if any(isinstance(m, QuantizedWeight) for m in target.modules())
+                      else str(target.embed_weight.dtype).removeprefix("torch."))
     if (llm.device.type == "cpu" and target.embed_weight.dtype == torch.bfloat16
             and get_backend(llm.device).torch_has_fast_bf16()):
         # torch's bfloat16 matmul is fast here: keep it for many rows instead of the runner's
@@ -294,8 +300,8 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
         raise ValueError("no training sequences were generated")
     gen_seconds = time.perf_counter() - start_time
     num_tokens = sum(len(s.token_ids) for s in samples)
-    log(f"train-draft: {len(samples)} sequences, {num_tokens} tokens "
-        f"({gen_seconds:.0f} s to generate and record)")
+    log(f"train-draft: {len(samples)} sequences, {num_tokens} tokens from the {target_weights} "
+        f"target ({gen_seconds:.0f} s to generate and record)")
 
     draft_ids = select_draft_vocab(samples, tc.vocab_size, cfg.draft_vocab_size,
                                    tuple(llm.eos_token_ids))
@@ -398,7 +404,8 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
     recent = history[-max(1, steps_per_epoch):]
     summary = {
         "steps": step, "sequences": len(samples), "tokens": num_tokens,
-        "seconds": time.perf_counter() - start_time, "generate_seconds": gen_seconds,
+        "target_weights": target_weights, "seconds": time.perf_counter() - start_time,
+        "generate_seconds": gen_seconds,
         "loss_per_step": np.mean([h["loss"] for h in recent], axis=0).tolist(),
         "acc_per_step": np.mean([h["acc"] for h in recent], axis=0).tolist(),
     }
