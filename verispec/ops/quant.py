@@ -143,7 +143,11 @@ class QuantizedWeight(nn.Module):
         """(q [R, K] float32, per-input (scale, offset) [R, K, 2]) of output rows ``rows``
         (indices into [0, out_padded))."""
         n, k = self.out_padded, self.shape[1]
-        idx = torch.arange(n)[rows]
+        # the ids themselves, not torch.arange(n)[ids]: an arange of the vocabulary is a
+        # parallel region each decode step, which wakes (and with OpenMP's default wait
+        # policy, keeps spinning) a worker beside the kernels' own threads
+        idx = (rows.to(torch.int64) if isinstance(rows, torch.Tensor)
+               else torch.arange(*rows.indices(n)))
         g, r = idx // NR, idx % NR
         if self.bits == 4:
             b = self.qs[g, :, :, r]  # [R, K/32, 16]
