@@ -12,10 +12,10 @@
  * 2 bytes each and widen with one shift and one mask per 16 weights, against the input widened
  * and split once per call into its even and odd elements. Each weight row is read from memory
  * once for all input rows (GROUP rows per pass, the next passes find it in L1 or L2), so a
- * verify step's few rows cost little more than one. OpenMP threads (torch's own runtime) take
- * the output features in blocks of N_BLOCK as they come free (a dynamic schedule: on a shared
- * CPU a thread the OS preempts takes fewer, instead of the whole step waiting for its fixed
- * half). Which thread sums an output never changes how it is summed.
+ * verify step's few rows cost little more than one. The pool's threads (thread_pool.c) take the
+ * output features in blocks of N_BLOCK as they come free (on a shared CPU a thread the OS
+ * preempts takes fewer, instead of the whole step waiting for its fixed half). Which thread
+ * sums an output never changes how it is summed.
  *
  * Batch invariance (docs/design.md §12): y[m, n] is summed in the same order whatever the number of
  * rows M and wherever row m falls in a group: four float32 chains over 32 weights at a time
@@ -99,6 +99,30 @@ static void group_rows(const uint16_t *w, const float *xe, const float *xo, cons
         dots(w, xe, xo, x, half, k_size, GROUP, out);
 }
 
+struct bf16_job {
+    const uint16_t *x, *w, *bias;
+    uint16_t *y;
+    const float *xe, *xo;
+    int64_t m_size, n_size, k_size, half;
+};
+
+/* Output features [i N_BLOCK, (i + 1) N_BLOCK) of every row: one item of the thread pool. */
+static void bf16_block(void *p, int64_t i) {
+    const struct bf16_job *j = p;
+    int64_t n0 = i * N_BLOCK, n1 = n0 + N_BLOCK < j->n_size ? n0 + N_BLOCK : j->n_size;
+    for (int64_t m = 0; m < j->m_size; m += GROUP) {
+        int rows = j->m_size - m < GROUP ? (int)(j->m_size - m) : GROUP;
+        for (int64_t n = n0; n < n1; n++) {
+            float b = j->bias ? widen1(j->bias[n]) : 0.0f;
+            float out[GROUP];
+            group_rows(j->w + n * j->k_size, j->xe + m * j->half, j->xo + m * j->half,
+                       j->x + m * j->k_size, j->half, j->k_size, rows, out);
+            for (int g = 0; g < rows; g++)
+                j->y[(m + g) * j->n_size + n] = round_bf16(out[g] + b);
+        }
+    }
+}
+
 /* Returns 0, or -1 when the scratch for the split input cannot be allocated. */
 int bf16_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                 int64_t m_size, int64_t n_size, int64_t k_size, int num_threads) {
@@ -111,20 +135,8 @@ int bf16_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
             xe[m * half + u] = widen1(x[m * k_size + 2 * u]);
             xo[m * half + u] = widen1(x[m * k_size + 2 * u + 1]);
         }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t n0 = 0; n0 < n_size; n0 += N_BLOCK) {
-        int64_t n1 = n0 + N_BLOCK < n_size ? n0 + N_BLOCK : n_size;
-        for (int64_t m = 0; m < m_size; m += GROUP) {
-            int rows = m_size - m < GROUP ? (int)(m_size - m) : GROUP;
-            for (int64_t n = n0; n < n1; n++) {
-                float b = bias ? widen1(bias[n]) : 0.0f;
-                float out[GROUP];
-                group_rows(w + n * k_size, xe + m * half, xo + m * half, x + m * k_size, half,
-                           k_size, rows, out);
-                for (int g = 0; g < rows; g++) y[(m + g) * n_size + n] = round_bf16(out[g] + b);
-            }
-        }
-    }
+    struct bf16_job job = {x, w, bias, y, xe, xo, m_size, n_size, k_size, half};
+    pool_for(bf16_block, &job, (n_size + N_BLOCK - 1) / N_BLOCK, num_threads);
     free(xe);
     return 0;
 }
@@ -162,22 +174,31 @@ static void f32_group_rows(const float *w, const float *x, int64_t k_size, int r
     }
 }
 
+struct f32_job {
+    const float *x, *w, *bias;
+    float *y;
+    int64_t m_size, n_size, k_size;
+    int group;
+};
+
+static void f32_block(void *p, int64_t i) {
+    const struct f32_job *j = p;
+    int64_t n0 = i * N_BLOCK, n1 = n0 + N_BLOCK < j->n_size ? n0 + N_BLOCK : j->n_size;
+    for (int64_t m = 0; m < j->m_size; m += j->group) {
+        int rows = j->m_size - m < j->group ? (int)(j->m_size - m) : j->group;
+        for (int64_t n = n0; n < n1; n++) {
+            float out[F32_GROUP];
+            f32_group_rows(j->w + n * j->k_size, j->x + m * j->k_size, j->k_size, rows, out);
+            for (int g = 0; g < rows; g++)
+                j->y[(m + g) * j->n_size + n] = out[g] + (j->bias ? j->bias[n] : 0.0f);
+        }
+    }
+}
+
 void f32_linear(const float *x, const float *w, const float *bias, float *y, int64_t m_size,
                 int64_t n_size, int64_t k_size, int num_threads) {
     /* Rows of more than 1024 floats two at a time: four of them do not fit L1 beside the
      * weight stream. */
-    int group = k_size > 1024 ? 2 : F32_GROUP;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t n0 = 0; n0 < n_size; n0 += N_BLOCK) {
-        int64_t n1 = n0 + N_BLOCK < n_size ? n0 + N_BLOCK : n_size;
-        for (int64_t m = 0; m < m_size; m += group) {
-            int rows = m_size - m < group ? (int)(m_size - m) : group;
-            for (int64_t n = n0; n < n1; n++) {
-                float out[F32_GROUP];
-                f32_group_rows(w + n * k_size, x + m * k_size, k_size, rows, out);
-                for (int g = 0; g < rows; g++)
-                    y[(m + g) * n_size + n] = out[g] + (bias ? bias[n] : 0.0f);
-            }
-        }
-    }
+    struct f32_job job = {x, w, bias, y, m_size, n_size, k_size, k_size > 1024 ? 2 : F32_GROUP};
+    pool_for(f32_block, &job, (n_size + N_BLOCK - 1) / N_BLOCK, num_threads);
 }

@@ -79,21 +79,33 @@ static X512 void group_rows(const uint16_t *w, const uint16_t *x, int64_t k_size
     }
 }
 
+struct linear_job {
+    const uint16_t *x, *w, *bias, *packed;
+    uint16_t *y;
+    int64_t m_size, n_size, k_size, m_tiles, pairs;
+};
+
+/* Output features [i N_BLOCK, (i + 1) N_BLOCK) of every row: one item of the thread pool. */
+static X512 void avx512_block(void *p, int64_t i) {
+    const struct linear_job *j = p;
+    int64_t n0 = i * N_BLOCK, n1 = n0 + N_BLOCK < j->n_size ? n0 + N_BLOCK : j->n_size;
+    for (int64_t m = 0; m < j->m_size; m += ROWS) {
+        int rows = j->m_size - m < ROWS ? (int)(j->m_size - m) : ROWS;
+        for (int64_t n = n0; n < n1; n++) {
+            float b = j->bias ? widen1(j->bias[n]) : 0.0f, out[ROWS];
+            group_rows(j->w + n * j->k_size, j->x + m * j->k_size, j->k_size, rows, out);
+            for (int g = 0; g < rows; g++)
+                j->y[(m + g) * j->n_size + n] = round_bf16(out[g] + b);
+        }
+    }
+}
+
 X512 int bf16_linear_avx512(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
                             uint16_t *y, int64_t m_size, int64_t n_size, int64_t k_size,
                             int num_threads) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t n0 = 0; n0 < n_size; n0 += N_BLOCK) {
-        int64_t n1 = n0 + N_BLOCK < n_size ? n0 + N_BLOCK : n_size;
-        for (int64_t m = 0; m < m_size; m += ROWS) {
-            int rows = m_size - m < ROWS ? (int)(m_size - m) : ROWS;
-            for (int64_t n = n0; n < n1; n++) {
-                float b = bias ? widen1(bias[n]) : 0.0f, out[ROWS];
-                group_rows(w + n * k_size, x + m * k_size, k_size, rows, out);
-                for (int g = 0; g < rows; g++) y[(m + g) * n_size + n] = round_bf16(out[g] + b);
-            }
-        }
-    }
+    struct linear_job job = {.x = x, .w = w, .bias = bias, .y = y, .m_size = m_size,
+                             .n_size = n_size, .k_size = k_size};
+    pool_for(avx512_block, &job, (n_size + N_BLOCK - 1) / N_BLOCK, num_threads);
     return 0;
 }
 
@@ -102,6 +114,38 @@ typedef struct { /* LDTILECFG's 64-byte layout, palette 1 */
     uint16_t colsb[16];
     uint8_t rows[16];
 } tile_config;
+
+/* Output features [i N_BLOCK, (i + 1) N_BLOCK) of every row: one item of the thread pool, which
+ * loads the tile configuration itself (an item may land on any thread) and releases the tiles. */
+static AMX void amx_block(void *p, int64_t i) {
+    const struct linear_job *j = p;
+    const int64_t k_size = j->k_size, n_size = j->n_size, m_size = j->m_size;
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 3; t++) config.rows[t] = 16, config.colsb[t] = 64;
+    _tile_loadconfig(&config); /* tile 0: 16 weight rows, 1: packed inputs, 2: sums */
+    float sums[16 * 16] __attribute__((aligned(64)));
+    int64_t n0 = i * N_BLOCK, n1 = n0 + N_BLOCK < n_size ? n0 + N_BLOCK : n_size;
+    for (int64_t n = n0; n < n1; n += 16)
+        for (int64_t t = 0; t < j->m_tiles; t++) {
+            _tile_zero(2);
+            const uint16_t *b = j->packed + t * j->pairs * 32;
+            for (int64_t k = 0; k < k_size; k += 32) {
+                _tile_loadd(0, j->w + n * k_size + k, k_size * 2);
+                _tile_loadd(1, b + k * 16, 64);
+                _tile_dpbf16ps(2, 0, 1);
+            }
+            _tile_stored(2, sums, 64); /* sums[o * 16 + r]: output n + o, row 16 t + r */
+            int64_t rows = m_size - 16 * t < 16 ? m_size - 16 * t : 16;
+            for (int o = 0; o < 16; o++) {
+                float bo = j->bias ? widen1(j->bias[n + o]) : 0.0f;
+                for (int64_t r = 0; r < rows; r++)
+                    j->y[(16 * t + r) * n_size + n + o] = round_bf16(sums[o * 16 + r] + bo);
+            }
+        }
+    _tile_release();
+}
 
 /* Returns 0, or -1 when the packed input cannot be allocated. */
 AMX int bf16_linear_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
@@ -119,37 +163,10 @@ AMX int bf16_linear_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bi
         const uint16_t *row = x + m * k_size;
         for (int64_t i = 0; i < pairs; i++) memcpy(b + i * 32, row + 2 * i, 4);
     }
-#pragma omp parallel num_threads(num_threads)
-    {
-        tile_config config;
-        memset(&config, 0, sizeof config);
-        config.palette = 1;
-        for (int t = 0; t < 3; t++) config.rows[t] = 16, config.colsb[t] = 64;
-        _tile_loadconfig(&config); /* tile 0: 16 weight rows, 1: packed inputs, 2: sums */
-        float sums[16 * 16] __attribute__((aligned(64)));
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t n0 = 0; n0 < n_size; n0 += N_BLOCK) {
-            int64_t n1 = n0 + N_BLOCK < n_size ? n0 + N_BLOCK : n_size;
-            for (int64_t n = n0; n < n1; n += 16)
-                for (int64_t t = 0; t < m_tiles; t++) {
-                    _tile_zero(2);
-                    const uint16_t *b = packed + t * pairs * 32;
-                    for (int64_t k = 0; k < k_size; k += 32) {
-                        _tile_loadd(0, w + n * k_size + k, k_size * 2);
-                        _tile_loadd(1, b + k * 16, 64);
-                        _tile_dpbf16ps(2, 0, 1);
-                    }
-                    _tile_stored(2, sums, 64); /* sums[o * 16 + r]: output n + o, row 16 t + r */
-                    int64_t rows = m_size - 16 * t < 16 ? m_size - 16 * t : 16;
-                    for (int o = 0; o < 16; o++) {
-                        float bo = bias ? widen1(bias[n + o]) : 0.0f;
-                        for (int64_t r = 0; r < rows; r++)
-                            y[(16 * t + r) * n_size + n + o] = round_bf16(sums[o * 16 + r] + bo);
-                    }
-                }
-        }
-        _tile_release();
-    }
+    struct linear_job job = {.w = w, .bias = bias, .packed = packed, .y = y, .m_size = m_size,
+                             .n_size = n_size, .k_size = k_size, .m_tiles = m_tiles,
+                             .pairs = pairs};
+    pool_for(amx_block, &job, (n_size + N_BLOCK - 1) / N_BLOCK, num_threads);
     free(packed);
     return 0;
 }

@@ -160,3 +160,27 @@ void pool_run(pool_task task, void *arg, int num_threads) {
     }
     pthread_mutex_unlock(&pool.lock);
 }
+
+struct for_job {
+    void (*item)(void *arg, int64_t i);
+    void *arg;
+    int64_t num_items;
+    _Atomic int64_t next;
+};
+
+static void for_part(void *p, int thread, int num_threads) {
+    struct for_job *job = p;
+    (void)thread, (void)num_threads;
+    for (int64_t i; (i = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed)) <
+                    job->num_items;)
+        job->item(job->arg, i);
+}
+
+void pool_for(void (*item)(void *arg, int64_t i), void *arg, int64_t num_items,
+              int num_threads) {
+    struct for_job job = {item, arg, num_items, 0};
+    if (num_threads <= 1 || num_items <= 1)
+        for_part(&job, 0, 1);
+    else
+        pool_run(for_part, &job, num_threads);
+}
