@@ -1,6 +1,7 @@
 /* A thread pool whose workers spin while work keeps coming and sleep when it stops, for the
  * kernels that a decode step calls many times (quant_linear.c: ~120 calls a step on the bundled
- * model).
+ * model; attention, the weight matmuls, the norms and silu * up: every kernel but sampling.c's
+ * batch-wide loops, so a decode step opens no OpenMP region).
  *
  * Why not OpenMP's pool: verispec runs it passive (verispec/cpu_threads.py: spinning workers
  * take the cores a busy neighbour and verispec's own main thread need), so every parallel
