@@ -16,9 +16,9 @@
  * nothing else in the batch (batch invariance). The heads of an item share each key and value
  * row's loads, four dot products run interleaved and the weighted sum keeps its accumulators in
  * registers across a block's rows: the same operations per (token, head) as one dot and one
- * axpy per row. The softmax runs eight rows at a time (exp8, its max and sum over lanes in a
- * fixed order: a token's rows, whichever step computes them, give the same bits). Built and
- * loaded by verispec/ops/cpu_kernels.py.
+ * axpy per row. The softmax numerators run eight rows at a time (exp8, a value's result
+ * independent of its lane); their sum runs in row order. Built and loaded by
+ * verispec/ops/cpu_kernels.py.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -210,16 +210,13 @@ static void attention_part(void *arg, int thread, int num_threads) {
                 acc[head_dim] = 0.0f;
                 continue;
             }
-            /* numerators, and their sum in eight lanes over the rows, then a fixed tree: one
-             * order for a token's rows whichever step computes it */
-            __m256 sv = _mm256_setzero_ps();
             mv = _mm256_set1_ps(m);
-            for (int64_t j = 0; j < rows8; j += 8) {
-                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
-                _mm256_storeu_ps(p + j, e);
-                sv = _mm256_add_ps(sv, e);
-            }
-            float sum = hsum(sv);
+            for (int64_t j = 0; j < rows8; j += 8)
+                _mm256_storeu_ps(p + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv)));
+            /* the sum in row order: a masked row adds an exact 0, so a tree token sums what the
+             * chain holding its path sums, in the same order */
+            float sum = 0.0f;
+            for (int64_t j = 0; j < rows; j++) sum += p[j];
             acc[head_dim] = 1.0f / sum;
         }
         /* weighted sums of the value rows, in order */
