@@ -253,7 +253,7 @@ class WorkerGroup:
         if self.failure is not None:
             raise WorkerDied(self.failure)
 
-    def failure_after_error(self, timeout_s: float = 5.0) -> str | None:
+    def failure_after_error(self, timeout_s: float = 30.0) -> str | None:
         """After a step of rank 0 failed: why a worker died, or None while every worker
         lives. A collective can fail on a dead peer's closed socket before the watchdog has
         recorded the death, so a dead worker is waited for up to ``timeout_s``."""
