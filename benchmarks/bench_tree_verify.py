@@ -13,6 +13,9 @@ clock with the device synchronised (the host work of each forward included), med
   ``runtime.tree_verify.verify_tree``), logits for every row: replaying the captured tree step
   (``graph``, as the engine does up to batch 8) and eagerly.
 
+``--profile`` (CUDA) then lists the GPU time of each kernel in one eager decode step and one
+eager verify of each tree (torch profiler): where a tree's extra time goes.
+
     python benchmarks/bench_tree_verify.py                      # GPU, 8B shape
     python benchmarks/bench_tree_verify.py --device cpu --shape tiny --repeats 3
 
@@ -81,6 +84,31 @@ def timed(device: torch.device, fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def kernel_times(fn) -> dict[str, float]:
+    """Kernel name -> GPU microseconds of one ``fn()`` (after a warm-up call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            totals[e.name[:50]] = totals.get(e.name[:50], 0.0) + e.device_time
+    return totals
+
+
+def print_kernel_times(columns: dict[str, dict[str, float]]) -> None:
+    names = sorted({k for c in columns.values() for k in c},
+                   key=lambda k: -max(c.get(k, 0.0) for c in columns.values()))
+    rows = [dict(kernel=k, **{f"{c} us": columns[c].get(k, 0.0) for c in columns})
+            for k in names]
+    rows.append(dict(kernel="TOTAL", **{f"{c} us": sum(columns[c].values()) for c in columns}))
+    print_table(rows, ["kernel"] + [f"{c} us" for c in columns])
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -90,6 +118,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--tree-tokens", default="8,16,32,64")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--workdir", default="/tmp/bench_tree_verify")
+    parser.add_argument("--profile", action="store_true",
+                        help="GPU time per kernel: an eager decode against each eager tree")
     args = parser.parse_args(argv)
     os.makedirs(args.workdir, exist_ok=True)
     if args.shape == "tiny":
@@ -152,6 +182,11 @@ def main(argv=None) -> dict:
             rows.append(dict(row=f"tree {n} (depth {depth}, eager)", tokens=n,
                              ms=timed(device, tree_call(parents, depth, drafts[n]),
                                       args.repeats)))
+        if args.profile and device.type == "cuda":
+            calls = {"decode": run([token])}
+            calls.update({f"tree {n}": tree_call(parents, depth, drafts[n])
+                          for n, (parents, depth) in trees.items()})
+            print_kernel_times({name: kernel_times(call) for name, call in calls.items()})
     finally:
         runner.graphs = graphs
     for r in rows:

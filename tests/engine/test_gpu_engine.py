@@ -324,3 +324,30 @@ def test_prefix_hits_and_chunks_keep_the_cold_tokens(dirs, heads, dtype, method)
     outputs = warm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == expected
     assert outputs[5].num_cached_tokens >= 48 and outputs[1].num_cached_tokens == 0
+
+
+BINARY_TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1), (0, 0, 0), (0, 1, 0)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_token_trees_on_the_gpu(dirs, heads, dtype):
+    """Token trees on CUDA (the tree attention kernel, the captured tree verify step up to its
+    batch and eager beyond): greedy trees of a draft model (a static tree) and of EAGLE-3 and
+    EAGLE heads (EAGLE-2's dynamic tree) emit the plain greedy tokens, with batches of 8 and 1;
+    a seeded sampled request gives the same tokens alone and in the batch."""
+    plain = LLM(dirs[0], dtype=dtype, device="cuda", max_num_seqs=8)
+    reference = _generate(plain, PROMPTS, temperature=0.0)
+    trees = [("draft_model", {"speculative_token_tree": BINARY_TREE}),
+             ("eagle3", {"speculative_eagle_topk": 3, "speculative_num_draft_tokens": 9}),
+             ("eagle", {"speculative_eagle_topk": 2, "speculative_num_draft_tokens": 6})]
+    for method, tree in trees:
+        config = dict(_spec(dirs, method, "probabilistic", heads), **tree)
+        config["num_speculative_tokens"] = 3
+        llm = LLM(dirs[0], dtype=dtype, device="cuda", max_num_seqs=8,
+                  speculative_config=config)
+        assert _generate(llm, PROMPTS, temperature=0.0) == reference, method
+        assert _generate(llm, PROMPTS[:1], temperature=0.0)[0] == reference[0], method
+        assert llm.spec.stats.num_drafts > 0, method
+        sampled = dict(temperature=0.9, seed=11)
+        assert _generate(llm, PROMPTS[:1], **sampled)[0] == _generate(llm, PROMPTS,
+                                                                       **sampled)[0], method

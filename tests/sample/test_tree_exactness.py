@@ -128,9 +128,11 @@ CASES = [
 ]
 
 
-def run_case(case: TreeCase, num_requests=NUM_REQUESTS, without_replacement=None):
+def run_case(case: TreeCase, num_requests=NUM_REQUESTS, without_replacement=None,
+             device="cpu"):
     """Returns per-slot token counts [n + 1, V]: row s counts the tokens emitted right after
-    slot s by the requests whose path reached it."""
+    slot s by the requests whose path reached it. Drafting and verification run on ``device``
+    (``VERISPEC_TEST_DEVICE``: the GPU runs the same ops on CUDA tensors)."""
     n, vocab = len(case.parents), case.target_logits.shape[1]
     depths = case.depths
     max_depth = max(depths)
@@ -138,19 +140,20 @@ def run_case(case: TreeCase, num_requests=NUM_REQUESTS, without_replacement=None
     if without_replacement is None:
         without_replacement = case.rule == "wor"
     counts = np.zeros((n + 1, vocab), dtype=np.int64)
-    target = torch.tensor(case.target_logits, dtype=torch.float32)
-    draft = torch.tensor(case.draft_logits, dtype=torch.float32)
+    target = torch.tensor(case.target_logits, dtype=torch.float32, device=device)
+    draft = torch.tensor(case.draft_logits, dtype=torch.float32, device=device)
     draft_temperature = (0.0 if case.rule == "onehot" else case.temperature
                          if case.draft_temperature is None else case.draft_temperature)
     for start in range(0, num_requests, CHUNK):
         batch = min(CHUNK, num_requests - start)
-        seeds = torch.arange(start, start + batch, dtype=torch.int64) * 7919 + 1
-        positions = torch.full((batch,), 40, dtype=torch.int64)
-        tokens = torch.zeros(batch, n, dtype=torch.int64)
-        q_nodes = torch.zeros(batch, n, vocab)
+        seeds = torch.arange(start, start + batch, dtype=torch.int64, device=device) * 7919 + 1
+        positions = torch.full((batch,), 40, dtype=torch.int64, device=device)
+        tokens = torch.zeros(batch, n, dtype=torch.int64, device=device)
+        q_nodes = torch.zeros(batch, n, vocab, device=device)
         for slot, kids in case.children.items():
             ids, q = sample_children(
-                draft[slot].expand(batch, -1), torch.full((batch,), draft_temperature), seeds,
+                draft[slot].expand(batch, -1),
+                torch.full((batch,), draft_temperature, device=device), seeds,
                 positions + depths[slot], len(kids), case.rule == "wor")
             assert bool((ids >= 0).all())
             tokens[:, kids] = ids
@@ -159,15 +162,15 @@ def run_case(case: TreeCase, num_requests=NUM_REQUESTS, without_replacement=None
                "min_p": (case.min_p, 0.0, torch.float32)}
         out, nodes = tree_rejection_sample(
             target.repeat(batch, 1), tokens.reshape(-1),
-            torch.tensor(case.parents).repeat(batch),
-            torch.arange(batch + 1) * n,
+            torch.tensor(case.parents, device=device).repeat(batch),
+            torch.arange(batch + 1, device=device) * n,
             None if case.rule == "onehot" else q_nodes.reshape(-1, vocab),
-            torch.full((batch,), case.temperature),
-            *(None if value == off else torch.full((batch,), value, dtype=dtype)
+            torch.full((batch,), case.temperature, device=device),
+            *(None if value == off else torch.full((batch,), value, dtype=dtype, device=device)
               for value, off, dtype in opt.values()),
             seeds, positions, n, max_depth, max_width,
             without_replacement=without_replacement, check=start == 0)
-        out, nodes = out.numpy(), nodes.numpy()
+        out, nodes = out.cpu().numpy(), nodes.cpu().numpy()
         counts[0] += np.bincount(out[:, 0], minlength=vocab)
         for i in range(n):
             depth = depths[i + 1]
@@ -189,8 +192,8 @@ def p_values(case: TreeCase, counts: np.ndarray) -> dict[int, float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_tree_emits_processed_target_at_every_slot(case):
-    counts = run_case(case)
+def test_tree_emits_processed_target_at_every_slot(case, device):
+    counts = run_case(case, device=device)
     assert counts[0].sum() == NUM_REQUESTS
     values = p_values(case, counts)
     record(f"tree {case.name}", NUM_REQUESTS, list(values.values()))
@@ -202,12 +205,12 @@ def test_tree_emits_processed_target_at_every_slot(case):
 
 
 @pytest.mark.parametrize("rule", ["iid", "wor", "onehot"])
-def test_greedy_target_walks_the_argmax_path(rule):
+def test_greedy_target_walks_the_argmax_path(rule, device):
     """Temperature 0 with drafts sampled at T = 1 (greedy top-m for "onehot"): every emitted
     token is its slot's argmax, and the walk descends wherever a child equals the argmax."""
     case = _case(f"greedy_{rule}", SHAPE_WIDE, 21, rule=rule, temperature=0.0,
                  draft_temperature=1.0, noise=0.3)
-    counts = run_case(case, num_requests=5_000)
+    counts = run_case(case, num_requests=5_000, device=device)
     best = case.target_logits.argmax(1)
     for slot in np.flatnonzero(counts.sum(1)):
         assert counts[slot].sum() == counts[slot, best[slot]], f"slot {slot}: not the argmax"

@@ -17,8 +17,10 @@ result does not depend on its batch (docs/design.md §12):
   bits whichever way it was written. Then an online softmax over key blocks of 64 from key 0,
   so a query's result is the same whether it is decoded alone or is one of the k + 1 queries
   of a verify step (blocks past its position are fully masked and leave its running sums
-  unchanged: rescale by exp(0) = 1, add 0). Compiled with ``TREE`` (token trees), a tile holds
-  one query, whose keys are read in the order of the chain holding its path.
+  unchanged: rescale by exp(0) = 1, add 0). Compiled with ``TREE`` (token trees), each row of a
+  tile reads its keys in the order of the chain holding its path: the key blocks before the
+  tree's root are shared by the tile's queries, a block holding tree rows is read once per
+  query and each row keeps its own query's scores and values.
 """
 
 from __future__ import annotations
@@ -87,6 +89,21 @@ def _rope_rows(src, d, partner, pos, ok, cos_ptr, sin_ptr, stride_cos, norm_ptr,
 
 
 @triton.jit
+def _tree_key_rows(path_ptr, pos_ptr, bt_row, query_token, stride_path, key_pos, in_tree, root,
+                   stride_block, stride_pos, BLOCK_SIZE: tl.constexpr):
+    """Cache offsets of the keys at ``key_pos`` as tree query ``query_token`` reads them (its
+    path's slot at depth i for position root + i, the context before the root), and which of
+    them it sees (positions up to its own)."""
+    query_token = query_token.to(tl.int64)
+    key_ok = key_pos <= tl.load(pos_ptr + query_token)
+    slot_at = tl.load(path_ptr + query_token * stride_path + (key_pos - root),
+                      mask=key_ok & in_tree, other=0)
+    key_row = tl.where(in_tree, root + slot_at, key_pos)
+    block = tl.load(bt_row + key_row // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    return block * stride_block + (key_row % BLOCK_SIZE).to(tl.int64) * stride_pos, key_ok
+
+
+@triton.jit
 def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr,
                            out_ptr, bt_ptr, slot_ptr, ctx_ptr, qs_ptr, ts_ptr, pos_ptr, path_ptr,
                            B, search_steps,
@@ -102,9 +119,6 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
                            WRITE: tl.constexpr, ATTEND: tl.constexpr, PRECISION: tl.constexpr,
                            FLAT_GRID: tl.constexpr, TREE: tl.constexpr, PATH: tl.constexpr):
     G: tl.constexpr = HQ // HKV
-    # TREE: one query per tile (its G heads, in tiles of BLOCK_Q rows), whose keys are read in
-    # the order of the chain holding its path (``rope_cache_attention``'s docstring)
-    TILES_PER_QUERY: tl.constexpr = (G + BLOCK_Q - 1) // BLOCK_Q
     if FLAT_GRID:  # grid (tiles of every request, kv heads): find this tile's request
         t = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -126,9 +140,6 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
     q_lo = tl.load(qs_ptr + b)
     num_q = tl.load(qs_ptr + b + 1) - q_lo
     done = tile * BLOCK_Q >= num_q * G
-    if TREE:
-        if ATTEND:
-            done = tile >= num_q * TILES_PER_QUERY
     if done:
         return
     slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -139,10 +150,8 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
     bt_row = bt_ptr + slot * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kc_head
     v_base = v_cache_ptr + kv_head * stride_vc_head
-    if TREE:
-        last_query = tl.minimum(num_q - 1, tile // TILES_PER_QUERY)
-    else:
-        last_query = tl.minimum(num_q - 1, (tile * BLOCK_Q + BLOCK_Q - 1) // G)
+    first_query = (tile * BLOCK_Q) // G
+    last_query = tl.minimum(num_q - 1, (tile * BLOCK_Q + BLOCK_Q - 1) // G)
     if WRITE:
         # K (rotated) and V of the new tokens, in blocks of BLOCK_Q tokens: with ATTEND every
         # block up to this tile's last query (tiles of one head write the same values), else
@@ -173,52 +182,42 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
                      mask=ok[:, None])
         tl.debug_barrier()  # this program's cache writes are visible to its reads below
     if ATTEND:
+        rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)  # row = query * G + head in group
+        query = rows // G
+        row_ok = query < num_q
+        token = (q_lo + query).to(tl.int64)
+        head = kv_head * G + rows % G
         if TREE:
-            in_group = (tile % TILES_PER_QUERY) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-            row_ok = in_group < G
-            query_token = (q_lo + last_query).to(tl.int64)
-            token = query_token + in_group * 0
-            head = kv_head * G + in_group
-            query_pos = tl.load(pos_ptr + query_token)  # root row + depth
-            pos = query_pos + in_group * 0
-            # its path: the slots at depths 0 .. depth (-1 past it); the root's cache row
-            path_row = path_ptr + query_token * stride_path
+            pos = tl.load(pos_ptr + token, mask=row_ok, other=0)  # root row + depth
+            # the root's cache row, from the first query's path (slots at depths 0 .. depth)
+            first_token = (q_lo + first_query).to(tl.int64)
             steps = tl.arange(0, PATH)
-            on_path = tl.load(path_row + steps, mask=steps < path_len, other=-1) >= 0
-            root = query_pos - (tl.sum(on_path.to(tl.int32), axis=0) - 1)
+            on_path = tl.load(path_ptr + first_token * stride_path + steps,
+                              mask=steps < path_len, other=-1) >= 0
+            root = tl.load(pos_ptr + first_token) - (tl.sum(on_path.to(tl.int32), axis=0) - 1)
+            last_pos = tl.max(tl.where(row_ok, pos, 0), axis=0)
+            first_pos = tl.min(tl.where(row_ok, pos, last_pos), axis=0)
+            tree_start = root // BLOCK_KV * BLOCK_KV  # the first key block holding a tree row
         else:
-            rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)  # row = query * G + head in group
-            query = rows // G
-            row_ok = query < num_q
             pos = ctx - num_q + query  # absolute position of the row's query
-            token = (q_lo + query).to(tl.int64)
-            head = kv_head * G + rows % G
+            last_pos = ctx - num_q + last_query
+            first_pos = ctx - num_q + first_query
+            tree_start = last_pos + 1
         q = _rope_rows(qkv_ptr + token[:, None] * stride_qkv + head[:, None] * D, d, partner,
                        pos, row_ok, cos_ptr, sin_ptr, stride_cos, qn_ptr, eps, D, HAS_QK_NORM)
         q = q.to(qkv_ptr.dtype.element_ty)  # q rounded to the model dtype, as the twin's
         m = tl.full((BLOCK_Q,), -1.0e30, tl.float32)  # finite: a fully masked block stays exact
         s_sum = tl.zeros((BLOCK_Q,), tl.float32)
         acc = tl.zeros((BLOCK_Q, D), tl.float32)
-        if TREE:
-            last_pos = query_pos
-            first_pos = query_pos
-        else:
-            last_pos = ctx - num_q + last_query
-            first_pos = ctx - num_q + (tile * BLOCK_Q) // G
         kv_lo = 0
         if WINDOWED:  # blocks wholly before every row's window are skipped (aligned to BLOCK_KV)
             kv_lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_KV * BLOCK_KV
-        for start in range(kv_lo, last_pos + 1, BLOCK_KV):
+        # key blocks every row of the tile reads alike (a tree's context before its root)
+        for start in range(kv_lo, tl.minimum(tree_start, last_pos + 1), BLOCK_KV):
             key_pos = start + tl.arange(0, BLOCK_KV)
             key_ok = key_pos <= last_pos
-            if TREE:  # position root + i: the path's slot at depth i, at row root + slot
-                in_tree = key_pos >= root
-                slot_at = tl.load(path_row + (key_pos - root), mask=key_ok & in_tree, other=0)
-                key_row = tl.where(in_tree, root + slot_at, key_pos)
-            else:
-                key_row = key_pos
-            block = tl.load(bt_row + key_row // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-            row = (key_row % BLOCK_SIZE).to(tl.int64)
+            block = tl.load(bt_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            row = (key_pos % BLOCK_SIZE).to(tl.int64)
             k = tl.load(k_base + (block * stride_kc_block + row * stride_kc_pos)[:, None]
                         + d[None, :], mask=key_ok[:, None], other=0.0)
             v = tl.load(v_base + (block * stride_vc_block + row * stride_vc_pos)[:, None]
@@ -232,8 +231,45 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
             alpha = tl.exp(m - m_new)
             p = tl.exp(scores - m_new[:, None])
             s_sum = s_sum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
             m = m_new
+        if TREE:
+            # blocks holding tree rows: position root + i is the row of the path's slot at
+            # depth i, which differs between queries. Each query's keys and values are read
+            # for it and its rows keep their own products: every row computes exactly what it
+            # computes in its chain, whatever queries share its tile.
+            for start in range(tl.maximum(tree_start, kv_lo), last_pos + 1, BLOCK_KV):
+                key_pos = start + tl.arange(0, BLOCK_KV)
+                in_tree = key_pos >= root
+                scores = tl.zeros((BLOCK_Q, BLOCK_KV), tl.float32)
+                for j in range(first_query, last_query + 1):
+                    k_at, key_ok = _tree_key_rows(path_ptr, pos_ptr, bt_row, q_lo + j,
+                                                  stride_path, key_pos, in_tree, root,
+                                                  stride_kc_block, stride_kc_pos, BLOCK_SIZE)
+                    k = tl.load(k_base + k_at[:, None] + d[None, :], mask=key_ok[:, None],
+                                other=0.0)
+                    s_j = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                    scores = tl.where((query == j)[:, None], s_j, scores)
+                visible = key_pos[None, :] <= pos[:, None]
+                if WINDOWED:
+                    visible &= pos[:, None] - key_pos[None, :] < window
+                scores = tl.where(visible, scores, float("-inf"))
+                m_new = tl.maximum(m, tl.max(scores, axis=1))
+                alpha = tl.exp(m - m_new)
+                p = tl.exp(scores - m_new[:, None])
+                s_sum = s_sum * alpha + tl.sum(p, axis=1)
+                scaled = acc * alpha[:, None]
+                acc = scaled
+                for j in range(first_query, last_query + 1):
+                    v_at, key_ok = _tree_key_rows(path_ptr, pos_ptr, bt_row, q_lo + j,
+                                                  stride_path, key_pos, in_tree, root,
+                                                  stride_vc_block, stride_vc_pos, BLOCK_SIZE)
+                    v = tl.load(v_base + v_at[:, None] + d[None, :], mask=key_ok[:, None],
+                                other=0.0)
+                    acc = tl.where((query == j)[:, None],
+                                   tl.dot(p.to(v.dtype), v, scaled, input_precision=PRECISION),
+                                   acc)
+                m = m_new
         out = acc / s_sum[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -256,12 +292,13 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
     a contiguous cache, so paging changes no bit. ``block_q`` / ``num_warps``: the tile of query
     rows and its warps (a tuning knob for ``benchmarks/bench_attention.py``).
 
-    With ``tree_paths`` (token trees) the kernel is compiled with ``TREE``: a tile holds one
-    query's heads (a chain's tile holds 16 / G queries), whose position is
-    ``positions[token]``, and the key at position ``root + i`` is read from the row of its
-    path's slot at depth i. Its tile, key blocks and order are those of the same query in a
-    chain, so both give the same bits. Rows of a tile past the G heads are idle: G / 16 of the
-    tile works, a cost that chains, compiled without ``TREE``, do not pay."""
+    With ``tree_paths`` (token trees) the kernel is compiled with ``TREE``: tiles hold the
+    (query, head) rows as a chain's do, a query's position is ``positions[token]``, and the key
+    at position ``root + i`` is read from the row of its path's slot at depth i. The key blocks
+    before the root are read once for the tile's queries; a block holding tree rows is read once
+    per query, each row keeping the scores and products of its own query's keys. A row's key
+    blocks, order and products are those of the same query in a chain, so both give the same
+    bits."""
     _check_index(slot_ids=slot_ids, context_lens=context_lens, query_start=query_start)
     tree = tree_paths is not None
     if tree:
@@ -289,10 +326,7 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
     if block_q is None:  # float32 products (no tensor cores) take another order at 32 rows
         block_q = (PREFILL_BLOCK_Q if not fused and qkv.dtype != torch.float32 and not tree
                    else ATTENTION_BLOCK_Q)
-    if tree:  # every request's queries up to the longest's, one a tile (or G / block_q tiles)
-        grid = (B, num_kv_heads, max_queries * triton.cdiv(G, block_q))
-        tile_starts, search_steps = query_start, 0
-    elif fused:  # decode / verify (captured): every request's tiles up to the longest's
+    if tree or fused:  # trees, decode / verify (captured): tiles up to the longest request's
         grid = (B, num_kv_heads, triton.cdiv(max_queries * G, block_q))
         tile_starts, search_steps = query_start, 0
     else:

@@ -208,9 +208,10 @@ LINEAR_MIN_PROGRAMS = 96
 # weight stream); wider products keep the tiles above.
 LINEAR_FEW_ROWS = {2: (16, 8192, LinearConfig(16, 32, 4, 6))}  # itemsize: rows, outputs, tile
 # Loads by the tensor-memory accelerator from this many rows on (bfloat16 / float16 on Hopper).
-# Bulk copies pay for many rows, are even at 64 and cost more at 16 and fewer (the sweep of
-# benchmarks/profile_gpu_step.py).
-LINEAR_TMA_MIN_ROWS = {2: 17}
+# On an H200 (a step's matmuls of the 8B shape, default tiles with and without): from 17 to 48
+# rows (tree verify steps, decodes of 17-48 requests) bulk copies cost 4-56 % more, at 56 and
+# 64 rows 1-3 % less.
+LINEAR_TMA_MIN_ROWS = {2: 56}
 # Above 128 rows (verify steps of large batches, near compute-bound) deeper pipelines of 64
 # features per step pay: the 256 x 128 tile with 4 stages instead of 3, the 128 x 128 tile with
 # 5 stages of 64 features instead of 3 of 128 (the same sweep); at 128 rows and fewer they
