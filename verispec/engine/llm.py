@@ -157,12 +157,14 @@ class LLM(StepLoop, RequestIntake):
             return self._step()
         self._workers.step()
         try:
-            return self._step()
+            finished = self._step()
         except Exception as e:
             failure = self._workers.failure_after_error()
             if failure is not None:
                 raise workers.WorkerDied(failure) from e
             raise
+        self._workers.step_done()
+        return finished
 
     # ----------------------------------------------------------------- public API
 

@@ -55,6 +55,8 @@ SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 WORKER_START_TIMEOUT_S = 1800.0
 SHUTDOWN_TIMEOUT_S = 30.0
+# How long workers left in an interrupted step's collectives get before they are killed.
+INTERRUPTED_GRACE_S = 2.0
 
 
 class WorkerDied(RuntimeError):
@@ -186,6 +188,9 @@ class WorkerGroup:
         self._queued: list[tuple] = []
         self.failure: str | None = None
         self._closing = threading.Event()  # set before the workers are told to exit
+        # set from a step's message until rank 0's step returns: an engine closed while it is
+        # set (Ctrl-C or an error mid-step) has workers waiting in that step's collectives
+        self._in_step = threading.Event()
         for rank in range(1, size):
             parent, child = context.Pipe()
             process = context.Process(
@@ -202,7 +207,7 @@ class WorkerGroup:
         dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}",
                                 rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT)
         self._finalizer = weakref.finalize(self, _shutdown, self.processes, self.conns,
-                                           self._closing)
+                                           self._closing, self._in_step)
 
     def _watch(self) -> None:
         """Until shutdown: when a worker exits, record why and abort the process group, so a
@@ -270,9 +275,11 @@ class WorkerGroup:
         self._queued.append(command)
 
     def step(self) -> None:
-        """Tell every worker to apply the queued commands and run one step."""
+        """Tell every worker to apply the queued commands and run one step (``step_done``
+        when rank 0's own step has returned)."""
         self.check()
         message, self._queued = ("step", self._queued), []
+        self._in_step.set()
         try:
             for conn in self.conns:
                 conn.send(message)
@@ -280,6 +287,9 @@ class WorkerGroup:
             time.sleep(1.0)  # let the watchdog record which worker went away
             self.check()
             raise WorkerDied("a tensor-parallel worker stopped") from None
+
+    def step_done(self) -> None:
+        self._in_step.clear()
 
     @property
     def closed(self) -> bool:
@@ -323,20 +333,26 @@ def leave_group(timeout_s: float | None = None) -> None:
         _STUCK.append(message)
 
 
-def _shutdown(processes, conns, closing: threading.Event) -> None:
+def _shutdown(processes, conns, closing: threading.Event, in_step: threading.Event) -> None:
     """Ask each worker to exit, leave the process group, then make sure each worker exited
-    (no process outlives the engine)."""
+    (no process outlives the engine). Closed mid-step (Ctrl-C, an error), the workers wait in
+    that step's collectives and never read "exit": the group is aborted and they are killed
+    after ``INTERRUPTED_GRACE_S``."""
     closing.set()
     for conn in conns:
         try:
             conn.send(("exit",))
         except (BrokenPipeError, OSError):
             pass
-    if all(p.is_alive() for p in processes):
+    interrupted = in_step.is_set()
+    if all(p.is_alive() for p in processes) and not interrupted:
         leave_group()
-    elif dist.is_initialized():  # a dead rank: nothing may wait for it
-        dist.distributed_c10d._abort_process_group()
-    deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+    elif dist.is_initialized():  # a dead rank or an abandoned step: nothing may wait for it
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - the processes are killed below in any case
+            pass
+    deadline = time.monotonic() + (INTERRUPTED_GRACE_S if interrupted else SHUTDOWN_TIMEOUT_S)
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
         if process.is_alive():
