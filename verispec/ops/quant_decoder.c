@@ -22,7 +22,6 @@
  * what a row computes never depends on the thread that takes it.
  */
 #include <math.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -74,30 +73,22 @@ struct step {
 struct rows_job {
     void (*row)(const struct rows_job *job, int64_t r);
     int64_t rows;
-    _Atomic int64_t next;
     /* the job's operands */
     float *a;
     const float *b, *cos, *sin;
     int64_t lda, ldb, n, heads, head_dim;
 };
 
-static void rows_part(void *arg, int thread, int num_threads) {
-    struct rows_job *job = arg;
-    (void)thread, (void)num_threads;
-    for (int64_t item; (item = atomic_fetch_add_explicit(&job->next, ROWS_PER_ITEM,
-                                                         memory_order_relaxed)) < job->rows;) {
-        int64_t end = item + ROWS_PER_ITEM < job->rows ? item + ROWS_PER_ITEM : job->rows;
-        for (int64_t r = item; r < end; r++) job->row(job, r);
-    }
+static void rows_item(void *arg, int64_t item) {
+    const struct rows_job *job = arg;
+    const int64_t start = item * ROWS_PER_ITEM;
+    const int64_t end = start + ROWS_PER_ITEM < job->rows ? start + ROWS_PER_ITEM : job->rows;
+    for (int64_t r = start; r < end; r++) job->row(job, r);
 }
 
 static void run_rows(struct rows_job *job, int64_t elements, int num_threads) {
-    if (elements < SERIAL_ELEMENTS || num_threads <= 1) {
-        for (int64_t r = 0; r < job->rows; r++) job->row(job, r);
-    } else {
-        atomic_store_explicit(&job->next, 0, memory_order_relaxed);
-        pool_run(rows_part, job, num_threads);
-    }
+    pool_for(rows_item, job, (job->rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM,
+             elements < SERIAL_ELEMENTS ? 1 : num_threads);
 }
 
 /* RoPE of row r's q and k heads (a[r, 0 : heads * head_dim]) in place. */
