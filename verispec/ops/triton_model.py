@@ -89,6 +89,21 @@ def _rope_rows(src, d, partner, pos, ok, cos_ptr, sin_ptr, stride_cos, norm_ptr,
 
 
 @triton.jit
+def _softmax_step(scores, key_pos, pos, window, m, s_sum, WINDOWED: tl.constexpr):
+    """One key block of the online softmax: the rows' scores masked to the keys they see (up
+    to their position, inside the window), the new running max, the rescale of the old sums,
+    the numerators and the new sum."""
+    visible = key_pos[None, :] <= pos[:, None]
+    if WINDOWED:
+        visible &= pos[:, None] - key_pos[None, :] < window
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    return m_new, alpha, p, s_sum * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _tree_key_rows(path_ptr, pos_ptr, bt_row, query_token, stride_path, key_pos, in_tree, root,
                    stride_block, stride_pos, BLOCK_SIZE: tl.constexpr):
     """Cache offsets of the keys at ``key_pos`` as tree query ``query_token`` reads them (its
@@ -223,16 +238,9 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
             v = tl.load(v_base + (block * stride_vc_block + row * stride_vc_pos)[:, None]
                         + d[None, :], mask=key_ok[:, None], other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BQ, BKV] f32
-            visible = key_pos[None, :] <= pos[:, None]
-            if WINDOWED:
-                visible &= pos[:, None] - key_pos[None, :] < window
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            s_sum = s_sum * alpha + tl.sum(p, axis=1)
+            m, alpha, p, s_sum = _softmax_step(scores, key_pos, pos, window, m, s_sum,
+                                               WINDOWED)
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-            m = m_new
         if TREE:
             # blocks holding tree rows: position root + i is the row of the path's slot at
             # depth i, which differs between queries. Each query's keys and values are read
@@ -250,14 +258,8 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
                                 other=0.0)
                     s_j = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
                     scores = tl.where((query == j)[:, None], s_j, scores)
-                visible = key_pos[None, :] <= pos[:, None]
-                if WINDOWED:
-                    visible &= pos[:, None] - key_pos[None, :] < window
-                scores = tl.where(visible, scores, float("-inf"))
-                m_new = tl.maximum(m, tl.max(scores, axis=1))
-                alpha = tl.exp(m - m_new)
-                p = tl.exp(scores - m_new[:, None])
-                s_sum = s_sum * alpha + tl.sum(p, axis=1)
+                m, alpha, p, s_sum = _softmax_step(scores, key_pos, pos, window, m, s_sum,
+                                                   WINDOWED)
                 scaled = acc * alpha[:, None]
                 acc = scaled
                 for j in range(first_query, last_query + 1):
@@ -269,7 +271,6 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
                     acc = tl.where((query == j)[:, None],
                                    tl.dot(p.to(v.dtype), v, scaled, input_precision=PRECISION),
                                    acc)
-                m = m_new
         out = acc / s_sum[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
