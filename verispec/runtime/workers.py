@@ -258,13 +258,14 @@ class WorkerGroup:
         if self.failure is not None:
             raise WorkerDied(self.failure)
 
-    def failure_after_error(self, timeout_s: float = 30.0) -> str | None:
-        """After a step of rank 0 failed: why a worker died, or None while every worker
-        lives. A collective can fail on a dead peer's closed socket before the watchdog has
-        recorded the death, so a dead worker is waited for up to ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while self.failure is None and time.monotonic() < deadline:
-            if all(p.is_alive() for p in self.processes):
+    def failure_after_error(self, timeout_s: float = 30.0, grace_s: float = 2.0) -> str | None:
+        """After a step of rank 0 failed: why a worker died, or None if every worker still
+        lives after ``grace_s``. A collective can fail on a dead peer's closed socket before
+        the watchdog has recorded the death, even before the peer's exit is complete (its
+        sockets close first), so a death is waited for up to ``timeout_s``."""
+        start = time.monotonic()
+        while self.failure is None and time.monotonic() - start < timeout_s:
+            if time.monotonic() - start >= grace_s and all(p.is_alive() for p in self.processes):
                 return None
             time.sleep(0.05)
         return self.failure
