@@ -33,6 +33,8 @@ from verispec.train import eagle3 as recipe
 
 VOCAB = 64
 trainer = importlib.import_module("verispec.train.train_draft")  # the module, not the function
+train_data = importlib.import_module("verispec.train.data")
+eagle3 = importlib.import_module("verispec.train.eagle3")
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,8 @@ def test_train_draft_learns_and_round_trips(tmp_path, target_dir, prompts_file):
     samples = [trainer.Sample(*s)
                for s in torch.load(out / "data.pt", weights_only=False)["samples"]]
     draft_ids = state["draft_ids"]
-    *batch, starts = trainer._collate(samples, 512, target.model.lm_head_weight.float()[draft_ids])
+    *batch, starts = train_data.collate(samples, 512,
+                                        target.model.lm_head_weight.float()[draft_ids])
     fresh = trainer.EagleHead(trainer._head_config(target.config, 48),
                               target.model.embed_weight.float())
     recipe.init_head(fresh, target.model.lm_head_weight, draft_ids, target.model.norm.weight)
@@ -83,7 +86,7 @@ def test_train_draft_learns_and_round_trips(tmp_path, target_dir, prompts_file):
     assert head.eagle.draft_vocab_size == 48 and head.eagle.aux_layer_ids == (3, 4, 5)
     saved = eagle_state_dict(head)
     # fc trained on standardised aux states is saved for the raw ones: W = W' / s
-    torch.testing.assert_close(saved["fc.weight"] * trainer._feature_rms(samples),
+    torch.testing.assert_close(saved["fc.weight"] * train_data.feature_rms(samples),
                                state["params"][0])
     torch.testing.assert_close(saved["lm_head.weight"], state["params"][9])
     # the trained head drafts in the engine; greedy output is the plain greedy output
@@ -102,7 +105,7 @@ def test_head_starts_from_the_target_layer(target_dir):
     not fit (another shape, no attention) leaves the random start."""
     target = load_model(target_dir).model
     head = trainer.EagleHead(trainer._head_config(target.config, 48), target.embed_weight.float())
-    weights = trainer._copyable_layer(target, 3, head)
+    weights = eagle3.copyable_layer(target, 3, head)
     layer = target.layers[3]
     assert all(torch.equal(a, b) for a, b in zip(weights, (
         layer.attn.qkv_weight, layer.attn.o_weight, layer.mlp.gate_up_weight,
@@ -119,12 +122,12 @@ def test_head_starts_from_the_target_layer(target_dir):
         torch.testing.assert_close(mine, theirs.float())
     random_half = head.attn.qkv_weight[:, :H]
     assert 0 < random_half.abs().mean() < 1  # the embedding half: small and random
-    assert trainer._copyable_layer(target, 99, head) is None
-    assert trainer._copyable_layer(torch.nn.Module(), 3, head) is None
+    assert eagle3.copyable_layer(target, 99, head) is None
+    assert eagle3.copyable_layer(torch.nn.Module(), 3, head) is None
     other = trainer.EagleHead(trainer._head_config(target.config, 48),
                               target.embed_weight.float())
     other.mlp.down_weight = torch.nn.Parameter(torch.zeros(H, 7))  # another MLP width
-    assert trainer._copyable_layer(target, 3, other) is None
+    assert eagle3.copyable_layer(target, 3, other) is None
 
 
 def test_prompt_counts(tmp_path, prompts_file, monkeypatch):
@@ -150,7 +153,7 @@ def test_feature_rms_is_over_response_tokens():
     aux[:2] = 100.0  # the prompt (massive activations there do not set the scale)
     aux[2:, 1] = 3.0
     sample = trainer.Sample(torch.arange(6).numpy(), aux, torch.zeros(6, 2), response_start=2)
-    torch.testing.assert_close(trainer._feature_rms([sample]),
+    torch.testing.assert_close(train_data.feature_rms([sample]),
                                torch.tensor([1.0, 3.0, 1.0, 1.0]))
 
 

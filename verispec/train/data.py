@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -224,3 +225,50 @@ def select_draft_vocab(samples: list[Sample], vocab_size: int, draft_vocab_size:
     counts[list(always)] = counts.max() + 1
     order = np.lexsort((np.arange(vocab_size), -counts))[:draft_vocab_size]
     return torch.from_numpy(np.sort(order))
+
+
+def batches(samples: list[Sample], batch_size: int, rng: random.Random) -> list[list[int]]:
+    """Shuffled batches of similar lengths (sorted within a shuffled pool, then shuffled)."""
+    order = list(range(len(samples)))
+    rng.shuffle(order)
+    pool = 16 * batch_size
+    batches = []
+    for start in range(0, len(order), pool):
+        chunk = sorted(order[start:start + pool], key=lambda i: len(samples[i].token_ids))
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(samples: list[Sample], max_len: int, draft_head: torch.Tensor,
+             aux_scale: torch.Tensor | None = None):
+    """Padded [B, S] tokens, [B, S, D] aux (divided by ``aux_scale`` [D] if given), [B, S,
+    V_draft] target logits, [B] lengths and [B] response starts (``ttt_loss``'s arguments)."""
+    lengths = torch.tensor([min(len(s.token_ids), max_len) for s in samples])
+    S = int(lengths.max())
+    B = len(samples)
+    tokens = torch.zeros(B, S, dtype=torch.int64)
+    aux = torch.zeros(B, S, samples[0].aux.shape[1], dtype=samples[0].aux.dtype)
+    final = torch.zeros(B, S, samples[0].final.shape[1], dtype=samples[0].final.dtype)
+    for b, (s, n) in enumerate(zip(samples, lengths.tolist())):
+        tokens[b, :n] = torch.from_numpy(s.token_ids[:n])
+        aux[b, :n] = s.aux[:n]
+        final[b, :n] = s.final[:n]
+    starts = torch.tensor([s.response_start for s in samples])
+    # built on the CPU, where the data is kept, then moved to the head's device
+    device = draft_head.device
+    tokens, aux, final, lengths, starts = (t.to(device) for t in (tokens, aux, final, lengths,
+                                                                   starts))
+    aux = aux.float() if aux_scale is None else aux.float() / aux_scale
+    # the labels' logits in draft_head's dtype (bfloat16 with amp, a fast matmul on CPUs with
+    # AMX; the target's own bfloat16 LM head rounds its logits alike)
+    return tokens, aux, final.to(draft_head.dtype) @ draft_head.T, lengths, starts
+
+
+def feature_rms(samples: list[Sample]) -> torch.Tensor:
+    """[D] root mean square of each aux feature over the response tokens of up to 512 of the
+    samples (spread over the set), at least 1e-6."""
+    picked = samples[:: max(1, len(samples) // 512)]
+    rows = torch.cat([s.aux[s.response_start:] if s.response_start < len(s.token_ids) else s.aux
+                      for s in picked]).float()
+    return rows.pow(2).mean(0).sqrt().clamp_min(1e-6)

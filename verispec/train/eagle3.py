@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from verispec.models.eagle import EagleHead
 from verispec.models.rope import apply_rope, rope_tables
+from verispec.ops.quant import QuantizedWeight
 
 STEP_DECAY = 0.8
 # Rows of the loss computed at once: [32, V_draft] float32 temporaries stay in a core's cache
@@ -229,3 +230,26 @@ def ttt_loss(
         step_accs.append(float(agree) / num_valid)
         h = out_hidden
     return total, step_losses, step_accs
+
+
+def dense(weight) -> torch.Tensor:
+    """A target weight as a tensor: a GGUF weight kept quantised is dequantised (float32)."""
+    return weight.dequantize() if isinstance(weight, QuantizedWeight) else weight.detach()
+
+
+def copyable_layer(target, index: int, head: EagleHead) -> LayerWeights | None:
+    """The weights of the target's decoder layer ``index`` if the head's layer can start as it
+    (the same attention and MLP shapes; a hybrid target's SSM layer cannot), else None."""
+    try:
+        layer = target.layers[index]
+        theirs = (layer.attn.qkv_weight, layer.attn.o_weight, layer.mlp.gate_up_weight,
+                  layer.mlp.down_weight, layer.input_norm.weight, layer.post_attn_norm.weight)
+    except (AttributeError, IndexError, TypeError):
+        return None
+    if not all(isinstance(t, (torch.Tensor, QuantizedWeight)) for t in theirs):
+        return None
+    theirs = LayerWeights(*(dense(t) for t in theirs))
+    H = head.eagle.hidden_size
+    mine = (head.attn.qkv_weight[:, H:], head.attn.o_weight, head.mlp.gate_up_weight,
+            head.mlp.down_weight, head.hidden_norm.weight, head.post_attn_norm.weight)
+    return theirs if all(t.shape == m.shape for t, m in zip(theirs, mine)) else None

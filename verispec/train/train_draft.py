@@ -47,12 +47,21 @@ from verispec.ops.backend import get_backend
 from verispec.ops.quant import QuantizedWeight
 from verispec.train.data import (
     Sample,
+    batches,
     builtin_prompts,
+    collate,
+    feature_rms,
     generate_samples,
     load_prompt_file,
     select_draft_vocab,
 )
-from verispec.train.eagle3 import LayerWeights, init_head, trainable_parameters, ttt_loss
+from verispec.train.eagle3 import (
+    copyable_layer,
+    dense,
+    init_head,
+    trainable_parameters,
+    ttt_loss,
+)
 
 logger = logging.getLogger("verispec")
 STATE_FILE = "trainer_state.pt"
@@ -160,76 +169,6 @@ def aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     return ids
 
 
-def _batches(samples: list[Sample], batch_size: int, rng: random.Random) -> list[list[int]]:
-    """Shuffled batches of similar lengths (sorted within a shuffled pool, then shuffled)."""
-    order = list(range(len(samples)))
-    rng.shuffle(order)
-    pool = 16 * batch_size
-    batches = []
-    for start in range(0, len(order), pool):
-        chunk = sorted(order[start:start + pool], key=lambda i: len(samples[i].token_ids))
-        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
-    rng.shuffle(batches)
-    return batches
-
-
-def _collate(samples: list[Sample], max_len: int, draft_head: torch.Tensor,
-             aux_scale: torch.Tensor | None = None):
-    """Padded [B, S] tokens, [B, S, D] aux (divided by ``aux_scale`` [D] if given), [B, S,
-    V_draft] target logits, [B] lengths and [B] response starts (``ttt_loss``'s arguments)."""
-    lengths = torch.tensor([min(len(s.token_ids), max_len) for s in samples])
-    S = int(lengths.max())
-    B = len(samples)
-    tokens = torch.zeros(B, S, dtype=torch.int64)
-    aux = torch.zeros(B, S, samples[0].aux.shape[1], dtype=samples[0].aux.dtype)
-    final = torch.zeros(B, S, samples[0].final.shape[1], dtype=samples[0].final.dtype)
-    for b, (s, n) in enumerate(zip(samples, lengths.tolist())):
-        tokens[b, :n] = torch.from_numpy(s.token_ids[:n])
-        aux[b, :n] = s.aux[:n]
-        final[b, :n] = s.final[:n]
-    starts = torch.tensor([s.response_start for s in samples])
-    # built on the CPU, where the data is kept, then moved to the head's device
-    device = draft_head.device
-    tokens, aux, final, lengths, starts = (t.to(device) for t in (tokens, aux, final, lengths,
-                                                                   starts))
-    aux = aux.float() if aux_scale is None else aux.float() / aux_scale
-    # the labels' logits in draft_head's dtype (bfloat16 with amp, a fast matmul on CPUs with
-    # AMX; the target's own bfloat16 LM head rounds its logits alike)
-    return tokens, aux, final.to(draft_head.dtype) @ draft_head.T, lengths, starts
-
-
-def _feature_rms(samples: list[Sample]) -> torch.Tensor:
-    """[D] root mean square of each aux feature over the response tokens of up to 512 of the
-    samples (spread over the set), at least 1e-6."""
-    picked = samples[:: max(1, len(samples) // 512)]
-    rows = torch.cat([s.aux[s.response_start:] if s.response_start < len(s.token_ids) else s.aux
-                      for s in picked]).float()
-    return rows.pow(2).mean(0).sqrt().clamp_min(1e-6)
-
-
-def _dense(weight) -> torch.Tensor:
-    """A target weight as a tensor: a GGUF weight kept quantised is dequantised (float32)."""
-    return weight.dequantize() if isinstance(weight, QuantizedWeight) else weight.detach()
-
-
-def _copyable_layer(target, index: int, head: EagleHead) -> LayerWeights | None:
-    """The weights of the target's decoder layer ``index`` if the head's layer can start as it
-    (the same attention and MLP shapes; a hybrid target's SSM layer cannot), else None."""
-    try:
-        layer = target.layers[index]
-        theirs = (layer.attn.qkv_weight, layer.attn.o_weight, layer.mlp.gate_up_weight,
-                  layer.mlp.down_weight, layer.input_norm.weight, layer.post_attn_norm.weight)
-    except (AttributeError, IndexError, TypeError):
-        return None
-    if not all(isinstance(t, (torch.Tensor, QuantizedWeight)) for t in theirs):
-        return None
-    theirs = LayerWeights(*(_dense(t) for t in theirs))
-    H = head.eagle.hidden_size
-    mine = (head.attn.qkv_weight[:, H:], head.attn.o_weight, head.mlp.gate_up_weight,
-            head.mlp.down_weight, head.hidden_norm.weight, head.post_attn_norm.weight)
-    return theirs if all(t.shape == m.shape for t, m in zip(theirs, mine)) else None
-
-
 def _load_or_generate(cfg: TrainDraftConfig, llm, aux_layers) -> list[Sample]:
     path = os.path.join(cfg.output_dir, DATA_FILE)
     if os.path.isfile(path):
@@ -310,16 +249,16 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
         del llm
         gc.collect()
     eagle = _head_config(tc, cfg.draft_vocab_size, aux_layers)
-    embed = _dense(target.embed_weight).float()
-    lm_head = _dense(target.lm_head_weight)
+    embed = dense(target.embed_weight).float()
+    lm_head = dense(target.lm_head_weight)
     head = EagleHead(eagle, embed, dtype=torch.float32)
     init_head(head, lm_head, draft_ids, target.norm.weight.detach(),
-              cfg.seed, _copyable_layer(target, aux_layers[-1], head))
+              cfg.seed, copyable_layer(target, aux_layers[-1], head))
     # fc trains on standardised inputs, aux / s with s each feature's RMS, as W' = W * s (saved
     # as W = W' / s, so the head reads the raw states): the aux layers' streams differ ~7x in
     # scale and a few features ~100x, and this way one optimizer step moves every input
     # feature's contribution alike (held-out acceptance rose in `verispec bench --prompts free`)
-    aux_scale = _feature_rms(samples)
+    aux_scale = feature_rms(samples)
     with torch.no_grad():
         head.fc_weight.mul_(aux_scale)
     aux_scale = aux_scale.to(device)
@@ -374,14 +313,14 @@ def train_draft(cfg: TrainDraftConfig, log=print, llm=None) -> dict:
     epoch_batches: list[list[int]] = []
     epoch = step // steps_per_epoch
     if step < total_steps:  # the batches of an epoch are a function of (seed, epoch)
-        epoch_batches = _batches(samples, cfg.batch_size,
+        epoch_batches = batches(samples, cfg.batch_size,
                                  random.Random(cfg.seed + epoch))[step % steps_per_epoch:]
     while step < total_steps:
         if not epoch_batches:
             epoch += 1
-            epoch_batches = _batches(samples, cfg.batch_size, random.Random(cfg.seed + epoch))
+            epoch_batches = batches(samples, cfg.batch_size, random.Random(cfg.seed + epoch))
         batch = [samples[i] for i in epoch_batches.pop(0)]
-        tokens, aux, target_logits, lengths, starts = _collate(batch, cfg.max_seq_len, draft_head,
+        tokens, aux, target_logits, lengths, starts = collate(batch, cfg.max_seq_len, draft_head,
                                                                aux_scale)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             loss, losses, accs = ttt_loss(head, tokens, aux, target_logits, lengths,
