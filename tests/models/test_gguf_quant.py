@@ -27,6 +27,7 @@ from verispec.ops.quant import QuantizedWeight
 
 gguf = pytest.importorskip("gguf")
 trainer = importlib.import_module("verispec.train.train_draft")  # the module, not the function
+eagle3 = importlib.import_module("verispec.train.eagle3")
 pytestmark = pytest.mark.skipif(not cpu_kernels.quant_available(),
                                 reason="the quantised kernel needs AVX-512")
 
@@ -152,8 +153,8 @@ def test_train_draft_reads_the_quantised_model(gguf_path, tmp_path):
     quant = load_model(gguf_path, dtype=None).model
     dense = load_model(gguf_path, dtype="float32").model
     head = trainer.EagleHead(trainer._head_config(quant.config, 64),
-                             trainer._dense(quant.embed_weight))
-    weights = trainer._copyable_layer(quant, 1, head)
+                             eagle3.dense(quant.embed_weight))
+    weights = eagle3.copyable_layer(quant, 1, head)
     layer = dense.layers[1]
     assert all(torch.equal(a, b) for a, b in zip(weights, (
         layer.attn.qkv_weight, layer.attn.o_weight, layer.mlp.gate_up_weight,

@@ -61,6 +61,41 @@ static inline void dot4(const float *a, const float *const b[4], int64_t n, floa
     }
 }
 
+/* The unreduced sums of dot() for four rows (head_dim a multiple of 16): sums[r] holds the
+ * eight lanes whose hsum is dot(a, b[r]). */
+static inline void dot4_lanes(const float *a, const float *const b[4], int64_t n,
+                              __m256 sums[4]) {
+    __m256 x[4], y[4];
+    for (int r = 0; r < 4; r++) x[r] = y[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i + 16 <= n; i += 16) {
+        __m256 a0 = _mm256_loadu_ps(a + i), a1 = _mm256_loadu_ps(a + i + 8);
+        for (int r = 0; r < 4; r++) {
+            x[r] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(b[r] + i), x[r]);
+            y[r] = _mm256_fmadd_ps(a1, _mm256_loadu_ps(b[r] + i + 8), y[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) sums[r] = _mm256_add_ps(x[r], y[r]);
+}
+
+/* hsum() of eight vectors at once, lane r of the result hsum(v[r]): the same additions in the
+ * same order (lanes i + (i + 4), then (0 + 2) and (1 + 3), then the two), done for pairs of
+ * vectors side by side instead of one vector's lanes in turn. */
+static inline __m256 hsum8(const __m256 v[8]) {
+    __m256 u[4];
+    for (int k = 0; k < 4; k++)  /* [v[2k].lo + v[2k].hi, v[2k+1].lo + v[2k+1].hi] */
+        u[k] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * k], v[2 * k + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * k], v[2 * k + 1], 0x31));
+    /* per 128-bit half: [s0 + s2, s1 + s3] of two vectors */
+    __m256 w0 = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m256 w1 = _mm256_add_ps(_mm256_shuffle_ps(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm256_shuffle_ps(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* low half: vectors 0, 2, 4, 6; high half: 1, 3, 5, 7 */
+    __m256 r = _mm256_add_ps(_mm256_shuffle_ps(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm256_shuffle_ps(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 /* acc += w[r] * v[r * stride] for rows r = 0 .. rows - 1 in order, skipping w[r] == 0: what
  * `rows` calls of acc += w * v would give (an FMA per element where a vector covers it, a
  * product then a sum in the tail), with the accumulators held in registers across the rows. */
@@ -180,6 +215,18 @@ static void attention_part(void *arg, int thread, int num_threads) {
                 float *p = scratch + hh * per_head + j0;
                 const float *qf = scratch + hh * per_head + room;
                 int64_t r = 0;
+                if (head_dim % 16 == 0) /* eight rows: their sums reduced side by side */
+                    for (; r + 8 <= n; r += 8) {
+                        __m256 sums[8];
+                        for (int h = 0; h < 2; h++) {
+                            const float *b[4];
+                            for (int u = 0; u < 4; u++)
+                                b[u] = k_block + (r + 4 * h + u) * row_stride;
+                            dot4_lanes(qf, b, head_dim, sums + 4 * h);
+                        }
+                        _mm256_storeu_ps(p + r, _mm256_mul_ps(_mm256_set1_ps(scale),
+                                                              hsum8(sums)));
+                    }
                 for (; r + 4 <= n; r += 4) {
                     const float *b[4] = {k_block + r * row_stride, k_block + (r + 1) * row_stride,
                                          k_block + (r + 2) * row_stride,
@@ -213,11 +260,22 @@ static void attention_part(void *arg, int thread, int num_threads) {
             mv = _mm256_set1_ps(m);
             for (int64_t j = 0; j < rows8; j += 8)
                 _mm256_storeu_ps(p + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv)));
-            /* the sum in row order: a masked row adds an exact 0, so a tree token sums what the
-             * chain holding its path sums, in the same order */
-            float sum = 0.0f;
-            for (int64_t j = 0; j < rows; j++) sum += p[j];
-            acc[head_dim] = 1.0f / sum;
+            acc[head_dim] = 1.0f; /* a head that sees rows: 1 / sum below */
+        }
+        /* each head's sum in row order (a masked row adds an exact 0, so a tree token sums
+         * what the chain holding its path sums, in the same order), four heads' independent
+         * sums interleaved */
+        for (int64_t h0 = 0; h0 < group; h0 += 4) {
+            const int64_t nh = group - h0 < 4 ? group - h0 : 4;
+            const float *ph[4];
+            float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int64_t u = 0; u < 4; u++) ph[u] = scratch + (h0 + (u < nh ? u : 0)) * per_head;
+            for (int64_t j = 0; j < rows; j++)
+                for (int u = 0; u < 4; u++) sum[u] += ph[u][j];
+            for (int64_t u = 0; u < nh; u++) {
+                float *inv = scratch + (h0 + u) * per_head + room + 2 * head_dim;
+                if (*inv != 0.0f) *inv = 1.0f / sum[u];
+            }
         }
         /* weighted sums of the value rows, in order */
         for (int64_t j0 = 0; j0 < rows; j0 += block_size) {
