@@ -19,6 +19,8 @@ planner's per-request switch is off), so each row's steps do the same speculativ
 weights accept few drafts, but a grammar's forced tokens (punctuation, keys) are accepted
 whenever the draft proposes them, which is what grammar-aware drafting changes. ``--model`` /
 ``--device cpu`` run it on any model (the bundled one on the CPU as a smoke test).
+``--profile ROW`` runs that row once more under cProfile and prints the host functions by
+their own time (what a step spends outside the device).
 
     python benchmarks/bench_options.py                       # GPU: 8B shape, batch 64
     python benchmarks/bench_options.py --device cpu --model bundled --batch 4 --tokens 16 \\
@@ -116,6 +118,21 @@ def run_row(llm: LLM, prompts: list, name: str, args) -> dict:
                 draft_tokens=drafts)
 
 
+def profile_row(llm: LLM, prompts: list, name: str, args) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run_row(llm, prompts, name, args)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    print(f"host profile of the row {name!r}:")
+    print("\n".join([line for line in text.getvalue().splitlines() if line.strip()][2:]))
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -127,6 +144,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--workdir", default="/tmp/bench_options")
     parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--profile", default=None, choices=list(ROWS),
+                        help="run this row again under cProfile: host functions by own time")
     parser.add_argument("--tokenizer-dir", default=None,
                         help="the bundled model's config.json and tokenizer files, where its "
                              "package is not installed")
@@ -155,6 +174,8 @@ def main(argv=None) -> dict:
     prompts = [rng.integers(100, vocab, size=args.prompt_len).tolist()
                for _ in range(args.batch)]
     rows = [run_row(llm, prompts, name, args) for name in args.rows.split(",")]
+    if args.profile:
+        profile_row(llm, prompts, args.profile, args)
     base = next((r["step_ms"] for r in rows if r["row"] == "plain"), None)
     for r in rows:
         r["step_vs_plain"] = None if base is None else r["step_ms"] / base

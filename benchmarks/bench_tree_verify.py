@@ -13,8 +13,9 @@ clock with the device synchronised (the host work of each forward included), med
   ``runtime.tree_verify.verify_tree``), logits for every row: replaying the captured tree step
   (``graph``, as the engine does up to batch 8) and eagerly.
 
-``--profile`` (CUDA) then lists the GPU time of each kernel in one eager decode step and one
-eager verify of each tree (torch profiler): where a tree's extra time goes.
+``--profile`` (CUDA) also lists the GPU time of each kernel in one eager decode step and one
+eager verify of each tree (torch profiler), and the host functions of the captured steps by
+their own time (cProfile): where a tree's extra time goes.
 
     python benchmarks/bench_tree_verify.py                      # GPU, 8B shape
     python benchmarks/bench_tree_verify.py --device cpu --shape tiny --repeats 3
@@ -100,6 +101,26 @@ def kernel_times(fn) -> dict[str, float]:
     return totals
 
 
+def host_profile(label: str, fn, calls: int = 20) -> None:
+    """The host functions of ``calls`` calls of ``fn`` by their own time (cProfile): what a
+    step costs outside its GPU work."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+        torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
+    print(f"host profile of {calls} x {label}:")
+    print("\n".join([line for line in text.getvalue().splitlines() if line.strip()][2:]))
+
+
 def print_kernel_times(columns: dict[str, dict[str, float]]) -> None:
     names = sorted({k for c in columns.values() for k in c},
                    key=lambda k: -max(c.get(k, 0.0) for c in columns.values()))
@@ -169,9 +190,13 @@ def main(argv=None) -> dict:
         for n, (parents, depth) in trees.items():
             runner.tree_graph = (n, depth)
             runner.capture_tree()
+            call = tree_call(parents, depth, drafts[n])
             rows.append(dict(row=f"tree {n} (depth {depth}, graph)", tokens=n,
-                             ms=timed(device, tree_call(parents, depth, drafts[n]),
-                                      args.repeats)))
+                             ms=timed(device, call, args.repeats)))
+            if args.profile:
+                host_profile(f"tree {n}, graph", call)
+        if args.profile:
+            host_profile("decode, graph", run([token]))
         runner.tree_graph = None
     graphs, runner.graphs = runner.graphs, None
     try:
