@@ -309,9 +309,10 @@ def test_linear_float32_out_is_the_rounded_product(device):
 
 
 def test_linear_tiles_follow_the_shape():
-    """Llama-3.1-8B shapes: the tiles the H100 measurements picked; bulk-copy loads from 56 rows
-    (bfloat16); float32 keeps one block_k (only the tensor cores add a step's 16-feature slices
-    in order, which makes bfloat16's 64 and 128 the same sum)."""
+    """Llama-3.1-8B shapes: the tiles the H100 measurements picked; bulk-copy loads (bfloat16)
+    from 56 rows where the last row tile is 7/8 full, from 128 always (H200); float32 keeps one
+    block_k (only the tensor cores add a step's 16-feature slices in order, which makes
+    bfloat16's 64 and 128 the same sum)."""
     cfg = triton_model.linear_config
     bf16 = torch.bfloat16
     assert (cfg(1, 6144, bf16).block_m, cfg(1, 6144, bf16).block_n) == (16, 32)  # qkv
@@ -323,6 +324,7 @@ def test_linear_tiles_follow_the_shape():
     assert (cfg(256, 6144, bf16).block_k, cfg(256, 6144, bf16).num_stages) == (64, 5)
     assert cfg(128, 6144, bf16).block_k == 128  # deeper pipelines above 128 rows only
     assert not cfg(55, 28672, bf16).tma and cfg(56, 28672, bf16).tma
+    assert not cfg(96, 28672, bf16).tma and cfg(128, 28672, bf16).tma  # last tile 3/4 full
     assert not cfg(256, 4096, torch.float32).tma
     assert len({t.block_k for t in triton_model.LINEAR_TILES[4]}) == 1
     assert {t.block_k for t in triton_model.LINEAR_TILES[2]} <= {64, 128}

@@ -207,11 +207,14 @@ LINEAR_MIN_PROGRAMS = 96
 # stream their weight faster in row tiles of 16 and output tiles of 32 (more programs share the
 # weight stream); wider products keep the tiles above.
 LINEAR_FEW_ROWS = {2: (16, 8192, LinearConfig(16, 32, 4, 6))}  # itemsize: rows, outputs, tile
-# Loads by the tensor-memory accelerator from this many rows on (bfloat16 / float16 on Hopper).
-# On an H200 (a step's matmuls of the 8B shape, default tiles with and without): from 17 to 48
-# rows (tree verify steps, decodes of 17-48 requests) bulk copies cost 4-56 % more, at 56 and
-# 64 rows 1-3 % less.
+# Loads by the tensor-memory accelerator (bfloat16 / float16 on Hopper) from LINEAR_TMA_MIN_ROWS
+# rows on, below LINEAR_TMA_ALL_ROWS only where the last tile of rows is at least 7/8 full. On an
+# H200 (a step's matmuls of the 8B shape, default tiles with and without): bulk copies cost
+# 4-56 % more from 17 to 48 rows (tree verify steps, decodes of 17-48 requests) and 9 % more at
+# 96 (tiles of 64 or 128 rows, the last half or 3/4 full); 1-3 % less at 56 and 64, 7-14 % less
+# at 128, 192 and 256.
 LINEAR_TMA_MIN_ROWS = {2: 56}
+LINEAR_TMA_ALL_ROWS = 128
 # Above 128 rows (verify steps of large batches, near compute-bound) deeper pipelines of 64
 # features per step pay: the 256 x 128 tile with 4 stages instead of 3, the 128 x 128 tile with
 # 5 stages of 64 features instead of 3 of 128 (the same sweep); at 128 rows and fewer they
@@ -221,7 +224,8 @@ LINEAR_MANY_ROWS = {(2, LinearConfig(128, 128, 8, 3)): LinearConfig(128, 128, 8,
 
 def linear_config(num_rows: int, num_outputs: int, dtype: torch.dtype) -> LinearConfig:
     """The tile of a [num_rows, K] x [num_outputs, K].T product (see ``LINEAR_TILES``,
-    ``LINEAR_FEW_ROWS``, ``LINEAR_MANY_ROWS`` and ``LINEAR_TMA_MIN_ROWS``)."""
+    ``LINEAR_FEW_ROWS``, ``LINEAR_MANY_ROWS``, ``LINEAR_TMA_MIN_ROWS`` and
+    ``LINEAR_TMA_ALL_ROWS``)."""
     few = LINEAR_FEW_ROWS.get(dtype.itemsize)
     if few is not None and num_rows <= few[0] and num_outputs <= few[1]:
         return few[2]
@@ -237,7 +241,9 @@ def linear_config(num_rows: int, num_outputs: int, dtype: torch.dtype) -> Linear
             break
     if num_rows > 128:
         chosen = LINEAR_MANY_ROWS.get((dtype.itemsize, chosen), chosen)
-    if num_rows >= LINEAR_TMA_MIN_ROWS.get(dtype.itemsize, num_rows + 1):
+    if num_rows >= LINEAR_TMA_MIN_ROWS.get(dtype.itemsize, num_rows + 1) and (
+            num_rows >= LINEAR_TMA_ALL_ROWS
+            or 8 * (num_rows % chosen.block_m or chosen.block_m) >= 7 * chosen.block_m):
         return _with_tma(chosen)
     return chosen
 
