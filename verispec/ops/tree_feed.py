@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from verispec.ops.tree import slot_depths, tree_attention
+from verispec.ops.tree import tree_attention
 
 
 def slot_paths(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,19 +37,25 @@ def slot_paths(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, tor
         depth i (the root 0, s itself at its depth), -1 past s's depth. Padding slots get
         meaningless paths.
     """
-    batch_size, n = parents.shape
-    depths = slot_depths(parents, max_depth)
-    parent_slot = torch.cat([torch.zeros(batch_size, 1, dtype=torch.int64),
-                             (parents + 1).clamp_min(0)], 1)  # [B, n + 1], the root its own
+    # numpy on the host: a tree step builds these before its forward, on the critical path
+    # (a few small array operations per depth instead of as many torch calls)
+    p = parents.cpu().numpy()
+    batch_size, n = p.shape
+    parent_slot = np.zeros((batch_size, n + 1), dtype=np.int64)  # the root its own parent
+    parent_slot[:, 1:] = np.maximum(p + 1, 0)
+    rows, cols = np.arange(batch_size)[:, None], np.arange(n + 1)[None, :]
+    depths = np.zeros((batch_size, n + 1), dtype=np.int64)
+    for _ in range(max_depth):  # ``ops.tree.slot_depths``
+        depths[:, 1:] = depths[rows, parent_slot[:, 1:]] + 1
     # one spare column: where the walk past the root writes (dropped)
-    paths = torch.full((batch_size, n + 1, max_depth + 2), -1, dtype=torch.int64)
-    walk = torch.arange(n + 1).expand(batch_size, -1).clone()  # [B, n + 1]
+    paths = np.full((batch_size, n + 1, max_depth + 2), -1, dtype=np.int32)
+    walk = np.broadcast_to(cols, (batch_size, n + 1))
     for up in range(max_depth + 1):  # self, parent, ..., root
         depth = depths - up
-        column = torch.where(depth >= 0, depth, max_depth + 1).clamp_max(max_depth + 1)
-        paths.scatter_(2, column[..., None], walk[..., None])
-        walk = parent_slot.gather(1, walk)
-    return depths, paths[..., : max_depth + 1].to(torch.int32)
+        column = np.minimum(np.where(depth >= 0, depth, max_depth + 1), max_depth + 1)
+        paths[rows, cols, column] = walk
+        walk = parent_slot[rows, walk]
+    return torch.from_numpy(depths), torch.from_numpy(paths[..., : max_depth + 1].copy())
 
 
 @dataclass(frozen=True)
