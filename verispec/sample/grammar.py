@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
 import numpy as np
@@ -252,16 +254,43 @@ class GrammarMatcher:
         self._draft_ids, self._draft_masks, self._draft_consumed = [], [], 0
 
 
-def compute_masks(grammars: Sequence[GrammarMatcher]) -> np.ndarray:
-    """[len(grammars), ceil(V / 32)] int32: each matcher's mask where it stands.
+# Threads that compute a step's masks (``VERISPEC_GRAMMAR_THREADS``, default 1: this thread
+# alone). llguidance releases the GIL while it computes a mask, so masks split over threads:
+# on a 2-core CPU an engine's JSON-schema masks (~100 us each) took 2.0x less time on two,
+# but its whole step only 2.6 % less. Whether more threads pay beside a GPU engine's host
+# thread (there the masks are ~40 % of a JSON step) is for
+# ``benchmarks/bench_options.py --grammar-threads`` to show; llguidance's own executor (all
+# cores) made that step slower (docs/benchmarks.md). Off until measured there.
+GRAMMAR_THREADS = max(1, int(os.environ.get("VERISPEC_GRAMMAR_THREADS", "1")))
+# Below this many matchers a call computes its masks on this thread alone.
+PARALLEL_MIN_MASKS = 8
+_pool: list[ThreadPoolExecutor] = []
 
-    One matcher after the other on this thread. llguidance's executor computes them in
-    parallel on native threads, but beside a GPU engine's busy host threads it made the
-    grammar-aware drafting step slower, not faster (docs/benchmarks.md)."""
+
+def compute_masks(grammars: Sequence[GrammarMatcher]) -> np.ndarray:
+    """[len(grammars), ceil(V / 32)] int32: each matcher's mask where it stands, on
+    ``GRAMMAR_THREADS`` threads (this one among them) for ``PARALLEL_MIN_MASKS`` matchers and
+    more; every mask is the matcher's alone, whichever thread computes it."""
     num_words = grammars[0].num_words if grammars else 0
     out = np.empty((len(grammars), num_words), dtype=np.int32)
-    for row, g in zip(out, grammars):
-        g.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+    threads = min(GRAMMAR_THREADS, len(grammars))
+
+    def part(first: int) -> None:
+        for i in range(first, len(grammars), threads):
+            grammars[i].matcher.unsafe_compute_mask_ptr(out[i].ctypes.data, out[i].nbytes)
+
+    if threads <= 1 or len(grammars) < PARALLEL_MIN_MASKS:
+        threads = 1
+        part(0)
+        return out
+    if not _pool or _pool[0]._max_workers < threads - 1:
+        if _pool:
+            _pool[0].shutdown(wait=False)
+        _pool[:] = [ThreadPoolExecutor(threads - 1, thread_name_prefix="verispec-grammar")]
+    others = [_pool[0].submit(part, first) for first in range(1, threads)]
+    part(0)
+    for future in others:
+        future.result()
     return out
 
 
