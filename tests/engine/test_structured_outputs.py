@@ -163,6 +163,8 @@ def engine_for(model_dir, spec: dict) -> LLM:
     llm = engine(model_dir, spec)
     if spec["method"] != "ngram":  # the tiny draft costs about what the target does: draft anyway
         llm.spec.costs = tuple(1.0 + 1e-3 * n for n in range(len(llm.spec.costs)))
+        if llm.spec.tree is not None:  # and trees too (a verify of 9 tokens costs ~2 here)
+            llm.spec.tree_costs = tuple(1.0 + 1e-3 * d for d in range(len(llm.spec.tree_costs)))
     return llm
 
 
@@ -291,7 +293,7 @@ def test_greedy_tree_speculation_with_a_grammar_equals_plain(name, model_dir, dr
                                                             eagle_dirs, plain_tokens):
     """Token trees (docs/design.md §16): a node's row is masked by the matcher advanced along
     its path, and the proposers draft each node's children under the mask of its path."""
-    llm = engine(model_dir, tree_spec_config(name, model_dir, draft_dir, eagle_dirs))
+    llm = engine_for(model_dir, tree_spec_config(name, model_dir, draft_dir, eagle_dirs))
     seen = check_tree_drafts_in_grammar(llm.spec.proposer)
     for case in CASES:
         outputs = llm.generate(PROMPTS, params(case))

@@ -93,10 +93,13 @@ def runners_on(layout: str):
         yield
 
 
-def generate(target_dir, spec, prompts, params, max_num_seqs=8, layout="cpu"):
+def generate(target_dir, spec, prompts, params, max_num_seqs=8, layout="cpu", adaptive=True):
+    """``adaptive=False``: every step drafts the whole (cut) tree, whatever it pays."""
     with runners_on(layout):
         llm = LLM(target_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
                   speculative_config=spec)
+    if llm.spec is not None:
+        llm.spec.adaptive = adaptive
     assert llm.runner.flat == (layout == "flat")
     proposer_runner = None if llm.spec is None else llm.spec.proposer.runner
     assert proposer_runner is None or proposer_runner.flat == (layout == "flat")
@@ -165,11 +168,13 @@ def test_sampled_alone_equals_batched(target_dir, draft_dir, method, layout):
 @pytest.mark.parametrize("method, temperature", [("greedy", 0.0), ("probabilistic", 0.8)])
 def test_self_draft_accepts_every_path(target_dir, method, temperature):
     """The target as its own draft: p == q at every node, so every step accepts its whole
-    depth (depth k until max_tokens cuts it)."""
+    depth (depth k until max_tokens cuts it; the whole tree at every step: a draft as costly
+    as the target would otherwise make the planner cut the trees)."""
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [3]]
     params = [SamplingParams(max_tokens=21, ignore_eos=True, seed=i, temperature=temperature)
               for i in range(3)]
-    llm, _ = generate(target_dir, tree_config(target_dir, BINARY, method), prompts, params)
+    llm, _ = generate(target_dir, tree_config(target_dir, BINARY, method), prompts, params,
+                      adaptive=False)
     stats = llm.spec.stats
     assert stats.num_accepted_tokens == stats.num_draft_tokens
     assert stats.mean_acceptance_length > 3.5
@@ -207,3 +212,17 @@ def test_refusals(target_dir, draft_dir):
         LLM(target_dir, max_model_len=MAX_MODEL_LEN, speculative_config={
             "method": "early_exit", "num_draft_layers": 1, "num_speculative_tokens": 3,
             "speculative_token_tree": BINARY})
+
+
+def test_trees_that_do_not_pay_are_switched_off(target_dir, draft_dir, plain_greedy):
+    """A random draft model's trees are nearly always rejected: the planner (``tree_costs``,
+    the acceptance estimate) cuts them to no tree, a plain row, after a few steps and probes
+    now and then, as it does for chains; the tokens stay the plain greedy ones. Without it
+    every step drafts the tree."""
+    prompts, params = workload(temperature=0.0)
+    spec = tree_config(draft_dir, BINARY)
+    llm, tokens = generate(target_dir, spec, prompts, params)
+    full, tokens_full = generate(target_dir, spec, prompts, params, adaptive=False)
+    assert tokens == tokens_full == plain_greedy["cpu"]
+    assert full.spec.stats.num_accepted_tokens < full.spec.stats.num_draft_tokens / 4
+    assert 0 < llm.spec.stats.num_drafts < full.spec.stats.num_drafts / 2

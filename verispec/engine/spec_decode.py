@@ -124,6 +124,10 @@ class SpeculativeDecoder:
         self.tree = config.tree_shape()
         if self.tree is not None:
             check_tree_support(runner, self.proposer, tp)
+            # a tree cut to depth d: the verify forward over its nodes and root, d levels drafted
+            verify = verify_costs(runner.device, runner.dtype, self.tree.num_nodes_total)
+            self.tree_costs = tuple(verify[self.tree.num_nodes(d)] + d * draft_cost
+                                    for d in range(self.tree.depth + 1))
 
     @property
     def max_step_drafts(self) -> int:
@@ -247,15 +251,18 @@ class SpeculativeDecoder:
     def _tree_depths(self, batch: Sequence[Request]) -> np.ndarray:
         """[B] each request's tree depth this step: k cut, as a chain's k, so that the last
         token emitted fits ``max_model_len`` and ``max_tokens``, and further so that the tree's
-        rows fit the cache (``num_tokens - 1 + nodes < max_model_len``). Trees are not switched
-        off by the acceptance estimate: every step drafts the whole (cut) tree."""
+        rows fit the cache (``num_tokens - 1 + nodes < max_model_len``); then, as a chain's n,
+        the depth the request's acceptance estimate makes best for ``tree_costs``: 0 (no tree,
+        a plain row) where no tree pays, with the chain's probes (``DraftPlanner``)."""
         tree = self.tree
         depths = np.zeros(len(batch), dtype=np.int64)
         for b, r in enumerate(batch):
             room = min(self.k, self.max_model_len - r.num_tokens - 1,
                        r.params.max_tokens - r.num_output_tokens - 1)
-            depths[b] = max(0, min(room, tree.max_depth_within(
-                self.max_model_len - r.num_tokens)))
+            depth = max(0, min(room, tree.max_depth_within(self.max_model_len - r.num_tokens)))
+            if self.adaptive and depth > 0:
+                depth = self.planner.plan(r.slot, depth, self.tree_costs)
+            depths[b] = depth
         return depths
 
     def _tree_step(self, batch: Sequence[Request], sampling: SamplingTensors) -> list[list[int]]:
@@ -322,6 +329,7 @@ class SpeculativeDecoder:
                 # drafts counted by depth (the tokens a step could accept), as for a chain
                 step_stats.observe(int(depth), len(out) - 1)
                 r.spec_stats.observe(int(depth), len(out) - 1)
+                self.planner.observe(r.slot, int(depth), len(out) - 1)
         self.logger.observe(step_stats)
         self.logger.maybe_log()
         return outputs
