@@ -41,28 +41,9 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return r;
 }
 
-/* out[r] = dot(a, b[r]) for four rows, each summed exactly as dot() sums it: four
- * independent chains interleaved, where one dot alone waits on its own additions. */
-static inline void dot4(const float *a, const float *const b[4], int64_t n, float out[4]) {
-    __m256 x[4], y[4];
-    for (int r = 0; r < 4; r++) x[r] = y[r] = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m256 a0 = _mm256_loadu_ps(a + i), a1 = _mm256_loadu_ps(a + i + 8);
-        for (int r = 0; r < 4; r++) {
-            x[r] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(b[r] + i), x[r]);
-            y[r] = _mm256_fmadd_ps(a1, _mm256_loadu_ps(b[r] + i + 8), y[r]);
-        }
-    }
-    for (int r = 0; r < 4; r++) {
-        float s = hsum(_mm256_add_ps(x[r], y[r]));
-        for (int64_t k = i; k < n; k++) s += a[k] * b[r][k];
-        out[r] = s;
-    }
-}
-
-/* The unreduced sums of dot() for four rows (head_dim a multiple of 16): sums[r] holds the
- * eight lanes whose hsum is dot(a, b[r]). */
+/* The unreduced sums of dot() over the first n / 16 * 16 features, four rows: sums[r] holds
+ * the eight lanes whose hsum starts dot(a, b[r]). Four independent chains interleaved, where
+ * one dot alone waits on its own additions. */
 static inline void dot4_lanes(const float *a, const float *const b[4], int64_t n,
                               __m256 sums[4]) {
     __m256 x[4], y[4];
@@ -75,6 +56,17 @@ static inline void dot4_lanes(const float *a, const float *const b[4], int64_t n
         }
     }
     for (int r = 0; r < 4; r++) sums[r] = _mm256_add_ps(x[r], y[r]);
+}
+
+/* out[r] = dot(a, b[r]) for four rows, each summed exactly as dot() sums it. */
+static inline void dot4(const float *a, const float *const b[4], int64_t n, float out[4]) {
+    __m256 sums[4];
+    dot4_lanes(a, b, n, sums);
+    for (int r = 0; r < 4; r++) {
+        float s = hsum(sums[r]);
+        for (int64_t k = n / 16 * 16; k < n; k++) s += a[k] * b[r][k];
+        out[r] = s;
+    }
 }
 
 /* hsum() of eight vectors at once, lane r of the result hsum(v[r]): the same additions in the
