@@ -46,7 +46,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_tensor_parallel  # noqa: E402
 
 from verispec import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
-from verispec.bench.report import machine_description, print_table  # noqa: E402
+from verispec.bench.report import (  # noqa: E402
+    machine_description,
+    print_host_profile,
+    print_table,
+)
 from verispec.models import gguf  # noqa: E402
 from verispec.sample import grammar  # noqa: E402
 
@@ -120,21 +124,6 @@ def run_row(llm: LLM, prompts: list, name: str, args) -> dict:
                 draft_tokens=drafts)
 
 
-def profile_row(llm: LLM, prompts: list, name: str, args) -> None:
-    import cProfile
-    import io
-    import pstats
-
-    profiler = cProfile.Profile()
-    profiler.enable()
-    run_row(llm, prompts, name, args)
-    profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-    print(f"host profile of the row {name!r}:")
-    print("\n".join([line for line in text.getvalue().splitlines() if line.strip()][2:]))
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -188,7 +177,8 @@ def main(argv=None) -> dict:
         finally:
             grammar.GRAMMAR_THREADS = default
     if args.profile:
-        profile_row(llm, prompts, args.profile, args)
+        print_host_profile(f"the row {args.profile!r}",
+                           lambda: run_row(llm, prompts, args.profile, args), rows=25)
     base = next((r["step_ms"] for r in rows if r["row"] == "plain"), None)
     for r in rows:
         r["step_vs_plain"] = None if base is None else r["step_ms"] / base

@@ -41,7 +41,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_tensor_parallel  # noqa: E402
 
 from verispec import LLM  # noqa: E402
-from verispec.bench.report import machine_description, print_table  # noqa: E402
+from verispec.bench.report import (  # noqa: E402
+    machine_description,
+    print_host_profile,
+    print_table,
+)
 from verispec.runtime.model_runner import ModelRunner  # noqa: E402
 from verispec.runtime.tree_verify import verify_tree  # noqa: E402
 
@@ -102,23 +106,14 @@ def kernel_times(fn) -> dict[str, float]:
 
 
 def host_profile(label: str, fn, calls: int = 20) -> None:
-    """The host functions of ``calls`` calls of ``fn`` by their own time (cProfile): what a
-    step costs outside its GPU work."""
-    import cProfile
-    import io
-    import pstats
-
+    """The host functions of ``calls`` calls of ``fn`` by their own time, after a warm-up."""
     fn()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(calls):
-        fn()
-        torch.cuda.synchronize()
-    profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
-    print(f"host profile of {calls} x {label}:")
-    print("\n".join([line for line in text.getvalue().splitlines() if line.strip()][2:]))
+
+    def repeated():
+        for _ in range(calls):
+            fn()
+            torch.cuda.synchronize()
+    print_host_profile(f"{calls} x {label}", repeated, rows=14)
 
 
 def print_kernel_times(columns: dict[str, dict[str, float]]) -> None:

@@ -306,3 +306,20 @@ def machine_description() -> str:
     if torch.cuda.is_available():
         parts.insert(1, torch.cuda.get_device_name())
     return "; ".join(parts)
+
+
+def print_host_profile(label: str, fn, rows: int = 20) -> None:
+    """Run ``fn()`` under cProfile and print its ``rows`` costliest functions by their own
+    time: what a step spends on the host (a device wait shows as a synchronize)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+    print(f"host profile of {label}:")
+    print("\n".join([line for line in text.getvalue().splitlines() if line.strip()][2:]))

@@ -257,14 +257,14 @@ class GrammarMatcher:
 # Threads that compute a step's masks (``VERISPEC_GRAMMAR_THREADS``, default 1: this thread
 # alone). llguidance releases the GIL while it computes a mask, so masks split over threads:
 # on a 2-core CPU an engine's JSON-schema masks (~100 us each) took 2.0x less time on two,
-# but its whole step only 2.6 % less. Whether more threads pay beside a GPU engine's host
-# thread (there the masks are ~40 % of a JSON step) is for
-# ``benchmarks/bench_options.py --grammar-threads`` to show; llguidance's own executor (all
-# cores) made that step slower (docs/benchmarks.md). Off until measured there.
+# with no step gain that stood out from the run's drift (the CPU engine's step is its forward).
+# Whether more threads pay beside a GPU engine's host thread (there the masks are ~40 % of a
+# JSON step) is for ``benchmarks/bench_options.py --grammar-threads`` to show; llguidance's own
+# executor (all cores) made that step slower (docs/benchmarks.md). Off until measured there.
 GRAMMAR_THREADS = max(1, int(os.environ.get("VERISPEC_GRAMMAR_THREADS", "1")))
 # Below this many matchers a call computes its masks on this thread alone.
 PARALLEL_MIN_MASKS = 8
-_pool: list[ThreadPoolExecutor] = []
+_pools: dict[int, ThreadPoolExecutor] = {}  # by thread count: the other threads of a call
 
 
 def compute_masks(grammars: Sequence[GrammarMatcher]) -> np.ndarray:
@@ -280,14 +280,14 @@ def compute_masks(grammars: Sequence[GrammarMatcher]) -> np.ndarray:
             grammars[i].matcher.unsafe_compute_mask_ptr(out[i].ctypes.data, out[i].nbytes)
 
     if threads <= 1 or len(grammars) < PARALLEL_MIN_MASKS:
-        threads = 1
+        threads = 1  # read by part
         part(0)
         return out
-    if not _pool or _pool[0]._max_workers < threads - 1:
-        if _pool:
-            _pool[0].shutdown(wait=False)
-        _pool[:] = [ThreadPoolExecutor(threads - 1, thread_name_prefix="verispec-grammar")]
-    others = [_pool[0].submit(part, first) for first in range(1, threads)]
+    pool = _pools.get(threads)
+    if pool is None:
+        pool = _pools[threads] = ThreadPoolExecutor(threads - 1,
+                                                    thread_name_prefix="verispec-grammar")
+    others = [pool.submit(part, first) for first in range(1, threads)]
     part(0)
     for future in others:
         future.result()
