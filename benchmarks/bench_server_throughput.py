@@ -13,7 +13,9 @@ Reported: output tokens/s through the server (tokens from the usage each respons
 the time from the first request sent to the last response read) and offline, their ratio,
 /health latency p50 / p99 / max during the load, and the CPU time each process used meanwhile
 (the server's API process, its engine process if it has one, the clients; offline: this
-process): on a machine with fewer free cores than busy processes the ratio measures their sum,
+process). A third row feeds the engine as the clients do, at most ``--concurrency`` requests in
+flight: what the arrival pattern alone costs, without the server. Where the CPU time is
+concerned: on a machine with fewer free cores than busy processes the ratio measures their sum,
 where a GPU host's cores let them run side by side. The goal the server is built for: ratio >= 0.9
 and /health p99 <= 50 ms with 128 clients. Prints a table, then one JSON line.
 
@@ -273,8 +275,25 @@ def run_offline(args, requests: list, warm_up: list) -> dict:
     outputs = generate(requests)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outputs)
-    return {"offline_s": seconds, "offline_tokens": tokens, "offline_tok_s": tokens / seconds,
-            "cpu_s_offline": time.process_time() - cpu_start}
+    result = {"offline_s": seconds, "offline_tokens": tokens, "offline_tok_s": tokens / seconds,
+              "cpu_s_offline": time.process_time() - cpu_start}
+    # The clients' arrival pattern without the server: at most --concurrency requests in
+    # flight, the next one added when one finishes.
+    pending = list(requests)
+    start = time.perf_counter()
+    for _ in range(min(args.concurrency, len(pending))):
+        ids, fields = pending.pop(0)
+        llm.add_request(ids, SamplingParams(**fields))
+    tokens = 0
+    while llm.has_unfinished_requests:
+        for done in llm.step():
+            tokens += len(llm.get_output(done).token_ids)
+            if pending:
+                ids, fields = pending.pop(0)
+                llm.add_request(ids, SamplingParams(**fields))
+    seconds = time.perf_counter() - start
+    result.update(closed_loop_s=seconds, closed_loop_tok_s=tokens / seconds)
+    return result
 
 
 def main() -> int:
@@ -338,8 +357,13 @@ def main() -> int:
         {"run": "LLM.generate", "tokens": result["offline_tokens"],
          "seconds": round(result["offline_s"], 2), "tok/s": round(result["offline_tok_s"], 1),
          "CPU s": f"{result['cpu_s_offline']:.1f}"},
+        {"run": f"LLM, {args.concurrency} in flight", "tokens": result["offline_tokens"],
+         "seconds": round(result["closed_loop_s"], 2),
+         "tok/s": round(result["closed_loop_tok_s"], 1), "CPU s": "-"},
     ])
-    print(f"server / offline: {result['ratio']:.2f}x; /health during the load: p50 "
+    result["ratio_same_concurrency"] = result["server_tok_s"] / result["closed_loop_tok_s"]
+    print(f"server / offline: {result['ratio']:.2f}x (/ offline at {args.concurrency} in flight: "
+          f"{result['ratio_same_concurrency']:.2f}x); /health during the load: p50 "
           f"{result['health_p50_ms']:.1f} ms, p99 {result['health_p99_ms']:.1f} ms, max "
           f"{result['health_max_ms']:.1f} ms ({result['health_polls']} polls, "
           f"{result['health_failures']} not 200)")

@@ -5,7 +5,10 @@ The workload: ``--num-requests`` (1 000) random token-id prompts with log-normal
 256, clipped to 32..3 000) and log-normal output lengths (median 192, clipped to 16..1 024),
 ``ignore_eos``, greedy, on a random-weight Llama-3.1-8B-shaped target (``--tiny``: a tiny one, for
 a smoke run on CPU). Printed per engine: output tokens/s, time to first token p50 / p99, the
-peak number of running requests, the peak fraction of the KV cache in use, preemptions.
+peak number of running requests, the peak fraction of the KV cache in use, preemptions, and
+where the time went: steps with prefill (their count, seconds and tokens computed per second),
+steps of decodes alone (count, seconds, mean batch, ms a step), and the tail after the last
+prefill (requests finishing at shrinking batch sizes).
 
 ``--variants JSON`` runs this engine again with other arguments (e.g. chunked prefill off) on
 the same requests. ``--baseline DIR`` also runs the engine of another source tree (DIR holds its
@@ -52,8 +55,100 @@ def workload(num: int, vocab_size: int, seed: int, scale: float = 1.0):
     return prompts, output_lens.tolist()
 
 
+class StepWindow:
+    """The torch profiler (device kernels) and cProfile (host) over a window of steps: on the
+    device, the window's wall time against its kernels' busy time and the costliest kernels; on
+    the host, the costliest functions."""
+
+    def __init__(self, first: int, host: bool) -> None:
+        """``host``: cProfile only (its overhead would distort the device window's host
+        times); otherwise the torch profiler only."""
+        import cProfile
+
+        self.first = first
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.torch_profiler = self.host = None
+        if host:
+            self.host = cProfile.Profile()
+        else:
+            self.torch_profiler = torch.profiler.profile(activities=[
+                torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            self.torch_profiler.__enter__()
+        self.start = time.perf_counter()
+        if host:
+            self.host.enable()
+
+    def per_step(self, kinds: list) -> None:
+        """Per kind of step (with prefill, decodes alone): wall time, the device's busy time,
+        and the host's time before the step's first kernel and after its last one (a step
+        ends with a synchronize, so its kernels run within it)."""
+        events = self.torch_profiler.events()
+        steps = sorted((e.time_range.start, e.time_range.end) for e in events
+                       if e.name == "engine_step")
+        device = sorted((e.time_range.start, e.time_range.end) for e in events
+                        if e.device_type == torch.autograd.DeviceType.CUDA
+                        and e.time_range.end > e.time_range.start)
+        rows: dict[str, list] = {"with prefill": [], "decodes alone": []}
+        j = 0
+        for (start, end), (prefill, _, _) in zip(steps, kinds):
+            while j < len(device) and device[j][0] < start:
+                j += 1
+            mine = []
+            while j < len(device) and device[j][0] < end:
+                mine.append(device[j])
+                j += 1
+            busy, reach = 0.0, start  # union of the kernels' intervals
+            for a, b in mine:
+                busy += max(0.0, b - max(a, reach))
+                reach = max(reach, b)
+            first = mine[0][0] - start if mine else end - start
+            last = end - max(b for _, b in mine) if mine else 0.0
+            rows["with prefill" if prefill else "decodes alone"].append(
+                (end - start, busy, first, last))
+        for name, values in rows.items():
+            if values:
+                wall, busy, first, last = (np.mean([v[i] for v in values]) / 1e3
+                                           for i in range(4))
+                print(f"  {name}: {len(values)} steps, mean wall {wall:.2f} ms, device busy "
+                      f"{busy:.2f} ms, host before the first kernel {first:.2f} ms, after "
+                      f"the last {last:.2f} ms")
+
+    def report(self, kinds: list) -> None:
+        import io
+        import pstats
+
+        if self.host is not None:
+            self.host.disable()
+            text = io.StringIO()
+            pstats.Stats(self.host, stream=text).sort_stats("cumulative").print_stats(
+                r"verispec/(engine|runtime|sample|proposers)", 30)
+            pstats.Stats(self.host, stream=text).sort_stats("tottime").print_stats(25)
+            print(f"steps {self.first}..{self.first + len(kinds) - 1} on the host: the "
+                  "engine's functions by cumulative time, then all by own time:")
+            print("\n".join([line for line in text.getvalue().splitlines()
+                             if line.strip()][2:]))
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self.start
+        self.torch_profiler.__exit__(None, None, None)
+        kernels = [e for e in self.torch_profiler.key_averages()
+                   if getattr(e, "self_device_time_total", 0) > 0]
+        busy = sum(e.self_device_time_total for e in kernels) / 1e6
+        print(f"steps {self.first}..{self.first + len(kinds) - 1}: "
+              f"{sum(1 for p, _, _ in kinds if p)} with prefill "
+              f"({sum(n for _, _, n in kinds)} prefill tokens), "
+              f"{sum(d for _, d, _ in kinds)} decode rows; wall {1e3 * wall:.1f} ms, "
+              f"device kernels {1e3 * busy:.1f} ms ({100 * busy / wall:.0f} % busy)")
+        self.per_step(kinds)
+        kernels.sort(key=lambda e: -e.self_device_time_total)
+        for e in kernels[:25]:
+            print(f"  {e.self_device_time_total / 1e3:9.2f} ms {e.count:6d}x  {e.key[:90]}")
+
+
 def run_engine(model_dir: str, device: str, num_requests: int, seed: int, scale: float,
-               llm_kwargs: dict) -> dict:
+               llm_kwargs: dict, profile_window: tuple[int, int] | None = None) -> dict:
     """Start an engine, submit every request at once, step to the end: the measurements."""
     from verispec import LLM, SamplingParams
 
@@ -70,23 +165,36 @@ def run_engine(model_dir: str, device: str, num_requests: int, seed: int, scale:
     requests = [llm.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0))
                 for p, m in zip(prompts, max_tokens)]
     peak_running, peak_usage = 0, 0.0
-    kinds: list[tuple[bool, int]] = []  # per step: prefill?, requests
+    kinds: list[tuple[bool, int, int]] = []  # per step: prefill?, decodes, prefill tokens
     schedule = scheduler.schedule
 
     def recorded_schedule():
         plan = schedule()
         if isinstance(plan, tuple):  # an engine without chunked prefill: (batch, is_prefill)
-            kinds.append((plan[1], len(plan[0])))
+            kinds.append((plan[1], 0 if plan[1] else len(plan[0]),
+                          sum(len(r.prompt_token_ids) for r in plan[0]) if plan[1] else 0))
         else:  # a StepPlan: a step with prefill chunks counts as a prefill step
-            kinds.append((bool(plan.prefills), len(plan.decodes)))
+            kinds.append((bool(plan.prefills), len(plan.decodes),
+                          sum(n for _, n in plan.prefills)))
         return plan
 
     scheduler.schedule = recorded_schedule
     step_times = []
+    window = None
     while llm.has_unfinished_requests:
+        if profile_window and len(step_times) in (profile_window[0], sum(profile_window)):
+            # the device's window, then the host's
+            window = StepWindow(len(step_times), host=len(step_times) > profile_window[0])
         step_start = time.perf_counter()
-        llm.step()
+        if window is not None:
+            with torch.profiler.record_function("engine_step"):  # StepWindow.per_step
+                llm.step()
+        else:
+            llm.step()
         step_times.append(time.perf_counter() - step_start)
+        if window is not None and len(step_times) == window.first + profile_window[1]:
+            window.report(kinds[window.first:])
+            window = None
         peak_running = max(peak_running, len(scheduler.running))
         usage = getattr(scheduler, "kv_cache_usage", None)
         if usage is None:  # one slot per request: slots in use
@@ -99,13 +207,20 @@ def run_engine(model_dir: str, device: str, num_requests: int, seed: int, scale:
     num_out = sum(len(o.token_ids) for o in outputs)
     ttft = np.array([o.metrics.time_to_first_token_s for o in outputs])
     plan = getattr(llm, "kv_plan", None)
-    prefill = [t for t, (p, _) in zip(step_times, kinds) if p]
-    decode = [t for t, (p, _) in zip(step_times, kinds) if not p]
-    decode_rows = [n for p, n in kinds if not p]
+    prefill = [t for t, (p, _, _) in zip(step_times, kinds) if p]
+    decode = [t for t, (p, _, _) in zip(step_times, kinds) if not p]
+    decode_rows = [n for p, n, _ in kinds if not p]
+    last_prefill = max((i for i, (p, _, _) in enumerate(kinds) if p), default=-1)
     return {
         "prefill_steps": len(prefill), "prefill_s": sum(prefill),
+        # tokens a step with prefill computes per second (its chunks and its decodes)
+        "prefill_step_tok_s": sum(n + d for p, d, n in kinds if p) / max(sum(prefill), 1e-9),
         "decode_steps": len(decode), "decode_s": sum(decode),
         "mean_decode_batch": float(np.mean(decode_rows)) if decode_rows else 0.0,
+        "decode_step_ms": 1e3 * sum(decode) / max(len(decode), 1),
+        # after the last prefill: the requests left finish at shrinking batch sizes
+        "tail_s": sum(step_times[last_prefill + 1:]),
+        "tail_steps": len(step_times) - last_prefill - 1,
         "max_num_seqs": llm.max_num_seqs, "max_model_len": llm.max_model_len,
         "requests": num_requests, "output_tokens": num_out,
         "prompt_tokens": int(sum(len(p) for p in prompts)), "seconds": elapsed,
@@ -140,10 +255,14 @@ def run_subprocess(args, model_dir: str, llm_kwargs: dict, tree: str | None) -> 
            "--device", args.device, "--num-requests", str(args.num_requests),
            "--seed", str(args.seed), "--scale", str(args.scale),
            "--llm-kwargs", json.dumps(llm_kwargs)]
+    if args.profile_window and tree is None:
+        cmd += ["--profile-window", args.profile_window]
     env = dict(os.environ)
     if tree is not None:
         env.update(PYTHONPATH=os.path.abspath(tree), VERISPEC_BENCH_NO_LOCAL="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if args.profile_window and tree is None:
+        print("\n".join(line for line in proc.stdout.splitlines() if not line.startswith("{")))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode == 0 and lines:
         return json.loads(lines[-1])
@@ -182,6 +301,10 @@ def main() -> None:
     parser.add_argument("--baseline-max-model-len", type=int, default=4096)
     parser.add_argument("--baseline-max-num-seqs", type=lambda s: [int(x) for x in s.split(",")],
                         default=[128, 112, 96, 80, 64])
+    parser.add_argument("--profile-window", default=None, metavar="FIRST:COUNT",
+                        help="profile COUNT steps of this tree's engine from step FIRST (device "
+                        "kernels, per-step host and device time) and the COUNT after them "
+                        "(host functions), printed before the table")
     parser.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.scale is None:
@@ -191,8 +314,10 @@ def main() -> None:
             sys.path = [p for p in sys.path
                         if os.path.abspath(p) != os.path.abspath(os.path.join(
                             os.path.dirname(os.path.abspath(__file__)), ".."))]
+        window = (tuple(int(x) for x in args.profile_window.split(":"))
+                  if args.profile_window else None)
         print(json.dumps(run_engine(args.model, args.device, args.num_requests, args.seed,
-                                    args.scale, json.loads(args.llm_kwargs))))
+                                    args.scale, json.loads(args.llm_kwargs), window)))
         return
     model_dir = args.model or checkpoint(args.workdir, args.tiny, args.device)
     if args.device.startswith("cuda"):
@@ -216,8 +341,9 @@ def main() -> None:
     print(machine_description())
     columns = ["engine", "max_num_seqs", "max_model_len", "output_tokens_per_s", "ttft_p50_s",
                "ttft_p99_s", "peak_running", "peak_kv_usage", "preemptions", "kv_pool_tokens",
-               "seconds", "prefill_steps", "prefill_s", "decode_steps", "decode_s",
-               "mean_decode_batch", "startup_s"]
+               "seconds", "prefill_steps", "prefill_s", "prefill_step_tok_s", "decode_steps",
+               "decode_s", "mean_decode_batch", "decode_step_ms", "tail_steps", "tail_s",
+               "startup_s"]
     print_table(rows, columns)
     result = {"benchmark": "throughput", "machine": machine_description(), "rows": rows}
     result["ratios"] = {}

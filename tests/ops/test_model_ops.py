@@ -218,6 +218,23 @@ def test_rows_of_a_mixed_step_equal_them_alone(device, dtype, block_q):
     assert torch.equal(k_cache, k_mixed) and torch.equal(v_cache, v_mixed)
 
 
+def test_layers_of_a_step_share_what_the_layout_gives(device):
+    """The layers of a mixed step pass the step's ``derived`` dict (``FlatBatch.derived``): the
+    first layer computes the flat grid's tile starts into it, the next ones reuse them (under
+    inference mode, as the engine runs), with the bits of a launch that computes its own."""
+    counts, contexts = [1, 20, 1], [9, 45, 30]
+    derived = {}
+    with torch.inference_mode():
+        results = []
+        for shared in (None, derived, derived):
+            inputs = _attention_inputs(device, torch.float32, counts, contexts, max_len=64)
+            results.append(_rope_attention(triton_model.rope_cache_attention, inputs,
+                                           derived=shared))
+    assert [key[0] for key in derived] == ["tile_starts"]
+    for out, k, v in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(k, results[0][1])
+
+
 @pytest.mark.parametrize("shape", [(40, 64), (48, 1024)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

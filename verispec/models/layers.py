@@ -209,7 +209,7 @@ class Attention(nn.Module):
             None if self.q_norm is None else self.q_norm.weight,
             None if self.k_norm is None else self.k_norm.weight,
             0.0 if self.q_norm is None else self.q_norm.eps,
-            tree_paths=batch.tree_paths,
+            tree_paths=batch.tree_paths, derived=batch.derived,
         )
         out = ops.linear(out.view(h.shape[0], self.q_size), self.o_weight, self.o_bias)
         return self.tp.all_reduce(out) if reduce else out

@@ -17,7 +17,7 @@ each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +42,8 @@ class FlatBatch:
     # [T, P] int32 or None: the tokens are slots of token trees, positions[t] = root row +
     # depth, and row t the slots of token t's path (``ops.model_ops.cache_attention``)
     tree_paths: torch.Tensor | None = None
+    # what the ops derive from this layout once for all layers (model_ops.rope_cache_attention)
+    derived: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -190,10 +190,13 @@ def rope_cache_attention(
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
     tree_paths: torch.Tensor | None = None,  # [T, P] int: token trees (cache_attention)
+    derived: dict | None = None,
 ) -> torch.Tensor:
     """``rope_cache_write`` then ``cache_attention`` (one kernel on the GPU, which derives
     ``slot_mapping``, and ``positions`` without ``tree_paths``, from the request layout and the
-    block tables). Returns [T, Hq, D]."""
+    block tables). ``derived``: a dict the layers of one step share, where a backend keeps what
+    it computes from the layout once a step (``FlatBatch.derived``; unused here). Returns
+    [T, Hq, D]."""
     q = rope_cache_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
                          num_kv_heads, q_norm, k_norm, eps)
     return cache_attention(q, k_cache, v_cache, block_tables, slot_ids, context_lens, query_start,

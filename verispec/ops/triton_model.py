@@ -276,6 +276,22 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+def _tile_starts(query_start: torch.Tensor, G: int, block_q: int,
+                 derived: dict | None) -> torch.Tensor:
+    """[B + 1]: each request's first tile of ``block_q`` (query, head) rows in a flat-grid
+    launch, kept in ``derived`` (the step's layout-derived values, shared by its layers): once
+    a step, not seven small launches per layer."""
+    key = ("tile_starts", G, block_q)
+    if derived is not None and key in derived:
+        return derived[key]
+    tiles = (torch.diff(query_start) * G + block_q - 1) // block_q
+    tile_starts = torch.zeros(query_start.shape[0], dtype=torch.int64, device=query_start.device)
+    torch.cumsum(tiles, 0, out=tile_starts[1:])
+    if derived is not None:
+        derived[key] = tile_starts
+    return tile_starts
+
+
 # Steps of up to this many new tokens per request (decode, verify) write their K/V inside the
 # attention launch; longer ones (prefill) write it in a launch of their own first.
 FUSED_WRITE_MAX_QUERIES = 16
@@ -284,7 +300,7 @@ FUSED_WRITE_MAX_QUERIES = 16
 def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
                          slot_ids, context_lens, query_start, max_queries, num_heads, num_kv_heads,
                          scale, window=None, q_norm=None, k_norm=None, eps=1e-6,
-                         tree_paths=None, block_q: int | None = None,
+                         tree_paths=None, derived=None, block_q: int | None = None,
                          num_warps: int = 4) -> torch.Tensor:
     """See ``model_ops.rope_cache_attention``. The kernel derives each token's cache slot, and
     its position unless ``tree_paths`` is given, from ``context_lens``, ``query_start``,
@@ -334,9 +350,7 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
         # A prefill or a mixed step (chunks beside one-token decodes): only real tiles, found
         # by each program from the requests' first tiles (no host sync: the grid is an upper
         # bound, T * G / block_q plus one partial tile per request; the rest return at once).
-        tiles = (torch.diff(query_start) * G + block_q - 1) // block_q
-        tile_starts = torch.zeros(B + 1, dtype=torch.int64, device=qkv.device)
-        torch.cumsum(tiles, 0, out=tile_starts[1:])
+        tile_starts = _tile_starts(query_start, G, block_q, derived)
         grid = (triton.cdiv(T * G, block_q) + B, num_kv_heads)
         search_steps = max(1, int(B).bit_length())
     paths = tree_paths if tree else query_start  # (unread without TREE)

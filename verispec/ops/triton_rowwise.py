@@ -222,6 +222,7 @@ LINEAR_TMA_ALL_ROWS = 128
 LINEAR_MANY_ROWS = {(2, LinearConfig(128, 128, 8, 3)): LinearConfig(128, 128, 8, 5, 64)}
 
 
+@functools.lru_cache(maxsize=4096)  # a step's layers ask for the same few shapes
 def linear_config(num_rows: int, num_outputs: int, dtype: torch.dtype) -> LinearConfig:
     """The tile of a [num_rows, K] x [num_outputs, K].T product (see ``LINEAR_TILES``,
     ``LINEAR_FEW_ROWS``, ``LINEAR_MANY_ROWS``, ``LINEAR_TMA_MIN_ROWS`` and
