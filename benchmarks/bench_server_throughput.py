@@ -278,7 +278,10 @@ def run_offline(args, requests: list, warm_up: list) -> dict:
     result = {"offline_s": seconds, "offline_tokens": tokens, "offline_tok_s": tokens / seconds,
               "cpu_s_offline": time.process_time() - cpu_start}
     # The clients' arrival pattern without the server: at most --concurrency requests in
-    # flight, the next one added when one finishes.
+    # flight, the next one added when one finishes. The prefix cache forgets the run above
+    # (it holds every prompt now); it keeps the warm-up's, as the server's run did.
+    llm.reset_prefix_cache()
+    generate(warm_up)
     pending = list(requests)
     start = time.perf_counter()
     for _ in range(min(args.concurrency, len(pending))):
