@@ -87,7 +87,7 @@ def model_dir(workdir: str, shape: str, tokenizer_dir: str | None = None) -> str
     for key in ("vocab_size", "bos_token_id", "eos_token_id"):
         if key in bundled:
             config[key] = bundled[key]
-    config["tie_word_embeddings"] = shape == "1b"
+    config["tie_word_embeddings"] = shape != "8b"
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     for name in os.listdir(meta):
@@ -140,6 +140,9 @@ def main(argv=None) -> dict:
                         "this many threads (comma-separated counts; verispec.sample.grammar)")
     parser.add_argument("--profile", default=None, choices=list(ROWS),
                         help="run this row again under cProfile: host functions by own time")
+    parser.add_argument("--shapes", default="8b,1b",
+                        help="target and draft shapes of the random models (tiny,tiny: the "
+                        "host's share of a step, on a CPU)")
     parser.add_argument("--tokenizer-dir", default=None,
                         help="the bundled model's config.json and tokenizer files, where its "
                              "package is not installed")
@@ -147,7 +150,8 @@ def main(argv=None) -> dict:
     os.makedirs(args.workdir, exist_ok=True)
     kwargs = dict(device=args.device, max_num_seqs=args.batch, enable_prefix_caching=False)
     if args.model is None:
-        target = model_dir(args.workdir, "8b", args.tokenizer_dir)
+        target_shape, draft_shape = args.shapes.split(",")
+        target = model_dir(args.workdir, target_shape, args.tokenizer_dir)
         kwargs.update(model=target, dtype="bfloat16", load_format="dummy",
                       max_model_len=2048,
                       kv_cache_memory="8GiB" if args.device.startswith("cuda") else "1GiB")
@@ -160,7 +164,8 @@ def main(argv=None) -> dict:
         if args.model is not None:
             parser.error("--spec draft builds a 1B-shaped random draft for the 8B shape: give "
                          "--spec ngram with --model")
-        spec = {"method": "draft_model", "model": model_dir(args.workdir, "1b", args.tokenizer_dir),
+        spec = {"method": "draft_model",
+                "model": model_dir(args.workdir, draft_shape, args.tokenizer_dir),
                 "num_speculative_tokens": K, "draft_sample_method": "probabilistic"}
     llm = LLM(speculative_config=spec, **kwargs)
     vocab = llm.model_config.vocab_size

@@ -48,6 +48,9 @@ SHAPES = {
                 num_key_value_heads=8, intermediate_size=28672, tie_word_embeddings=False),
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, intermediate_size=8192, tie_word_embeddings=True),
+    # host-side runs on a CPU (bench_options --shapes tiny): steps of a few milliseconds
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=256, tie_word_embeddings=True),
 }
 K = 3
 ACCEPTANCE_LENGTH = 2.5

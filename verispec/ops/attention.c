@@ -11,12 +11,14 @@
  * float32; scores, softmax and the weighted sum run in float32. It reads each key and value
  * row where it lies in the cache (no gathered copy) and needs no layout change of q: what
  * torch's SDPA costs at one query per request is mostly fixed overhead, plus the casts around
- * it (docs/benchmarks.md). One (token, kv head) per work item, taken as threads
- * (thread_pool.c) come free; each query head sums its rows in order, so its result depends on
- * nothing else in the batch (batch invariance). The heads of an item share each key and value
- * row's loads, four dot products run interleaved and the weighted sum keeps its accumulators in
- * registers across a block's rows: the same operations per (token, head) as one dot and one
- * axpy per row. The softmax numerators run eight rows at a time (exp8, a value's result
+ * it (docs/benchmarks.md). One (tile of up to TOKEN_TILE consecutive tokens of a request, kv
+ * head) per work item, taken as threads (thread_pool.c) come free; each (token, query head)
+ * sums its rows in order, so its result depends on nothing else in the batch or the tile (batch
+ * invariance). The tokens and heads of an item share each key and value row's loads (a 1 750-token
+ * prefill layer of the bundled model: 45 -> 37.5 ms with tiles of 8, the rows no longer
+ * streamed from memory once per token), four dot products run interleaved and the weighted sum
+ * keeps its accumulators in registers across a block's rows: the same operations per
+ * (token, head) as one dot and one axpy per row. The softmax numerators run eight rows at a time (exp8, a value's result
  * independent of its lane); their sum runs in row order. Built and loaded by
  * verispec/ops/cpu_kernels.py.
  */
@@ -159,11 +161,15 @@ struct attention_args {
     _Atomic int64_t next; /* the next (token, kv head) item to take */
 };
 
-/* A thread's share: (token, kv head) items taken one at a time as the thread comes free. An
- * item computes the `group` query heads that share the kv head, each exactly as it would alone
- * (its own dot products, max, exponentials, sum and weighted sum, over rows j in order): the
- * heads only share the loads of each key and value row, and the walk over the block table
- * (a block at a time, no division per row). */
+/* Consecutive tokens of a request that one item computes: they share each key and value row's
+ * loads (a prefill's rows are read from memory once per tile rather than once per token). */
+#define TOKEN_TILE 8
+
+/* A thread's share: (tile of tokens, kv head) items taken one at a time as the thread comes
+ * free. An item computes the `group` query heads that share the kv head, for each token of the
+ * tile, each (token, head) exactly as it would alone (its own dot products, max, exponentials,
+ * sum and weighted sum, over its rows j in order): they only share the loads of each key and
+ * value row, and the walk over the block table (a block at a time, no division per row). */
 static void attention_part(void *arg, int thread, int num_threads) {
     struct attention_args *a = arg;
     (void)num_threads;
@@ -173,122 +179,144 @@ static void attention_part(void *arg, int thread, int num_threads) {
     const int64_t q_token_stride = a->q_token_stride, bt_stride = a->bt_stride;
     const int64_t block_size = a->block_size, seq = a->seq, num_heads = a->num_heads;
     const int64_t num_kv_heads = a->num_kv_heads, head_dim = a->head_dim, kv_len = a->kv_len;
-    const int64_t items = a->batch * seq * num_kv_heads, group = num_heads / num_kv_heads;
+    const int64_t tile = seq < TOKEN_TILE ? seq : TOKEN_TILE, tiles = (seq + tile - 1) / tile;
+    const int64_t items = a->batch * tiles * num_kv_heads, group = num_heads / num_kv_heads;
     const int64_t row_stride = num_kv_heads * head_dim; /* between cache rows */
     const float scale = a->scale;
     const int32_t *block_tables = a->block_tables;
     const uint8_t *mask = a->mask;
-    /* per head of the group: kv_len scores (room for a multiple of 8), q, the accumulator
-     * (head_dim each), 1 / sum */
+    /* per (token, head) of the item: kv_len scores (room for a multiple of 8), q, the
+     * accumulator (head_dim each), 1 / sum */
     const int64_t room = (kv_len + 7) / 8 * 8, per_head = room + 2 * head_dim + 1;
     float *scratch = a->scratch + a->per_thread * (size_t)thread;
     for (int64_t item;
          (item = atomic_fetch_add_explicit(&a->next, 1, memory_order_relaxed)) < items;) {
-        int64_t t = item / num_kv_heads, g = item % num_kv_heads;
-        int64_t b = t / seq, s = t % seq;
+        int64_t bt = item / num_kv_heads, g = item % num_kv_heads;
+        int64_t b = bt / tiles, s0 = bt % tiles * tile;
+        int64_t count = seq - s0 < tile ? seq - s0 : tile; /* tokens s0 .. s0 + count - 1 */
         const float *keys = a->k_cache + g * head_dim;
         const float *values = a->v_cache + g * head_dim;
         const int32_t *table = block_tables + b * bt_stride;
-        const uint8_t *visible = mask ? mask + (b * seq + s) * kv_len : NULL;
-        int64_t rows = (causal ? kv_len - seq + s : kv_len - 1) + 1; /* rows it may see */
-        for (int64_t hh = 0; hh < group; hh++) {
-            float *qf = scratch + hh * per_head + room;
-            int64_t q_at = t * q_token_stride + (g * group + hh) * head_dim;
-            for (int64_t i = 0; i < head_dim; i++)
-                qf[i] = io_bf16 ? widen1(((const uint16_t *)q)[q_at + i])
-                                : ((const float *)q)[q_at + i];
+        int64_t rows_of[TOKEN_TILE], most = 0; /* rows each token may see */
+        for (int64_t u = 0; u < count; u++) {
+            int64_t t = b * seq + s0 + u;
+            rows_of[u] = (causal ? kv_len - seq + s0 + u : kv_len - 1) + 1;
+            if (rows_of[u] > most) most = rows_of[u];
+            for (int64_t hh = 0; hh < group; hh++) {
+                float *qf = scratch + (u * group + hh) * per_head + room;
+                int64_t q_at = t * q_token_stride + (g * group + hh) * head_dim;
+                for (int64_t i = 0; i < head_dim; i++)
+                    qf[i] = io_bf16 ? widen1(((const uint16_t *)q)[q_at + i])
+                                    : ((const float *)q)[q_at + i];
+            }
         }
         /* scores, a block of the table at a time, four rows at once */
-        for (int64_t j0 = 0; j0 < rows; j0 += block_size) {
+        for (int64_t j0 = 0; j0 < most; j0 += block_size) {
             const float *k_block = keys + (int64_t)table[j0 / block_size] * block_size
                                               * row_stride;
-            int64_t n = rows - j0 < block_size ? rows - j0 : block_size;
-            for (int64_t hh = 0; hh < group; hh++) {
-                float *p = scratch + hh * per_head + j0;
-                const float *qf = scratch + hh * per_head + room;
-                int64_t r = 0;
-                if (head_dim % 16 == 0) /* eight rows: their sums reduced side by side */
-                    for (; r + 8 <= n; r += 8) {
-                        __m256 sums[8];
-                        for (int h = 0; h < 2; h++) {
-                            const float *b[4];
-                            for (int u = 0; u < 4; u++)
-                                b[u] = k_block + (r + 4 * h + u) * row_stride;
-                            dot4_lanes(qf, b, head_dim, sums + 4 * h);
+            for (int64_t u = 0; u < count; u++) {
+                int64_t n = rows_of[u] - j0 < block_size ? rows_of[u] - j0 : block_size;
+                if (n <= 0) continue;
+                const uint8_t *visible = mask ? mask + (b * seq + s0 + u) * kv_len : NULL;
+                for (int64_t hh = 0; hh < group; hh++) {
+                    float *p = scratch + (u * group + hh) * per_head + j0;
+                    const float *qf = scratch + (u * group + hh) * per_head + room;
+                    int64_t r = 0;
+                    if (head_dim % 16 == 0) /* eight rows: their sums reduced side by side */
+                        for (; r + 8 <= n; r += 8) {
+                            __m256 sums[8];
+                            for (int h = 0; h < 2; h++) {
+                                const float *kr[4];
+                                for (int w = 0; w < 4; w++)
+                                    kr[w] = k_block + (r + 4 * h + w) * row_stride;
+                                dot4_lanes(qf, kr, head_dim, sums + 4 * h);
+                            }
+                            _mm256_storeu_ps(p + r, _mm256_mul_ps(_mm256_set1_ps(scale),
+                                                                  hsum8(sums)));
                         }
-                        _mm256_storeu_ps(p + r, _mm256_mul_ps(_mm256_set1_ps(scale),
-                                                              hsum8(sums)));
+                    for (; r + 4 <= n; r += 4) {
+                        const float *kr[4] = {k_block + r * row_stride,
+                                              k_block + (r + 1) * row_stride,
+                                              k_block + (r + 2) * row_stride,
+                                              k_block + (r + 3) * row_stride};
+                        float d[4];
+                        dot4(qf, kr, head_dim, d);
+                        for (int w = 0; w < 4; w++) p[r + w] = scale * d[w];
                     }
-                for (; r + 4 <= n; r += 4) {
-                    const float *b[4] = {k_block + r * row_stride, k_block + (r + 1) * row_stride,
-                                         k_block + (r + 2) * row_stride,
-                                         k_block + (r + 3) * row_stride};
-                    float d[4];
-                    dot4(qf, b, head_dim, d);
-                    for (int u = 0; u < 4; u++) p[r + u] = scale * d[u];
+                    for (; r < n; r++) p[r] = scale * dot(qf, k_block + r * row_stride, head_dim);
+                    if (visible)
+                        for (r = 0; r < n; r++)
+                            if (!visible[j0 + r]) p[r] = -INFINITY;
                 }
-                for (; r < n; r++) p[r] = scale * dot(qf, k_block + r * row_stride, head_dim);
-                if (visible)
-                    for (r = 0; r < n; r++)
-                        if (!visible[j0 + r]) p[r] = -INFINITY;
             }
         }
         /* softmax numerators; 1 / sum, or 0 for a head that sees no row (zeros out) */
-        for (int64_t hh = 0; hh < group; hh++) {
-            float *p = scratch + hh * per_head, *acc = p + room + head_dim;
-            int64_t rows8 = (rows + 7) / 8 * 8;
-            for (int64_t j = rows; j < rows8; j++) p[j] = -INFINITY; /* exp8 gives 0 */
-            __m256 mv = _mm256_set1_ps(-INFINITY);
-            for (int64_t j = 0; j < rows8; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + j));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-            memset(acc, 0, sizeof(float) * (size_t)head_dim);
-            if (m == -INFINITY) {
-                for (int64_t j = 0; j < rows; j++) p[j] = 0.0f;
-                acc[head_dim] = 0.0f;
-                continue;
+        for (int64_t u = 0; u < count; u++) {
+            const int64_t rows = rows_of[u];
+            for (int64_t hh = 0; hh < group; hh++) {
+                float *p = scratch + (u * group + hh) * per_head, *acc = p + room + head_dim;
+                int64_t rows8 = (rows + 7) / 8 * 8;
+                for (int64_t j = rows; j < rows8; j++) p[j] = -INFINITY; /* exp8 gives 0 */
+                __m256 mv = _mm256_set1_ps(-INFINITY);
+                for (int64_t j = 0; j < rows8; j += 8)
+                    mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + j));
+                __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+                m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+                float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+                memset(acc, 0, sizeof(float) * (size_t)head_dim);
+                if (m == -INFINITY) {
+                    for (int64_t j = 0; j < rows; j++) p[j] = 0.0f;
+                    acc[head_dim] = 0.0f;
+                    continue;
+                }
+                mv = _mm256_set1_ps(m);
+                for (int64_t j = 0; j < rows8; j += 8)
+                    _mm256_storeu_ps(p + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv)));
+                acc[head_dim] = 1.0f; /* a head that sees rows: 1 / sum below */
             }
-            mv = _mm256_set1_ps(m);
-            for (int64_t j = 0; j < rows8; j += 8)
-                _mm256_storeu_ps(p + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv)));
-            acc[head_dim] = 1.0f; /* a head that sees rows: 1 / sum below */
-        }
-        /* each head's sum in row order (a masked row adds an exact 0, so a tree token sums
-         * what the chain holding its path sums, in the same order), four heads' independent
-         * sums interleaved */
-        for (int64_t h0 = 0; h0 < group; h0 += 4) {
-            const int64_t nh = group - h0 < 4 ? group - h0 : 4;
-            const float *ph[4];
-            float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int64_t u = 0; u < 4; u++) ph[u] = scratch + (h0 + (u < nh ? u : 0)) * per_head;
-            for (int64_t j = 0; j < rows; j++)
-                for (int u = 0; u < 4; u++) sum[u] += ph[u][j];
-            for (int64_t u = 0; u < nh; u++) {
-                float *inv = scratch + (h0 + u) * per_head + room + 2 * head_dim;
-                if (*inv != 0.0f) *inv = 1.0f / sum[u];
+            /* each head's sum in row order (a masked row adds an exact 0, so a tree token sums
+             * what the chain holding its path sums, in the same order), four heads' independent
+             * sums interleaved */
+            for (int64_t h0 = 0; h0 < group; h0 += 4) {
+                const int64_t nh = group - h0 < 4 ? group - h0 : 4;
+                const float *ph[4];
+                float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int64_t w = 0; w < 4; w++)
+                    ph[w] = scratch + (u * group + h0 + (w < nh ? w : 0)) * per_head;
+                for (int64_t j = 0; j < rows; j++)
+                    for (int w = 0; w < 4; w++) sum[w] += ph[w][j];
+                for (int64_t w = 0; w < nh; w++) {
+                    float *inv = scratch + (u * group + h0 + w) * per_head + room + 2 * head_dim;
+                    if (*inv != 0.0f) *inv = 1.0f / sum[w];
+                }
             }
         }
         /* weighted sums of the value rows, in order */
-        for (int64_t j0 = 0; j0 < rows; j0 += block_size) {
+        for (int64_t j0 = 0; j0 < most; j0 += block_size) {
             const float *v_block = values + (int64_t)table[j0 / block_size] * block_size
                                                 * row_stride;
-            int64_t n = rows - j0 < block_size ? rows - j0 : block_size;
-            for (int64_t hh = 0; hh < group; hh++) {
-                float *p = scratch + hh * per_head;
-                axpy_rows(p + room + head_dim, p + j0, v_block, row_stride, n, head_dim);
+            for (int64_t u = 0; u < count; u++) {
+                int64_t n = rows_of[u] - j0 < block_size ? rows_of[u] - j0 : block_size;
+                if (n <= 0) continue;
+                for (int64_t hh = 0; hh < group; hh++) {
+                    float *p = scratch + (u * group + hh) * per_head;
+                    axpy_rows(p + room + head_dim, p + j0, v_block, row_stride, n, head_dim);
+                }
             }
         }
-        for (int64_t hh = 0; hh < group; hh++) {
-            const float *acc = scratch + hh * per_head + room + head_dim;
-            float inv = acc[head_dim];
-            int64_t out_at = t * num_heads * head_dim + (g * group + hh) * head_dim;
-            for (int64_t i = 0; i < head_dim; i++) {
-                float o = acc[i] * inv;
-                if (io_bf16)
-                    ((uint16_t *)out)[out_at + i] = round_bf16(o);
-                else
-                    ((float *)out)[out_at + i] = o;
+        for (int64_t u = 0; u < count; u++) {
+            int64_t t = b * seq + s0 + u;
+            for (int64_t hh = 0; hh < group; hh++) {
+                const float *acc = scratch + (u * group + hh) * per_head + room + head_dim;
+                float inv = acc[head_dim];
+                int64_t out_at = t * num_heads * head_dim + (g * group + hh) * head_dim;
+                for (int64_t i = 0; i < head_dim; i++) {
+                    float o = acc[i] * inv;
+                    if (io_bf16)
+                        ((uint16_t *)out)[out_at + i] = round_bf16(o);
+                    else
+                        ((float *)out)[out_at + i] = o;
+                }
             }
         }
     }
@@ -302,8 +330,9 @@ int cache_attention(const void *q, int64_t q_token_stride, void *out, int io_bf1
                     int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t kv_len,
                     const uint8_t *mask, int causal, float scale, int num_threads) {
+    int64_t tile = seq < TOKEN_TILE ? seq : TOKEN_TILE;
     size_t per_thread = (size_t)(((kv_len + 7) / 8 * 8 + 2 * head_dim + 1)
-                                 * (num_heads / num_kv_heads) + 16);
+                                 * (num_heads / num_kv_heads) * tile + 16);
     float *scratch = malloc(sizeof(float) * per_thread * (size_t)num_threads);
     if (scratch == NULL) return -1;
     struct attention_args a = {q, q_token_stride, out, io_bf16, k_cache, v_cache, block_tables,
