@@ -116,14 +116,10 @@ class LlamaForCausalLM(nn.Module):
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         decoder = self.quant_decoder
         if decoder is not None and decoder.accepts(x, k_caches, v_caches):
-            # spans of layers between the captured ones, each one compiled call
+            # one compiled call; it copies the stream entering each captured layer
             step, keep = decoder.step(x, meta, k_caches[0].shape[1])
-            start = 0
-            for stop in sorted({i for i in capture_layers if i < len(layers)}) + [len(layers)]:
-                decoder.run(x, step, k_caches, v_caches, start, stop)
-                if stop < len(layers):
-                    captured[stop] = x.clone()
-                start = stop
+            captured = {i: torch.empty_like(x) for i in capture_layers if i < len(layers)}
+            decoder.run(x, step, k_caches, v_caches, 0, len(layers), captured)
             del keep
         else:
             for i, (layer, k_cache, v_cache) in enumerate(zip(layers, k_caches, v_caches)):

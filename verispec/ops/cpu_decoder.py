@@ -48,7 +48,7 @@ def bind(library: ctypes.CDLL) -> None:
     """Declare the C functions' signatures on the loaded kernels (``ops.cpu_kernels``)."""
     library.decoder_layers.restype = ctypes.c_int
     library.decoder_layers.argtypes = [ctypes.POINTER(_Layer), _i64, _ptr, _ptr,
-                                       ctypes.POINTER(_Step), _ptr, _ptr]
+                                       ctypes.POINTER(_Step), _ptr, _ptr, _ptr]
     library.decoder_scratch_floats.restype = _i64
     library.decoder_scratch_floats.argtypes = [ctypes.POINTER(_Layer)] + [_i64] * 5
 
@@ -155,12 +155,24 @@ class QuantDecoder:
         return step, keep
 
     def run(self, x: torch.Tensor, step: _Step, k_caches: list[torch.Tensor],
-            v_caches: list[torch.Tensor], start: int, stop: int) -> None:
+            v_caches: list[torch.Tensor], start: int, stop: int,
+            captures: dict[int, torch.Tensor] | None = None) -> None:
         """Layers [start, stop) over x [B, S, hidden] (float32, contiguous) in place; their
-        caches ``k_caches[start:stop]`` ... are written as the per-op path writes them."""
+        caches ``k_caches[start:stop]`` ... are written as the per-op path writes them.
+        ``captures``: layer i -> a tensor like x that receives the stream entering layer i
+        (start <= i < stop), in the same call."""
         count = stop - start
         if count <= 0:
             return
+        taken = None
+        if captures:
+            for i, t in captures.items():
+                if not (start <= i < stop and t.shape == x.shape and t.dtype == x.dtype
+                        and t.is_contiguous()):
+                    raise ValueError(f"capture of layer {i}: a contiguous tensor like x for a "
+                                     f"layer in [{start}, {stop})")
+            taken = (_ptr * count)(*(captures[start + j].data_ptr() if start + j in captures
+                                     else None for j in range(count)))
         hidden, num_heads, _, head_dim, intermediate = self.shape
         layers = ctypes.cast(ctypes.addressof(self.layers) + start * ctypes.sizeof(_Layer),
                              ctypes.POINTER(_Layer))
@@ -170,6 +182,6 @@ class QuantDecoder:
         ks = (_ptr * count)(*(c.data_ptr() for c in k_caches[start:stop]))
         vs = (_ptr * count)(*(c.data_ptr() for c in v_caches[start:stop]))
         status = self.library.decoder_layers(layers, count, ks, vs, ctypes.byref(step),
-                                             x.data_ptr(), scratch.data_ptr())
+                                             x.data_ptr(), scratch.data_ptr(), taken)
         if status != 0:
             raise MemoryError(f"decoder_layers: no scratch memory for {step.kv_len} cache rows")

@@ -144,10 +144,13 @@ int64_t decoder_scratch_floats(const struct layer *layers, int64_t num_layers, i
 }
 
 /* Layers [0, num_layers) over x [T, H] in place. k_caches / v_caches: each layer's float32
- * pool [rows, kv heads, head_dim]. scratch: decoder_scratch_floats(...) floats. Returns 0, or
- * -1 when attention's scratch memory cannot be allocated. */
+ * pool [rows, kv heads, head_dim]. scratch: decoder_scratch_floats(...) floats. captures: NULL,
+ * or per layer NULL or [T, H] floats that receive the stream entering the layer (an EAGLE-3
+ * head's inputs), so a forward that keeps some is still one call. Returns 0, or -1 when
+ * attention's scratch memory cannot be allocated. */
 int decoder_layers(const struct layer *layers, int64_t num_layers, float *const *k_caches,
-                   float *const *v_caches, const struct step *s, float *x, float *scratch) {
+                   float *const *v_caches, const struct step *s, float *x, float *scratch,
+                   float *const *captures) {
     const int64_t T = s->batch * s->seq, H = s->hidden, d = s->head_dim;
     const int64_t q_size = s->num_heads * d, kv_size = s->num_kv_heads * d;
     const int nt = (int)s->num_threads;
@@ -158,6 +161,7 @@ int decoder_layers(const struct layer *layers, int64_t num_layers, float *const 
         const struct layer *L = &layers[l];
         float *k_cache = k_caches[l], *v_cache = v_caches[l];
         const int64_t lq = L->qkv.n_padded;
+        if (captures && captures[l]) memcpy(captures[l], x, sizeof(float) * (size_t)(T * H));
         /* attention block */
         rms_norm(x, L->input_norm, B, 0, T, H, s->eps, nt);
         linear(&L->qkv, B, A, T, nt);
