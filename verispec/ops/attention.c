@@ -158,7 +158,7 @@ struct attention_args {
     float scale;
     float *scratch;
     size_t per_thread;
-    _Atomic int64_t next; /* the next (token, kv head) item to take */
+    _Atomic int64_t next; /* the next (tile of tokens, kv head) item to take */
 };
 
 /* Consecutive tokens of a request that one item computes: they share each key and value row's
