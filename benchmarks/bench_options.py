@@ -87,7 +87,6 @@ def model_dir(workdir: str, shape: str, tokenizer_dir: str | None = None) -> str
     for key in ("vocab_size", "bos_token_id", "eos_token_id"):
         if key in bundled:
             config[key] = bundled[key]
-    config["tie_word_embeddings"] = shape != "8b"
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     for name in os.listdir(meta):
@@ -150,7 +149,11 @@ def main(argv=None) -> dict:
     os.makedirs(args.workdir, exist_ok=True)
     kwargs = dict(device=args.device, max_num_seqs=args.batch, enable_prefix_caching=False)
     if args.model is None:
-        target_shape, draft_shape = args.shapes.split(",")
+        shapes = args.shapes.split(",")
+        if len(shapes) != 2 or not set(shapes) <= set(bench_tensor_parallel.SHAPES):
+            parser.error(f"--shapes takes two of {sorted(bench_tensor_parallel.SHAPES)}, "
+                         f"target then draft; got {args.shapes!r}")
+        target_shape, draft_shape = shapes
         target = model_dir(args.workdir, target_shape, args.tokenizer_dir)
         kwargs.update(model=target, dtype="bfloat16", load_format="dummy",
                       max_model_len=2048,

@@ -55,6 +55,11 @@ def workload(num: int, vocab_size: int, seed: int, scale: float = 1.0):
     return prompts, output_lens.tolist()
 
 
+# The profiler range around each step of a window. On the device it also appears as an
+# annotation spanning the step's kernels: not a kernel, so left out of the device's busy time.
+STEP_MARK = "engine_step"
+
+
 class StepWindow:
     """The torch profiler (device kernels) and cProfile (host) over a window of steps: on the
     device, the window's wall time against its kernels' busy time and the costliest kernels; on
@@ -85,9 +90,10 @@ class StepWindow:
         ends with a synchronize, so its kernels run within it)."""
         events = self.torch_profiler.events()
         steps = sorted((e.time_range.start, e.time_range.end) for e in events
-                       if e.name == "engine_step")
+                       if e.name == STEP_MARK and e.device_type != torch.autograd.DeviceType.CUDA)
         device = sorted((e.time_range.start, e.time_range.end) for e in events
                         if e.device_type == torch.autograd.DeviceType.CUDA
+                        and e.name != STEP_MARK
                         and e.time_range.end > e.time_range.start)
         rows: dict[str, list] = {"with prefill": [], "decodes alone": []}
         j = 0
@@ -134,7 +140,7 @@ class StepWindow:
         wall = time.perf_counter() - self.start
         self.torch_profiler.__exit__(None, None, None)
         kernels = [e for e in self.torch_profiler.key_averages()
-                   if getattr(e, "self_device_time_total", 0) > 0]
+                   if getattr(e, "self_device_time_total", 0) > 0 and e.key != STEP_MARK]
         busy = sum(e.self_device_time_total for e in kernels) / 1e6
         print(f"steps {self.first}..{self.first + len(kinds) - 1}: "
               f"{sum(1 for p, _, _ in kinds if p)} with prefill "
@@ -187,7 +193,7 @@ def run_engine(model_dir: str, device: str, num_requests: int, seed: int, scale:
             window = StepWindow(len(step_times), host=len(step_times) > profile_window[0])
         step_start = time.perf_counter()
         if window is not None:
-            with torch.profiler.record_function("engine_step"):  # StepWindow.per_step
+            with torch.profiler.record_function(STEP_MARK):
                 llm.step()
         else:
             llm.step()

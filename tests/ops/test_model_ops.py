@@ -233,6 +233,7 @@ def test_layers_of_a_step_share_what_the_layout_gives(device):
     assert [key[0] for key in derived] == ["tile_starts"]
     for out, k, v in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(k, results[0][1])
+        assert torch.equal(v, results[0][2])
 
 
 @pytest.mark.parametrize("shape", [(40, 64), (48, 1024)])
