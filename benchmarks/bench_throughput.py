@@ -265,7 +265,9 @@ def run_subprocess(args, model_dir: str, llm_kwargs: dict, tree: str | None) -> 
         cmd += ["--profile-window", args.profile_window]
     env = dict(os.environ)
     if tree is not None:
-        env.update(PYTHONPATH=os.path.abspath(tree), VERISPEC_BENCH_NO_LOCAL="1")
+        env.update(PYTHONPATH=os.pathsep.join([os.path.abspath(tree)] + [
+            p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]),
+            VERISPEC_BENCH_NO_LOCAL="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if args.profile_window and tree is None:
         print("\n".join(line for line in proc.stdout.splitlines() if not line.startswith("{")))

@@ -218,6 +218,44 @@ def test_rows_of_a_mixed_step_equal_them_alone(device, dtype, block_q):
     assert torch.equal(k_cache, k_mixed) and torch.equal(v_cache, v_mixed)
 
 
+@pytest.mark.parametrize("window", [None, 90])
+def test_partitions_and_split_kv_keep_the_bits(device, monkeypatch, window):
+    """The reduction's partitions (here 64 keys, at most 2 a query, so 128 and 192 past
+    positions 128 and 256; tiles whose queries straddle 256 have both): a decode or verify
+    launch split over 1, 2 or 3 programs a tile (split-KV, then the combine launch) gives the
+    bits of one program a tile, and a prefill launch (the flat grid, folding as it goes) gives
+    each row the bits of that query decoded alone, split."""
+    monkeypatch.setattr(triton_model, "PARTITION_KEYS", 64)
+    monkeypatch.setattr(triton_model, "MAX_PARTITIONS", 2)
+    counts, contexts = [1, 4, 3, 4, 2], [1, 70, 131, 258, 300]  # 254 .. 257: two sizes
+    inputs = _attention_inputs(device, torch.float32, counts, contexts, max_len=320,
+                               block_size=16)
+    split = [_rope_attention(triton_model.rope_cache_attention, inputs, window=window,
+                             split_programs=n) for n in (1, 2, 3)]
+    for out, k, v in split[1:]:
+        assert torch.equal(out, split[0][0])
+        assert torch.equal(k, split[0][1]) and torch.equal(v, split[0][2])
+    counts, contexts = [20, 1], [270, 131]
+    inputs = _attention_inputs(device, torch.float32, counts, contexts, max_len=320,
+                               block_size=16)
+    prefill, _, _ = _rope_attention(triton_model.rope_cache_attention, inputs, window=window)
+    k_cache, v_cache = inputs["k_cache"].clone(), inputs["v_cache"].clone()
+    start = 0
+    for b, (n, ctx) in enumerate(zip(counts, contexts)):
+        for i in range(n):
+            row = start + i
+            alone = triton_model.rope_cache_attention(**dict(
+                inputs, qkv=inputs["qkv"][row:row + 1],
+                positions=inputs["positions"][row:row + 1],
+                slot_mapping=inputs["slot_mapping"][row:row + 1], k_cache=k_cache,
+                v_cache=v_cache, slot_ids=inputs["slot_ids"][b:b + 1],
+                context_lens=torch.tensor([ctx - n + i + 1], device=device),
+                query_start=torch.tensor([0, 1], device=device), max_queries=1),
+                window=window, split_programs=2)
+            assert torch.equal(alone[0], prefill[row]), (b, i)
+        start += n
+
+
 def test_layers_of_a_step_share_what_the_layout_gives(device):
     """The layers of a mixed step pass the step's ``derived`` dict (``FlatBatch.derived``): the
     first layer computes the flat grid's tile starts into it, the next ones reuse them (under
