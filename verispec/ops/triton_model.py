@@ -17,7 +17,11 @@ result does not depend on its batch (docs/design.md §12):
   bits whichever way it was written. Then an online softmax over key blocks of 64 from key 0,
   so a query's result is the same whether it is decoded alone or is one of the k + 1 queries
   of a verify step (blocks past its position are fully masked and leave its running sums
-  unchanged: rescale by exp(0) = 1, add 0). Compiled with ``TREE`` (token trees), each row of a
+  unchanged: rescale by exp(0) = 1, add 0). The blocks form partitions that depend on the
+  query's position alone (``PARTITION_KEYS``), each an online softmax from scratch, folded in
+  order (``_fold``); a decode or verify launch with fewer tiles than multiprocessors computes
+  the partitions in programs of their own and folds them in a second launch (split-KV,
+  ``_combine_partitions_kernel``), the same bits. Compiled with ``TREE`` (token trees), each row of a
   tile reads its keys in the order of the chain holding its path: the key blocks before the
   tree's root are shared by the tile's queries, a block holding tree rows is read once per
   query and each row keeps its own query's scores and values.
@@ -64,7 +68,7 @@ ATTENTION_BLOCK_KV = 64  # keys per step of the online softmax (part of the redu
 # (split-KV) computes them in programs of their own and folds them in a second launch.
 PARTITION_KEYS = 512
 MAX_PARTITIONS = 64
-# A split-KV launch has about this many programs per multiprocessor.
+# A split-KV launch has about this many programs per multiprocessor (0: no split-KV).
 SPLIT_PROGRAMS_PER_SM = 4
 
 
@@ -561,7 +565,9 @@ def _split_programs(programs: int, device: torch.device) -> int:
     keys ran 8 % slower split on an H200), else enough for ``SPLIT_PROGRAMS_PER_SM`` programs
     a multiprocessor."""
     sms = _multiprocessors(device)
-    return 1 if programs > sms else -(-SPLIT_PROGRAMS_PER_SM * sms // programs)
+    if SPLIT_PROGRAMS_PER_SM == 0 or programs > sms:
+        return 1
+    return -(-SPLIT_PROGRAMS_PER_SM * sms // programs)
 
 
 __all__ = [
