@@ -3,7 +3,7 @@
 A decode step's attention reads every cached key of every request; at batch 1 the launch has
 one program per kv head (8 for the 8B shape), far fewer than the GPU's multiprocessors, so a
 32 k context reads its keys at a small fraction of the bandwidth. Split-KV
-(``ops.triton_model``) gives each partition of the keys a program of its own and folds them in
+(``ops.triton_attention``) gives each partition of the keys a program of its own and folds them in
 a second launch, with the same bits. For each ``--cases`` entry BxL (B requests of L random
 prompt tokens) this times ``--tokens`` greedy decode steps (the prompt's prefill is timed apart
 and subtracted), once with split-KV (the default) and once with it off
@@ -47,8 +47,8 @@ def run_engine(model: str, device: str, cases, tokens: int, split: bool) -> list
     from verispec import LLM, SamplingParams
 
     if not split:
-        from verispec.ops import triton_model
-        triton_model.SPLIT_PROGRAMS_PER_SM = 0
+        from verispec.ops import triton_attention
+        triton_attention.SPLIT_PROGRAMS_PER_SM = 0
     max_len = max(length for _, length in cases) + tokens + 16
     llm = LLM(model, device=device, dtype="bfloat16", load_format="dummy",
               max_model_len=max_len, max_num_seqs=max(batch for batch, _ in cases))
@@ -58,7 +58,7 @@ def run_engine(model: str, device: str, cases, tokens: int, split: bool) -> list
     for batch, length in cases:
         prompts = [rng.integers(0, vocab, size=length).tolist() for _ in range(batch)]
 
-        def timed(n):
+        def timed(n, prompts=prompts):
             start = time.perf_counter()
             outs = llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True,
                                                         temperature=0.0))
@@ -94,6 +94,7 @@ def main() -> None:
                                     args.engine_only == "split")))
         return
     import bench_throughput
+
     from verispec.bench.report import machine_description, print_table
 
     model = args.model or bench_throughput.checkpoint(args.workdir, args.tiny, args.device)

@@ -20,6 +20,7 @@ from verispec.ops import model_ops
 from verispec.ops.backend import get_backend
 
 triton_model = pytest.importorskip("verispec.ops.triton_model")
+triton_attention = pytest.importorskip("verispec.ops.triton_attention")
 
 
 def _dot_dtype(device, dtype: torch.dtype) -> None:
@@ -143,7 +144,7 @@ def test_cache_write_is_the_same_in_and_before_the_attention_launch(device, monk
     of its own (longer steps) are the same bits, and so are the outputs."""
     inputs = _attention_inputs(device, torch.float32, [1, 4, 3, 9], [1, 11, 37, 20])
     inside = _rope_attention(triton_model.rope_cache_attention, inputs)
-    monkeypatch.setattr(triton_model, "FUSED_WRITE_MAX_QUERIES", 0)
+    monkeypatch.setattr(triton_attention, "FUSED_WRITE_MAX_QUERIES", 0)
     before = _rope_attention(triton_model.rope_cache_attention, inputs)
     for a, b in zip(inside, before):
         assert torch.equal(a, b)
@@ -225,8 +226,8 @@ def test_partitions_and_split_kv_keep_the_bits(device, monkeypatch, window):
     launch split over 1, 2 or 3 programs a tile (split-KV, then the combine launch) gives the
     bits of one program a tile, and a prefill launch (the flat grid, folding as it goes) gives
     each row the bits of that query decoded alone, split."""
-    monkeypatch.setattr(triton_model, "PARTITION_KEYS", 64)
-    monkeypatch.setattr(triton_model, "MAX_PARTITIONS", 2)
+    monkeypatch.setattr(triton_attention, "PARTITION_KEYS", 64)
+    monkeypatch.setattr(triton_attention, "MAX_PARTITIONS", 2)
     counts, contexts = [1, 4, 3, 4, 2], [1, 70, 131, 258, 300]  # 254 .. 257: two sizes
     inputs = _attention_inputs(device, torch.float32, counts, contexts, max_len=320,
                                block_size=16)

@@ -26,6 +26,7 @@ from verispec.ops.tree import padded_parents
 from verispec.ops.tree_feed import TreeFeed
 
 triton_model = pytest.importorskip("verispec.ops.triton_model")
+triton_attention = pytest.importorskip("verispec.ops.triton_attention")
 
 # (parents, root row, first slot fed): a verify of a branching tree; a chain-shaped tree across
 # a block boundary; one level of a draft (slots 3 .. 6), slots 0 .. 2 written before
@@ -148,7 +149,7 @@ def test_tree_tokens_equal_their_chains_bitwise(device, op, write, heads, monkey
     in the last bits between the two, hence within 1e-6 of it); the chain-shaped tree writes
     its chain's K/V."""
     if write == "separate":
-        monkeypatch.setattr(triton_model, "FUSED_WRITE_MAX_QUERIES", 0)
+        monkeypatch.setattr(triton_attention, "FUSED_WRITE_MAX_QUERIES", 0)
     fn = triton_model.rope_cache_attention if op == "triton" else model_ops.rope_cache_attention
     hq, hkv = heads
     inputs, layout = _tree_inputs(device, hq=hq, hkv=hkv)

@@ -1,0 +1,355 @@
+"""The Triton programs of the GPU attention (``verispec.ops.triton_attention`` launches them and
+describes the design): the attention over the paged cache with its cache write, the partitions'
+fold, and split-KV's combine launch.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_rows(src, d, partner, pos, ok, cos_ptr, sin_ptr, stride_cos, norm_ptr, eps,
+               D: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Rows ``[R, D]`` of heads at ``src`` (a pointer per row) at positions ``pos`` -> rotated,
+    float32: ``x * cos + x[partner] * signed_sin`` (rotate-half; the sin table holds ``[-sin,
+    sin]``), after Qwen3's per-head RMSNorm (rounded to the model dtype) where the model has
+    one."""
+    x = tl.load(src + d[None, :], mask=ok[:, None], other=0.0)
+    dt = x.dtype
+    x = x.to(tl.float32)
+    xp = tl.load(src + partner[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
+        w = tl.load(norm_ptr + d).to(tl.float32)[None, :]
+        wp = tl.load(norm_ptr + partner).to(tl.float32)[None, :]
+        x = ((x * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+        xp = ((xp * rstd).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
+    c = tl.load(cos_ptr + pos[:, None] * stride_cos + d[None, :], mask=ok[:, None], other=0.0)
+    s = tl.load(sin_ptr + pos[:, None] * stride_cos + d[None, :], mask=ok[:, None], other=0.0)
+    return x * c.to(tl.float32) + xp * s.to(tl.float32)
+
+
+@triton.jit
+def _softmax_step(scores, key_pos, pos, window, m, s_sum, WINDOWED: tl.constexpr):
+    """One key block of the online softmax: the rows' scores masked to the keys they see (up
+    to their position, inside the window), the new running max, the rescale of the old sums,
+    the numerators and the new sum."""
+    visible = key_pos[None, :] <= pos[:, None]
+    if WINDOWED:
+        visible &= pos[:, None] - key_pos[None, :] < window
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    return m_new, alpha, p, s_sum * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _partition_size(pos, PART_KEYS: tl.constexpr, MAX_PARTS: tl.constexpr):
+    """Keys per partition of the reduction of queries at ``pos``: PART_KEYS times as many as
+    keep keys 0 .. pos within MAX_PARTS partitions."""
+    units = (pos + PART_KEYS) // PART_KEYS
+    return PART_KEYS * ((units + MAX_PARTS - 1) // MAX_PARTS)
+
+
+@triton.jit
+def _folded(m, s_sum, acc, big_m, big_l, big_a):
+    """A partition's (max, sum, unnormalised output) folded into the running (big_m, big_l,
+    big_a). Explicit fused multiply-adds pin the roundings, so the one-launch kernel and the
+    split-KV combine give the same bits. Folding an empty partition (m = -1e30, 0, 0) changes
+    nothing; the first fold gives the partition's own values."""
+    m_new = tl.maximum(big_m, m)
+    a = tl.exp(big_m - m_new)
+    b = tl.exp(m - m_new)
+    return m_new, tl.fma(big_l, a, s_sum * b), tl.fma(big_a, a[:, None], acc * b[:, None])
+
+
+@triton.jit
+def _fold(fold, m, s_sum, acc, big_m, big_l, big_a, ALL: tl.constexpr):
+    """Rows ``fold`` (every row with ``ALL``) fold their partition into the running values and
+    start a new partition."""
+    m_new, l_new, a_new = _folded(m, s_sum, acc, big_m, big_l, big_a)
+    if ALL:
+        return (tl.full(m.shape, -1.0e30, tl.float32), tl.zeros(s_sum.shape, tl.float32),
+                tl.zeros(acc.shape, tl.float32), m_new, l_new, a_new)
+    return (tl.where(fold, -1.0e30, m), tl.where(fold, 0.0, s_sum),
+            tl.where(fold[:, None], 0.0, acc), tl.where(fold, m_new, big_m),
+            tl.where(fold, l_new, big_l), tl.where(fold[:, None], a_new, big_a))
+
+
+@triton.jit
+def _fold_at_end(key_end, part, uniform, part_all, m, s_sum, acc, big_m, big_l, big_a):
+    """After the key block ending before ``key_end``: fold the rows whose partition ends
+    there (all alike when the tile's rows share one partition size, ``uniform``)."""
+    if uniform:
+        if key_end % part_all == 0:
+            m, s_sum, acc, big_m, big_l, big_a = _fold(m > 0, m, s_sum, acc, big_m, big_l,
+                                                       big_a, True)
+    else:
+        ends = key_end % part == 0
+        if tl.max(ends.to(tl.int32), axis=0) > 0:
+            m, s_sum, acc, big_m, big_l, big_a = _fold(ends, m, s_sum, acc, big_m, big_l,
+                                                       big_a, False)
+    return m, s_sum, acc, big_m, big_l, big_a
+
+
+@triton.jit
+def _key_block(bt_row, k_base, v_base, start, last_pos, d, stride_kc_block, stride_kc_pos,
+               stride_vc_block, stride_vc_pos, BLOCK_SIZE: tl.constexpr,
+               BLOCK_KV: tl.constexpr):
+    """Positions ``start`` .. ``start + BLOCK_KV`` of a request and their keys and values, read
+    through its block table (zeros past ``last_pos``)."""
+    key_pos = start + tl.arange(0, BLOCK_KV)
+    key_ok = key_pos <= last_pos
+    block = tl.load(bt_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    row = (key_pos % BLOCK_SIZE).to(tl.int64)
+    k = tl.load(k_base + (block * stride_kc_block + row * stride_kc_pos)[:, None] + d[None, :],
+                mask=key_ok[:, None], other=0.0)
+    v = tl.load(v_base + (block * stride_vc_block + row * stride_vc_pos)[:, None] + d[None, :],
+                mask=key_ok[:, None], other=0.0)
+    return key_pos, k, v
+
+
+@triton.jit
+def _tree_key_rows(path_ptr, pos_ptr, bt_row, query_token, stride_path, key_pos, in_tree, root,
+                   stride_block, stride_pos, BLOCK_SIZE: tl.constexpr):
+    """Cache offsets of the keys at ``key_pos`` as tree query ``query_token`` reads them (its
+    path's slot at depth i for position root + i, the context before the root), and which of
+    them it sees (positions up to its own)."""
+    query_token = query_token.to(tl.int64)
+    key_ok = key_pos <= tl.load(pos_ptr + query_token)
+    slot_at = tl.load(path_ptr + query_token * stride_path + (key_pos - root),
+                      mask=key_ok & in_tree, other=0)
+    key_row = tl.where(in_tree, root + slot_at, key_pos)
+    block = tl.load(bt_row + key_row // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    return block * stride_block + (key_row % BLOCK_SIZE).to(tl.int64) * stride_pos, key_ok
+
+
+@triton.jit
+def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr,
+                           out_ptr, bt_ptr, slot_ptr, ctx_ptr, qs_ptr, ts_ptr, pos_ptr, path_ptr,
+                           part_ptr, ml_ptr, nparts_ptr, num_split, scratch_parts,
+                           B, search_steps,
+                           stride_qkv,
+                           stride_cos,
+                           stride_bt, stride_kc_block, stride_kc_pos, stride_kc_head,
+                           stride_vc_block, stride_vc_pos, stride_vc_head, stride_ot, stride_oh,
+                           stride_path, path_len,
+                           scale, window, eps, BLOCK_SIZE: tl.constexpr,
+                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                           BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+                           HAS_QK_NORM: tl.constexpr, WINDOWED: tl.constexpr,
+                           WRITE: tl.constexpr, ATTEND: tl.constexpr, PRECISION: tl.constexpr,
+                           FLAT_GRID: tl.constexpr, TREE: tl.constexpr, PATH: tl.constexpr,
+                           SPLIT: tl.constexpr, PART_KEYS: tl.constexpr,
+                           MAX_PARTS: tl.constexpr):
+    G: tl.constexpr = HQ // HKV
+    if FLAT_GRID:  # grid (tiles of every request, kv heads): find this tile's request
+        t = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        if t >= tl.load(ts_ptr + B):
+            return
+        lo = t * 0
+        hi = lo + B
+        for _ in range(search_steps):  # the last b with ts[b] <= t (ts ascending, ts[0] = 0)
+            mid = (lo + hi) // 2
+            go = tl.load(ts_ptr + mid) <= t
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid)
+        b = lo
+        tile = t - tl.load(ts_ptr + b)
+    else:  # grid (requests, kv heads, tiles up to the longest request's x split programs)
+        b = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        tile = tl.program_id(2) // num_split
+    split_program = tl.program_id(2) % num_split  # SPLIT: this program's first partition
+    q_lo = tl.load(qs_ptr + b)
+    num_q = tl.load(qs_ptr + b + 1) - q_lo
+    done = tile * BLOCK_Q >= num_q * G
+    if done:
+        return
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    ctx = tl.load(ctx_ptr + b)
+    d = tl.arange(0, D)
+    partner = (d + D // 2) % D
+    # Position t of the request lives in block bt[slot, t // BLOCK_SIZE], row t % BLOCK_SIZE.
+    bt_row = bt_ptr + slot * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kc_head
+    v_base = v_cache_ptr + kv_head * stride_vc_head
+    first_query = (tile * BLOCK_Q) // G
+    last_query = tl.minimum(num_q - 1, (tile * BLOCK_Q + BLOCK_Q - 1) // G)
+    if WRITE:
+        # K (rotated) and V of the new tokens, in blocks of BLOCK_Q tokens: with ATTEND every
+        # block up to this tile's last query (tiles of one head write the same values), else
+        # the tile-th block only (a separate launch before the attention).
+        first_block = 0 if ATTEND else tile * BLOCK_Q
+        end = last_query + 1 if ATTEND else tl.minimum(num_q, first_block + BLOCK_Q)
+        for j0 in range(first_block, end, BLOCK_Q):
+            j = j0 + tl.arange(0, BLOCK_Q)
+            ok = j < end
+            tok = (q_lo + j).to(tl.int64)
+            p = ctx - num_q + j  # the token's cache row
+            if TREE:  # at position root row + depth
+                rope_pos = tl.load(pos_ptr + tok, mask=ok, other=0)
+            else:
+                rope_pos = p
+            k = _rope_rows(qkv_ptr + tok[:, None] * stride_qkv + (HQ + kv_head) * D, d, partner,
+                           rope_pos, ok, cos_ptr, sin_ptr, stride_cos, kn_ptr, eps, D,
+                           HAS_QK_NORM)
+            block = tl.load(bt_row + p // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+            row = (p % BLOCK_SIZE).to(tl.int64)
+            k_at = (block * stride_kc_block + row * stride_kc_pos)[:, None]
+            v_at = (block * stride_vc_block + row * stride_vc_pos)[:, None]
+            tl.store(k_base + k_at + d[None, :], k.to(k_cache_ptr.dtype.element_ty),
+                     mask=ok[:, None])
+            v = tl.load(qkv_ptr + tok[:, None] * stride_qkv + (HQ + HKV + kv_head) * D
+                        + d[None, :], mask=ok[:, None], other=0.0)
+            tl.store(v_base + v_at + d[None, :], v.to(v_cache_ptr.dtype.element_ty),
+                     mask=ok[:, None])
+        tl.debug_barrier()  # this program's cache writes are visible to its reads below
+    if ATTEND:
+        rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)  # row = query * G + head in group
+        query = rows // G
+        row_ok = query < num_q
+        token = (q_lo + query).to(tl.int64)
+        head = kv_head * G + rows % G
+        if TREE:
+            pos = tl.load(pos_ptr + token, mask=row_ok, other=0)  # root row + depth
+            # the root's cache row, from the first query's path (slots at depths 0 .. depth)
+            first_token = (q_lo + first_query).to(tl.int64)
+            steps = tl.arange(0, PATH)
+            on_path = tl.load(path_ptr + first_token * stride_path + steps,
+                              mask=steps < path_len, other=-1) >= 0
+            root = tl.load(pos_ptr + first_token) - (tl.sum(on_path.to(tl.int32), axis=0) - 1)
+            last_pos = tl.max(tl.where(row_ok, pos, 0), axis=0)
+            first_pos = tl.min(tl.where(row_ok, pos, last_pos), axis=0)
+            tree_start = root // BLOCK_KV * BLOCK_KV  # the first key block holding a tree row
+        else:
+            pos = ctx - num_q + query  # absolute position of the row's query
+            last_pos = ctx - num_q + last_query
+            first_pos = ctx - num_q + first_query
+            tree_start = last_pos + 1
+        q = _rope_rows(qkv_ptr + token[:, None] * stride_qkv + head[:, None] * D, d, partner,
+                       pos, row_ok, cos_ptr, sin_ptr, stride_cos, qn_ptr, eps, D, HAS_QK_NORM)
+        q = q.to(qkv_ptr.dtype.element_ty)  # q rounded to the model dtype, as the twin's
+        part = _partition_size(pos, PART_KEYS, MAX_PARTS)  # [BLOCK_Q] keys per partition
+        part_min = tl.min(tl.where(row_ok, part, 1 << 30), axis=0)
+        part_max = tl.max(tl.where(row_ok, part, 0), axis=0)
+        uniform = part_min == part_max
+        m = tl.full((BLOCK_Q,), -1.0e30, tl.float32)  # finite: a fully masked block stays exact
+        s_sum = tl.zeros((BLOCK_Q,), tl.float32)
+        acc = tl.zeros((BLOCK_Q, D), tl.float32)
+        big_m = tl.full((BLOCK_Q,), -1.0e30, tl.float32)  # the partitions folded so far
+        big_l = tl.zeros((BLOCK_Q,), tl.float32)
+        big_a = tl.zeros((BLOCK_Q, D), tl.float32)
+        kv_lo = 0
+        if WINDOWED:  # blocks wholly before every row's window are skipped (aligned to BLOCK_KV)
+            kv_lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_KV * BLOCK_KV
+        if SPLIT:
+            # Partitions split_program, + num_split, ...: each from a fresh state, its rows'
+            # keys limited to their partition, written for the combine launch to fold in order.
+            num_parts = (pos + part) // part  # [BLOCK_Q] each row's partitions
+            last_part = tl.max(tl.where(row_ok, num_parts, 0), axis=0)
+            tl.store(nparts_ptr + token, num_parts.to(tl.int32), mask=row_ok & (rows % G == 0))
+            for z in range(split_program, last_part, num_split):
+                lo = z * part  # [BLOCK_Q]
+                m = tl.full((BLOCK_Q,), -1.0e30, tl.float32)
+                s_sum = tl.zeros((BLOCK_Q,), tl.float32)
+                acc = tl.zeros((BLOCK_Q, D), tl.float32)
+                for start in range(tl.maximum(z * part_min, kv_lo),
+                                   tl.minimum((z + 1) * part_max, last_pos + 1), BLOCK_KV):
+                    key_pos, k, v = _key_block(bt_row, k_base, v_base, start, last_pos, d,
+                                               stride_kc_block, stride_kc_pos, stride_vc_block,
+                                               stride_vc_pos, BLOCK_SIZE, BLOCK_KV)
+                    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                    inside = (key_pos[None, :] >= lo[:, None]) & (key_pos[None, :] <
+                                                                  (lo + part)[:, None])
+                    scores = tl.where(inside, scores, float("-inf"))
+                    m, alpha, p, s_sum = _softmax_step(scores, key_pos, pos, window, m, s_sum,
+                                                       WINDOWED)
+                    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None],
+                                 input_precision=PRECISION)
+                at = (token * HQ + head) * scratch_parts + z  # [BLOCK_Q]
+                keep = row_ok & (z < num_parts)
+                tl.store(ml_ptr + at * 2, m, mask=keep)
+                tl.store(ml_ptr + at * 2 + 1, s_sum, mask=keep)
+                tl.store(part_ptr + at[:, None] * D + d[None, :], acc, mask=keep[:, None])
+            return
+        # key blocks every row of the tile reads alike (a tree's context before its root)
+        for start in range(kv_lo, tl.minimum(tree_start, last_pos + 1), BLOCK_KV):
+            key_pos, k, v = _key_block(bt_row, k_base, v_base, start, last_pos, d,
+                                       stride_kc_block, stride_kc_pos, stride_vc_block,
+                                       stride_vc_pos, BLOCK_SIZE, BLOCK_KV)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BQ, BKV] f32
+            m, alpha, p, s_sum = _softmax_step(scores, key_pos, pos, window, m, s_sum,
+                                               WINDOWED)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+            m, s_sum, acc, big_m, big_l, big_a = _fold_at_end(
+                start + BLOCK_KV, part, uniform, part_min, m, s_sum, acc, big_m, big_l, big_a)
+        if TREE:
+            # blocks holding tree rows: position root + i is the row of the path's slot at
+            # depth i, which differs between queries. Each query's keys and values are read
+            # for it and its rows keep their own products: every row computes exactly what it
+            # computes in its chain, whatever queries share its tile.
+            for start in range(tl.maximum(tree_start, kv_lo), last_pos + 1, BLOCK_KV):
+                key_pos = start + tl.arange(0, BLOCK_KV)
+                in_tree = key_pos >= root
+                scores = tl.zeros((BLOCK_Q, BLOCK_KV), tl.float32)
+                for j in range(first_query, last_query + 1):
+                    k_at, key_ok = _tree_key_rows(path_ptr, pos_ptr, bt_row, q_lo + j,
+                                                  stride_path, key_pos, in_tree, root,
+                                                  stride_kc_block, stride_kc_pos, BLOCK_SIZE)
+                    k = tl.load(k_base + k_at[:, None] + d[None, :], mask=key_ok[:, None],
+                                other=0.0)
+                    s_j = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                    scores = tl.where((query == j)[:, None], s_j, scores)
+                m, alpha, p, s_sum = _softmax_step(scores, key_pos, pos, window, m, s_sum,
+                                                   WINDOWED)
+                scaled = acc * alpha[:, None]
+                acc = scaled
+                for j in range(first_query, last_query + 1):
+                    v_at, key_ok = _tree_key_rows(path_ptr, pos_ptr, bt_row, q_lo + j,
+                                                  stride_path, key_pos, in_tree, root,
+                                                  stride_vc_block, stride_vc_pos, BLOCK_SIZE)
+                    v = tl.load(v_base + v_at[:, None] + d[None, :], mask=key_ok[:, None],
+                                other=0.0)
+                    acc = tl.where((query == j)[:, None],
+                                   tl.dot(p.to(v.dtype), v, scaled, input_precision=PRECISION),
+                                   acc)
+                m, s_sum, acc, big_m, big_l, big_a = _fold_at_end(
+                    start + BLOCK_KV, part, uniform, part_min, m, s_sum, acc, big_m, big_l,
+                    big_a)
+        _, big_l, big_a = _folded(m, s_sum, acc, big_m, big_l, big_a)
+        out = big_a / big_l[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_partitions_kernel(part_ptr, ml_ptr, nparts_ptr, out_ptr, num_rows, scratch_parts,
+                               stride_ot, stride_oh, HQ: tl.constexpr, D: tl.constexpr,
+                               ROWS: tl.constexpr):
+    """Split-KV's second launch: each (token, head) row folds its partitions in order with
+    ``_fold``, as the one-launch kernel does, and writes partitions-folded / sum."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = rows < num_rows
+    token = (rows // HQ).to(tl.int64)
+    head = rows % HQ
+    d = tl.arange(0, D)
+    n = tl.minimum(tl.load(nparts_ptr + token, mask=ok, other=0), scratch_parts)
+    big_m = tl.full((ROWS,), -1.0e30, tl.float32)
+    big_l = tl.zeros((ROWS,), tl.float32)
+    big_a = tl.zeros((ROWS, D), tl.float32)
+    for z in range(0, tl.max(n, axis=0)):
+        has = z < n
+        at = rows.to(tl.int64) * scratch_parts + z
+        m = tl.load(ml_ptr + at * 2, mask=has, other=-1.0e30)
+        s_sum = tl.load(ml_ptr + at * 2 + 1, mask=has, other=0.0)
+        acc = tl.load(part_ptr + at[:, None] * D + d[None, :], mask=has[:, None], other=0.0)
+        m, s_sum, acc, big_m, big_l, big_a = _fold(has, m, s_sum, acc, big_m, big_l, big_a,
+                                                   False)
+    out = big_a / big_l[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(ok & (n > 0))[:, None])
