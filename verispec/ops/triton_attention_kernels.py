@@ -350,6 +350,6 @@ def _combine_partitions_kernel(part_ptr, ml_ptr, nparts_ptr, out_ptr, num_rows, 
         acc = tl.load(part_ptr + at[:, None] * D + d[None, :], mask=has[:, None], other=0.0)
         m, s_sum, acc, big_m, big_l, big_a = _fold(has, m, s_sum, acc, big_m, big_l, big_a,
                                                    False)
-    out = big_a / big_l[:, None]
+    out = big_a / tl.where(n > 0, big_l, 1.0)[:, None]  # (rows of no request: not stored)
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(ok & (n > 0))[:, None])
