@@ -86,15 +86,20 @@ class GrammarWalks(_ColumnMasks):
         return self._masked(logits, [(j, self.masks[a]) for j, a in enumerate(rows.tolist())
                                      if a in self.masks])
 
-    def advance(self, draft_ids: torch.Tensor, rows: np.ndarray, last: np.ndarray) -> None:
-        """Walk each of ``rows``' matchers along its new draft (``draft_ids`` [len(rows)], one
-        host read); a request whose draft was its last (``last`` [len(rows)] bool) ends its
-        walk."""
+    def advance(self, draft_ids: torch.Tensor | np.ndarray, rows: np.ndarray,
+                last: np.ndarray) -> None:
+        """Walk each of ``rows``' matchers along its new draft (``draft_ids`` [len(rows)]: on
+        the device, one host read, or already on the host); a request whose draft was its last
+        (``last`` [len(rows)] bool) ends its walk."""
         walked = [(j, a) for j, a in enumerate(rows.tolist()) if a in self.masks]
         if not walked:
             return
-        index = ops.to_device(np.array([j for j, _ in walked], dtype=np.int64), draft_ids.device)
-        masks = extend_drafts([self.grammars[a] for _, a in walked], draft_ids[index].tolist())
+        picked = np.array([j for j, _ in walked], dtype=np.int64)
+        if isinstance(draft_ids, np.ndarray):
+            ids = draft_ids[picked].tolist()
+        else:
+            ids = draft_ids[ops.to_device(picked, draft_ids.device)].tolist()
+        masks = extend_drafts([self.grammars[a] for _, a in walked], ids)
         for (j, a), mask in zip(walked, masks):
             self.masks[a] = mask
             if last[j]:

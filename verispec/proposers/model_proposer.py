@@ -54,6 +54,21 @@ from verispec.proposers.model_graph import AheadDraft, ModelGraphDrafting
 from verispec.runtime.model_runner import ModelRunner
 
 
+def _copy_to_host(ids: torch.Tensor):
+    """Queue a copy of ``ids`` to the host now; returns a function that waits for that copy
+    alone (not for work queued after it) and gives the values as a numpy array."""
+    if ids.device.type != "cuda":
+        return lambda: ids.numpy()
+    host = ids.to("cpu", non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def wait() -> np.ndarray:
+        copied.synchronize()
+        return host.numpy()
+    return wait
+
+
 class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
     """Drafting with a ``ModelRunner``: catch-up, n_r batched autoregressive steps, rollback.
 
@@ -210,15 +225,16 @@ class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
                         self.draft_probs_buffer[row_slots, i] = q
                 self.draft_token_buffer[row_slots, i] = draft_ids
                 keep = num_drafts[rows] > i + 1  # requests that still need d_{i+2}
-                if walks:
-                    walks.advance(draft_ids, rows, ~keep)
                 if not keep.any():
+                    if walks:
+                        walks.advance(draft_ids, rows, ~keep)
                     break
                 # Feed d_{i+1} to the requests with more drafts to produce. ``ModelRunner.forward``
                 # takes host token ids, so this is the one device-to-host read per draft position
                 # (free on the CPU; on a GPU it waits for this position's sampling).
                 feed_ids = draft_ids[torch.from_numpy(np.flatnonzero(keep)).to(self.device)]
-                rows = rows[keep]
+                walked, rows = rows, rows[keep]
+                host_ids = _copy_to_host(draft_ids) if walks else None
                 if by_position:  # d_{i+1} at position num_tokens + i
                     logits = self._position_logits(slots[rows], feed_ids[:, None],
                                                    num_tokens[rows] + i)
@@ -226,6 +242,11 @@ class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
                     logits = self.runner.forward(slots[rows].tolist(),
                                                  [[t] for t in feed_ids.tolist()], "last",
                                                  self.num_layers)
+                if walks:
+                    # the masks of d_{i+2} are built while the device runs the forward above
+                    # (the replayed forward takes d_{i+1} on the device; its host copy was
+                    # queued before it)
+                    walks.advance(host_ids(), walked, ~keep)
         finally:
             walks.close()  # (every walk has ended unless drafting failed)
 
