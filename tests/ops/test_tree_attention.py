@@ -44,7 +44,8 @@ def _ancestors(parents: list[int], slot: int) -> list[int]:
     return path[::-1]
 
 
-def _tree_inputs(device, trees=TREES, hq=4, hkv=2, block_size=4, in_order=False, seed=3):
+def _tree_inputs(device, trees=TREES, hq=4, hkv=2, block_size=4, in_order=False, seed=3,
+                 max_len=32):
     """``_attention_inputs`` of a step feeding the trees' slots: positions root + depth and the
     paths of ``TreeFeed``. Returns (inputs, [(parents, root, first slot, count)])."""
     counts, contexts, positions, paths, layout = [], [], [], [], []
@@ -59,7 +60,8 @@ def _tree_inputs(device, trees=TREES, hq=4, hkv=2, block_size=4, in_order=False,
         paths.append(path)
         layout.append((parents, root, first, count))
     inputs = _attention_inputs(device, torch.float32, counts, contexts, hq=hq, hkv=hkv,
-                               max_len=32, block_size=block_size, in_order=in_order, seed=seed)
+                               max_len=max_len, block_size=block_size, in_order=in_order,
+                               seed=seed)
     inputs.update(positions=torch.cat(positions).to(device), tree_paths=torch.cat(paths).to(device))
     return inputs, layout
 
@@ -191,3 +193,29 @@ def test_paged_trees_equal_contiguous_bitwise(device, op):
             results.append((out, _logical(k.cpu(), table, 4, 32), _logical(v.cpu(), table, 4, 32)))
         for a, b in zip(*results):
             assert torch.equal(a.cpu(), b.cpu()), block_size
+
+
+def test_trees_split_over_partitions_keep_their_chains_bits(device, monkeypatch):
+    """Trees over contexts of several partitions (here 64 keys, at most 2 a query: 128 past
+    position 128), verified with split-KV over 1, 2 or 3 programs a tile: the same bits and
+    caches each way, and each token the bits of its path decoded one token at a time."""
+    monkeypatch.setattr(triton_attention, "PARTITION_KEYS", 64)
+    monkeypatch.setattr(triton_attention, "MAX_PARTITIONS", 2)
+    trees = (([-1, -1, 0, 0, 1, 2, 3], 125, 0), ([-1, 0, 1, 2], 190, 0),
+             ([-1, -1, 0, 1, 1, 3], 60, 3))
+    inputs, layout = _tree_inputs(device, trees=trees, max_len=224, block_size=16)
+    runs = [_rope_attention(triton_model.rope_cache_attention, inputs, split_programs=n)
+            for n in (1, 2, 3)]
+    for out, k, v in runs[1:]:
+        assert torch.equal(out, runs[0][0])
+        assert torch.equal(k, runs[0][1]) and torch.equal(v, runs[0][2])
+    out = runs[2][0]
+    for b, (parents, _, first, count) in enumerate(layout):
+        if first > 0:
+            continue
+        first_token = sum(c for *_, c in layout[:b])
+        for slot in range(count):
+            tokens = [first_token + s for s in _ancestors(parents, slot)]
+            decoded = _chain_of(inputs, layout, b, slot, triton_model.rope_cache_attention,
+                                one_at_a_time=True)[0]
+            assert torch.equal(decoded, out[tokens]), (b, slot)

@@ -150,7 +150,7 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
         grid = (triton.cdiv(T * G, block_q) + B, num_kv_heads)
         search_steps = max(1, int(B).bit_length())
     split = 1
-    if fused and not tree:
+    if fused or tree:  # decode, verify, token trees
         split = split_programs or _split_programs(grid[0] * grid[1] * grid[2], qkv.device)
     split = max(1, min(split, -(-block_tables.shape[1] * k_cache.shape[1] // PARTITION_KEYS)))
     if split > 1:

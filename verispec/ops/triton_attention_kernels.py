@@ -128,6 +128,63 @@ def _tree_key_rows(path_ptr, pos_ptr, bt_row, query_token, stride_path, key_pos,
 
 
 @triton.jit
+def _limited(scores, key_pos, lo, part, LIMIT: tl.constexpr):
+    """With ``LIMIT`` (split-KV), each row's scores outside its partition [lo, lo + part)."""
+    if LIMIT:
+        inside = (key_pos[None, :] >= lo[:, None]) & (key_pos[None, :] < (lo + part)[:, None])
+        scores = tl.where(inside, scores, float("-inf"))
+    return scores
+
+
+@triton.jit
+def _shared_tile(q, m, s_sum, acc, start, pos, window, lo, part, bt_row, k_base, v_base,
+                 last_pos, d, stride_kc_block, stride_kc_pos, stride_vc_block, stride_vc_pos,
+                 scale, BLOCK_SIZE: tl.constexpr, BLOCK_KV: tl.constexpr,
+                 PRECISION: tl.constexpr, WINDOWED: tl.constexpr, LIMIT: tl.constexpr):
+    """One key block every row of the tile reads alike: the online softmax's step."""
+    key_pos, k, v = _key_block(bt_row, k_base, v_base, start, last_pos, d, stride_kc_block,
+                               stride_kc_pos, stride_vc_block, stride_vc_pos, BLOCK_SIZE,
+                               BLOCK_KV)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BQ, BKV] f32
+    scores = _limited(scores, key_pos, lo, part, LIMIT)
+    m, alpha, p, s_sum = _softmax_step(scores, key_pos, pos, window, m, s_sum, WINDOWED)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return m, s_sum, acc
+
+
+@triton.jit
+def _tree_tile(q, m, s_sum, acc, start, pos, window, lo, part, query, first_query, last_query,
+               q_lo, root, path_ptr, pos_ptr, bt_row, k_base, v_base, d, stride_path,
+               stride_kc_block, stride_kc_pos, stride_vc_block, stride_vc_pos, scale,
+               BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+               PRECISION: tl.constexpr, WINDOWED: tl.constexpr, LIMIT: tl.constexpr):
+    """One key block holding tree rows: position root + i is the row of the path's slot at
+    depth i, which differs between queries. Each query's keys and values are read for it and
+    its rows keep their own products: every row computes exactly what it computes in its
+    chain, whatever queries share its tile."""
+    key_pos = start + tl.arange(0, BLOCK_KV)
+    in_tree = key_pos >= root
+    scores = tl.zeros((BLOCK_Q, BLOCK_KV), tl.float32)
+    for j in range(first_query, last_query + 1):
+        k_at, key_ok = _tree_key_rows(path_ptr, pos_ptr, bt_row, q_lo + j, stride_path, key_pos,
+                                      in_tree, root, stride_kc_block, stride_kc_pos, BLOCK_SIZE)
+        k = tl.load(k_base + k_at[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
+        s_j = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        scores = tl.where((query == j)[:, None], s_j, scores)
+    scores = _limited(scores, key_pos, lo, part, LIMIT)
+    m, alpha, p, s_sum = _softmax_step(scores, key_pos, pos, window, m, s_sum, WINDOWED)
+    scaled = acc * alpha[:, None]
+    acc = scaled
+    for j in range(first_query, last_query + 1):
+        v_at, key_ok = _tree_key_rows(path_ptr, pos_ptr, bt_row, q_lo + j, stride_path, key_pos,
+                                      in_tree, root, stride_vc_block, stride_vc_pos, BLOCK_SIZE)
+        v = tl.load(v_base + v_at[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
+        acc = tl.where((query == j)[:, None],
+                       tl.dot(p.to(v.dtype), v, scaled, input_precision=PRECISION), acc)
+    return m, s_sum, acc
+
+
+@triton.jit
 def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr,
                            out_ptr, bt_ptr, slot_ptr, ctx_ptr, qs_ptr, ts_ptr, pos_ptr, path_ptr,
                            part_ptr, ml_ptr, nparts_ptr, num_split, scratch_parts,
@@ -260,17 +317,26 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
                 acc = tl.zeros((BLOCK_Q, D), tl.float32)
                 for start in range(tl.maximum(z * part_min, kv_lo),
                                    tl.minimum((z + 1) * part_max, last_pos + 1), BLOCK_KV):
-                    key_pos, k, v = _key_block(bt_row, k_base, v_base, start, last_pos, d,
-                                               stride_kc_block, stride_kc_pos, stride_vc_block,
-                                               stride_vc_pos, BLOCK_SIZE, BLOCK_KV)
-                    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-                    inside = (key_pos[None, :] >= lo[:, None]) & (key_pos[None, :] <
-                                                                  (lo + part)[:, None])
-                    scores = tl.where(inside, scores, float("-inf"))
-                    m, alpha, p, s_sum = _softmax_step(scores, key_pos, pos, window, m, s_sum,
-                                                       WINDOWED)
-                    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None],
-                                 input_precision=PRECISION)
+                    if TREE:
+                        if start >= tree_start:
+                            m, s_sum, acc = _tree_tile(
+                                q, m, s_sum, acc, start, pos, window, lo, part, query,
+                                first_query, last_query, q_lo, root, path_ptr, pos_ptr, bt_row,
+                                k_base, v_base, d, stride_path, stride_kc_block, stride_kc_pos,
+                                stride_vc_block, stride_vc_pos, scale, BLOCK_SIZE, BLOCK_Q,
+                                BLOCK_KV, PRECISION, WINDOWED, True)
+                        else:
+                            m, s_sum, acc = _shared_tile(
+                                q, m, s_sum, acc, start, pos, window, lo, part, bt_row, k_base,
+                                v_base, last_pos, d, stride_kc_block, stride_kc_pos,
+                                stride_vc_block, stride_vc_pos, scale, BLOCK_SIZE, BLOCK_KV,
+                                PRECISION, WINDOWED, True)
+                    else:
+                        m, s_sum, acc = _shared_tile(
+                            q, m, s_sum, acc, start, pos, window, lo, part, bt_row, k_base,
+                            v_base, last_pos, d, stride_kc_block, stride_kc_pos,
+                            stride_vc_block, stride_vc_pos, scale, BLOCK_SIZE, BLOCK_KV,
+                            PRECISION, WINDOWED, True)
                 at = (token * HQ + head) * scratch_parts + z  # [BLOCK_Q]
                 keep = row_ok & (z < num_parts)
                 tl.store(ml_ptr + at * 2, m, mask=keep)
@@ -279,45 +345,20 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
             return
         # key blocks every row of the tile reads alike (a tree's context before its root)
         for start in range(kv_lo, tl.minimum(tree_start, last_pos + 1), BLOCK_KV):
-            key_pos, k, v = _key_block(bt_row, k_base, v_base, start, last_pos, d,
-                                       stride_kc_block, stride_kc_pos, stride_vc_block,
-                                       stride_vc_pos, BLOCK_SIZE, BLOCK_KV)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BQ, BKV] f32
-            m, alpha, p, s_sum = _softmax_step(scores, key_pos, pos, window, m, s_sum,
-                                               WINDOWED)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+            m, s_sum, acc = _shared_tile(q, m, s_sum, acc, start, pos, window, pos, part, bt_row,
+                                         k_base, v_base, last_pos, d, stride_kc_block,
+                                         stride_kc_pos, stride_vc_block, stride_vc_pos, scale,
+                                         BLOCK_SIZE, BLOCK_KV, PRECISION, WINDOWED, False)
             m, s_sum, acc, big_m, big_l, big_a = _fold_at_end(
                 start + BLOCK_KV, part, uniform, part_min, m, s_sum, acc, big_m, big_l, big_a)
-        if TREE:
-            # blocks holding tree rows: position root + i is the row of the path's slot at
-            # depth i, which differs between queries. Each query's keys and values are read
-            # for it and its rows keep their own products: every row computes exactly what it
-            # computes in its chain, whatever queries share its tile.
+        if TREE:  # blocks holding tree rows (``_tree_tile``)
             for start in range(tl.maximum(tree_start, kv_lo), last_pos + 1, BLOCK_KV):
-                key_pos = start + tl.arange(0, BLOCK_KV)
-                in_tree = key_pos >= root
-                scores = tl.zeros((BLOCK_Q, BLOCK_KV), tl.float32)
-                for j in range(first_query, last_query + 1):
-                    k_at, key_ok = _tree_key_rows(path_ptr, pos_ptr, bt_row, q_lo + j,
-                                                  stride_path, key_pos, in_tree, root,
-                                                  stride_kc_block, stride_kc_pos, BLOCK_SIZE)
-                    k = tl.load(k_base + k_at[:, None] + d[None, :], mask=key_ok[:, None],
-                                other=0.0)
-                    s_j = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-                    scores = tl.where((query == j)[:, None], s_j, scores)
-                m, alpha, p, s_sum = _softmax_step(scores, key_pos, pos, window, m, s_sum,
-                                                   WINDOWED)
-                scaled = acc * alpha[:, None]
-                acc = scaled
-                for j in range(first_query, last_query + 1):
-                    v_at, key_ok = _tree_key_rows(path_ptr, pos_ptr, bt_row, q_lo + j,
-                                                  stride_path, key_pos, in_tree, root,
-                                                  stride_vc_block, stride_vc_pos, BLOCK_SIZE)
-                    v = tl.load(v_base + v_at[:, None] + d[None, :], mask=key_ok[:, None],
-                                other=0.0)
-                    acc = tl.where((query == j)[:, None],
-                                   tl.dot(p.to(v.dtype), v, scaled, input_precision=PRECISION),
-                                   acc)
+                m, s_sum, acc = _tree_tile(q, m, s_sum, acc, start, pos, window, pos, part,
+                                           query, first_query, last_query, q_lo, root,
+                                           path_ptr, pos_ptr, bt_row, k_base, v_base, d,
+                                           stride_path, stride_kc_block, stride_kc_pos,
+                                           stride_vc_block, stride_vc_pos, scale, BLOCK_SIZE,
+                                           BLOCK_Q, BLOCK_KV, PRECISION, WINDOWED, False)
                 m, s_sum, acc, big_m, big_l, big_a = _fold_at_end(
                     start + BLOCK_KV, part, uniform, part_min, m, s_sum, acc, big_m, big_l,
                     big_a)
