@@ -202,10 +202,18 @@ def test_rows_of_a_mixed_step_equal_them_alone(device, dtype, block_q):
     inputs = _attention_inputs(device, dtype, counts, contexts, max_len=64)
     tile = {} if block_q is None else {"block_q": block_q}
     mixed, k_mixed, v_mixed = _rope_attention(triton_model.rope_cache_attention, inputs, **tile)
+    k_cache, v_cache = _each_query_alone(inputs, counts, contexts, mixed, **tile)
+    assert torch.equal(k_cache, k_mixed) and torch.equal(v_cache, v_mixed)
+
+
+def _each_query_alone(inputs, counts, contexts, together, **kwargs):
+    """Each query of ``inputs`` decoded alone, in order (each writing its K/V first), on copies
+    of the caches, against its row of ``together``, bit for bit; returns those caches."""
+    device = inputs["qkv"].device
     k_cache, v_cache = inputs["k_cache"].clone(), inputs["v_cache"].clone()
     start = 0
     for b, (n, ctx) in enumerate(zip(counts, contexts)):
-        for i in range(n):  # one query at a time, in order (each writes its K/V first)
+        for i in range(n):
             row = start + i
             alone = triton_model.rope_cache_attention(**dict(
                 inputs, qkv=inputs["qkv"][row:row + 1],
@@ -213,10 +221,10 @@ def test_rows_of_a_mixed_step_equal_them_alone(device, dtype, block_q):
                 slot_mapping=inputs["slot_mapping"][row:row + 1], k_cache=k_cache,
                 v_cache=v_cache, slot_ids=inputs["slot_ids"][b:b + 1],
                 context_lens=torch.tensor([ctx - n + i + 1], device=device),
-                query_start=torch.tensor([0, 1], device=device), max_queries=1, **tile))
-            assert torch.equal(alone[0], mixed[row]), (b, i)
+                query_start=torch.tensor([0, 1], device=device), max_queries=1), **kwargs)
+            assert torch.equal(alone[0], together[row]), (b, i)
         start += n
-    assert torch.equal(k_cache, k_mixed) and torch.equal(v_cache, v_mixed)
+    return k_cache, v_cache
 
 
 @pytest.mark.parametrize("window", [None, 90])
@@ -240,21 +248,7 @@ def test_partitions_and_split_kv_keep_the_bits(device, monkeypatch, window):
     inputs = _attention_inputs(device, torch.float32, counts, contexts, max_len=320,
                                block_size=16)
     prefill, _, _ = _rope_attention(triton_model.rope_cache_attention, inputs, window=window)
-    k_cache, v_cache = inputs["k_cache"].clone(), inputs["v_cache"].clone()
-    start = 0
-    for b, (n, ctx) in enumerate(zip(counts, contexts)):
-        for i in range(n):
-            row = start + i
-            alone = triton_model.rope_cache_attention(**dict(
-                inputs, qkv=inputs["qkv"][row:row + 1],
-                positions=inputs["positions"][row:row + 1],
-                slot_mapping=inputs["slot_mapping"][row:row + 1], k_cache=k_cache,
-                v_cache=v_cache, slot_ids=inputs["slot_ids"][b:b + 1],
-                context_lens=torch.tensor([ctx - n + i + 1], device=device),
-                query_start=torch.tensor([0, 1], device=device), max_queries=1),
-                window=window, split_programs=2)
-            assert torch.equal(alone[0], prefill[row]), (b, i)
-        start += n
+    _each_query_alone(inputs, counts, contexts, prefill, window=window, split_programs=2)
 
 
 def test_layers_of_a_step_share_what_the_layout_gives(device):
