@@ -343,7 +343,7 @@ def main() -> None:
     if args.baseline:
         base = run_baseline(args, model_dir)
         if base is not None:
-            rows.append(dict(engine="baseline (one slot per request)", **base))
+            rows.append(dict(engine=f"baseline ({args.baseline})", **base))
     from verispec.bench.report import machine_description, print_table
 
     print(machine_description())
