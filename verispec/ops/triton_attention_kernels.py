@@ -237,6 +237,18 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
     v_base = v_cache_ptr + kv_head * stride_vc_head
     first_query = (tile * BLOCK_Q) // G
     last_query = tl.minimum(num_q - 1, (tile * BLOCK_Q + BLOCK_Q - 1) // G)
+    if SPLIT:  # a program left without a partition of its rows' keys returns before any work
+        early_query = (tile * BLOCK_Q + tl.arange(0, BLOCK_Q)) // G
+        early_ok = early_query < num_q
+        if TREE:
+            early_pos = tl.load(pos_ptr + (q_lo + early_query).to(tl.int64), mask=early_ok,
+                                other=0)
+        else:
+            early_pos = ctx - num_q + early_query
+        early_part = _partition_size(early_pos, PART_KEYS, MAX_PARTS)
+        if split_program >= tl.max(tl.where(early_ok, (early_pos + early_part) // early_part,
+                                            0), axis=0):
+            return
     if WRITE:
         # K (rotated) and V of the new tokens, in blocks of BLOCK_Q tokens: with ATTEND every
         # block up to this tile's last query (tiles of one head write the same values), else
