@@ -91,8 +91,7 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
                          slot_ids, context_lens, query_start, max_queries, num_heads, num_kv_heads,
                          scale, window=None, q_norm=None, k_norm=None, eps=1e-6,
                          tree_paths=None, derived=None, block_q: int | None = None,
-                         num_warps: int = 4, num_stages: int | None = None,
-                         split_programs: int | None = None) -> torch.Tensor:
+                         num_warps: int = 4, split_programs: int | None = None) -> torch.Tensor:
     """See ``model_ops.rope_cache_attention``. The kernel derives each token's cache slot, and
     its position unless ``tree_paths`` is given, from ``context_lens``, ``query_start``,
     ``slot_ids`` and ``block_tables`` (``slot_mapping`` is the twin's). Keys are read in tiles of
@@ -150,26 +149,27 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
         grid = (triton.cdiv(T * G, block_q) + B, num_kv_heads)
         search_steps = max(1, int(B).bit_length())
     split = 1
+    # the most partitions a request of this cache can have
+    scratch_parts = min(MAX_PARTITIONS,
+                        -(-block_tables.shape[1] * k_cache.shape[1] // PARTITION_KEYS))
     if fused or tree:  # decode, verify, token trees
         split = split_programs or _split_programs(grid[0] * grid[1] * grid[2], qkv.device)
-    split = max(1, min(split, -(-block_tables.shape[1] * k_cache.shape[1] // PARTITION_KEYS)))
+        split = max(1, min(split, scratch_parts))
     if split > 1:
         grid = (grid[0], grid[1], grid[2] * split)
-        scratch_parts = min(MAX_PARTITIONS,
-                            -(-block_tables.shape[1] * k_cache.shape[1] // PARTITION_KEYS))
         parts = torch.empty((T, num_heads, scratch_parts, D), dtype=torch.float32,
                             device=qkv.device)
         maxes_sums = torch.empty((T, num_heads, scratch_parts, 2), dtype=torch.float32,
                                  device=qkv.device)
         num_parts = torch.zeros((T,), dtype=torch.int32, device=qkv.device)
     else:
-        scratch_parts, parts, maxes_sums, num_parts = 1, out, out, query_start
+        parts, maxes_sums, num_parts = out, out, query_start  # (unread without SPLIT)
     paths = tree_paths if tree else query_start  # (unread without TREE)
     path_len = tree_paths.shape[1] if tree else 1
     args = (qkv, cos, sin, q_norm if has_norm else cos, k_norm if has_norm else cos, k_cache,
             v_cache, out, block_tables, slot_ids, context_lens, query_start, tile_starts,
             positions if tree else query_start, paths, parts, maxes_sums, num_parts, split,
-            scratch_parts, B,
+            scratch_parts if split > 1 else 1, B,
             search_steps, qkv.stride(0),
             cos.stride(0), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -181,8 +181,6 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
                 PRECISION=_precision(qkv.dtype), FLAT_GRID=not fused and not tree, TREE=tree,
                 PATH=triton.next_power_of_2(path_len), PART_KEYS=PARTITION_KEYS,
                 MAX_PARTS=MAX_PARTITIONS, num_warps=num_warps)
-    if num_stages is not None:
-        meta["num_stages"] = num_stages
     if not fused:
         _rope_attention_kernel[grid](*args, WRITE=True, ATTEND=False, SPLIT=False, **meta)
     _rope_attention_kernel[grid](*args, WRITE=fused, ATTEND=True, SPLIT=split > 1, **meta)

@@ -67,13 +67,9 @@ def _folded(m, s_sum, acc, big_m, big_l, big_a):
 
 
 @triton.jit
-def _fold(fold, m, s_sum, acc, big_m, big_l, big_a, ALL: tl.constexpr):
-    """Rows ``fold`` (every row with ``ALL``) fold their partition into the running values and
-    start a new partition."""
+def _fold(fold, m, s_sum, acc, big_m, big_l, big_a):
+    """Rows ``fold`` fold their partition into the running values and start a new one."""
     m_new, l_new, a_new = _folded(m, s_sum, acc, big_m, big_l, big_a)
-    if ALL:
-        return (tl.full(m.shape, -1.0e30, tl.float32), tl.zeros(s_sum.shape, tl.float32),
-                tl.zeros(acc.shape, tl.float32), m_new, l_new, a_new)
     return (tl.where(fold, -1.0e30, m), tl.where(fold, 0.0, s_sum),
             tl.where(fold[:, None], 0.0, acc), tl.where(fold, m_new, big_m),
             tl.where(fold, l_new, big_l), tl.where(fold[:, None], a_new, big_a))
@@ -85,13 +81,15 @@ def _fold_at_end(key_end, part, uniform, part_all, m, s_sum, acc, big_m, big_l, 
     there (all alike when the tile's rows share one partition size, ``uniform``)."""
     if uniform:
         if key_end % part_all == 0:
-            m, s_sum, acc, big_m, big_l, big_a = _fold(m > 0, m, s_sum, acc, big_m, big_l,
-                                                       big_a, True)
+            big_m, big_l, big_a = _folded(m, s_sum, acc, big_m, big_l, big_a)
+            m = tl.full(m.shape, -1.0e30, tl.float32)
+            s_sum = tl.zeros(s_sum.shape, tl.float32)
+            acc = tl.zeros(acc.shape, tl.float32)
     else:
         ends = key_end % part == 0
         if tl.max(ends.to(tl.int32), axis=0) > 0:
             m, s_sum, acc, big_m, big_l, big_a = _fold(ends, m, s_sum, acc, big_m, big_l,
-                                                       big_a, False)
+                                                       big_a)
     return m, s_sum, acc, big_m, big_l, big_a
 
 
@@ -237,18 +235,22 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
     v_base = v_cache_ptr + kv_head * stride_vc_head
     first_query = (tile * BLOCK_Q) // G
     last_query = tl.minimum(num_q - 1, (tile * BLOCK_Q + BLOCK_Q - 1) // G)
-    if SPLIT:  # a program left without a partition of its rows' keys returns before any work
-        early_query = (tile * BLOCK_Q + tl.arange(0, BLOCK_Q)) // G
-        early_ok = early_query < num_q
+    if ATTEND:
+        rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)  # row = query * G + head in group
+        query = rows // G
+        row_ok = query < num_q
+        token = (q_lo + query).to(tl.int64)
+        head = kv_head * G + rows % G
         if TREE:
-            early_pos = tl.load(pos_ptr + (q_lo + early_query).to(tl.int64), mask=early_ok,
-                                other=0)
+            pos = tl.load(pos_ptr + token, mask=row_ok, other=0)  # root row + depth
         else:
-            early_pos = ctx - num_q + early_query
-        early_part = _partition_size(early_pos, PART_KEYS, MAX_PARTS)
-        if split_program >= tl.max(tl.where(early_ok, (early_pos + early_part) // early_part,
-                                            0), axis=0):
-            return
+            pos = ctx - num_q + query  # absolute position of the row's query
+        part = _partition_size(pos, PART_KEYS, MAX_PARTS)  # [BLOCK_Q] keys per partition
+        if SPLIT:
+            num_parts = (pos + part) // part  # [BLOCK_Q] each row's partitions
+            last_part = tl.max(tl.where(row_ok, num_parts, 0), axis=0)
+            if split_program >= last_part:  # no partition for this program: no work at all
+                return
     if WRITE:
         # K (rotated) and V of the new tokens, in blocks of BLOCK_Q tokens: with ATTEND every
         # block up to this tile's last query (tiles of one head write the same values), else
@@ -279,13 +281,7 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
                      mask=ok[:, None])
         tl.debug_barrier()  # this program's cache writes are visible to its reads below
     if ATTEND:
-        rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)  # row = query * G + head in group
-        query = rows // G
-        row_ok = query < num_q
-        token = (q_lo + query).to(tl.int64)
-        head = kv_head * G + rows % G
         if TREE:
-            pos = tl.load(pos_ptr + token, mask=row_ok, other=0)  # root row + depth
             # the root's cache row, from the first query's path (slots at depths 0 .. depth)
             first_token = (q_lo + first_query).to(tl.int64)
             steps = tl.arange(0, PATH)
@@ -296,14 +292,12 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
             first_pos = tl.min(tl.where(row_ok, pos, last_pos), axis=0)
             tree_start = root // BLOCK_KV * BLOCK_KV  # the first key block holding a tree row
         else:
-            pos = ctx - num_q + query  # absolute position of the row's query
             last_pos = ctx - num_q + last_query
             first_pos = ctx - num_q + first_query
             tree_start = last_pos + 1
         q = _rope_rows(qkv_ptr + token[:, None] * stride_qkv + head[:, None] * D, d, partner,
                        pos, row_ok, cos_ptr, sin_ptr, stride_cos, qn_ptr, eps, D, HAS_QK_NORM)
         q = q.to(qkv_ptr.dtype.element_ty)  # q rounded to the model dtype, as the twin's
-        part = _partition_size(pos, PART_KEYS, MAX_PARTS)  # [BLOCK_Q] keys per partition
         part_min = tl.min(tl.where(row_ok, part, 1 << 30), axis=0)
         part_max = tl.max(tl.where(row_ok, part, 0), axis=0)
         uniform = part_min == part_max
@@ -319,8 +313,6 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
         if SPLIT:
             # Partitions split_program, + num_split, ...: each from a fresh state, its rows'
             # keys limited to their partition, written for the combine launch to fold in order.
-            num_parts = (pos + part) // part  # [BLOCK_Q] each row's partitions
-            last_part = tl.max(tl.where(row_ok, num_parts, 0), axis=0)
             tl.store(nparts_ptr + token, num_parts.to(tl.int32), mask=row_ok & (rows % G == 0))
             for z in range(split_program, last_part, num_split):
                 lo = z * part  # [BLOCK_Q]
@@ -401,8 +393,7 @@ def _combine_partitions_kernel(part_ptr, ml_ptr, nparts_ptr, out_ptr, num_rows, 
         m = tl.load(ml_ptr + at * 2, mask=has, other=-1.0e30)
         s_sum = tl.load(ml_ptr + at * 2 + 1, mask=has, other=0.0)
         acc = tl.load(part_ptr + at[:, None] * D + d[None, :], mask=has[:, None], other=0.0)
-        m, s_sum, acc, big_m, big_l, big_a = _fold(has, m, s_sum, acc, big_m, big_l, big_a,
-                                                   False)
+        m, s_sum, acc, big_m, big_l, big_a = _fold(has, m, s_sum, acc, big_m, big_l, big_a)
     out = big_a / tl.where(n > 0, big_l, 1.0)[:, None]  # (rows of no request: not stored)
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(ok & (n > 0))[:, None])

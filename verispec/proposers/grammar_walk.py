@@ -86,19 +86,20 @@ class GrammarWalks(_ColumnMasks):
         return self._masked(logits, [(j, self.masks[a]) for j, a in enumerate(rows.tolist())
                                      if a in self.masks])
 
-    def advance(self, draft_ids: torch.Tensor | np.ndarray, rows: np.ndarray,
+    def advance(self, draft_ids: torch.Tensor | list[int], rows: np.ndarray,
                 last: np.ndarray) -> None:
         """Walk each of ``rows``' matchers along its new draft (``draft_ids`` [len(rows)]: on
-        the device, one host read, or already on the host); a request whose draft was its last
+        the device, one host read, or already read); a request whose draft was its last
         (``last`` [len(rows)] bool) ends its walk."""
         walked = [(j, a) for j, a in enumerate(rows.tolist()) if a in self.masks]
         if not walked:
             return
-        picked = np.array([j for j, _ in walked], dtype=np.int64)
-        if isinstance(draft_ids, np.ndarray):
-            ids = draft_ids[picked].tolist()
+        picked = [j for j, _ in walked]
+        if isinstance(draft_ids, list):
+            ids = [draft_ids[j] for j in picked]
         else:
-            ids = draft_ids[ops.to_device(picked, draft_ids.device)].tolist()
+            ids = draft_ids[ops.to_device(np.array(picked, dtype=np.int64),
+                                          draft_ids.device)].tolist()
         masks = extend_drafts([self.grammars[a] for _, a in walked], ids)
         for (j, a), mask in zip(walked, masks):
             self.masks[a] = mask

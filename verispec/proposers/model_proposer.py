@@ -52,21 +52,7 @@ from verispec.proposers.draft_tree import DraftTreeDrafting, context_tail
 from verispec.proposers.grammar_walk import GrammarWalks
 from verispec.proposers.model_graph import AheadDraft, ModelGraphDrafting
 from verispec.runtime.model_runner import ModelRunner
-
-
-def _copy_to_host(ids: torch.Tensor):
-    """Queue a copy of ``ids`` to the host now; returns a function that waits for that copy
-    alone (not for work queued after it) and gives the values as a numpy array."""
-    if ids.device.type != "cuda":
-        return lambda: ids.numpy()
-    host = ids.to("cpu", non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-
-    def wait() -> np.ndarray:
-        copied.synchronize()
-        return host.numpy()
-    return wait
+from verispec.sample.options import HostDrafts
 
 
 class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
@@ -234,7 +220,7 @@ class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
                 # (free on the CPU; on a GPU it waits for this position's sampling).
                 feed_ids = draft_ids[torch.from_numpy(np.flatnonzero(keep)).to(self.device)]
                 walked, rows = rows, rows[keep]
-                host_ids = _copy_to_host(draft_ids) if walks else None
+                host_ids = HostDrafts(draft_ids) if walks else None
                 if by_position:  # d_{i+1} at position num_tokens + i
                     logits = self._position_logits(slots[rows], feed_ids[:, None],
                                                    num_tokens[rows] + i)
@@ -246,7 +232,7 @@ class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
                     # the masks of d_{i+2} are built while the device runs the forward above
                     # (the replayed forward takes d_{i+1} on the device; its host copy was
                     # queued before it)
-                    walks.advance(host_ids(), walked, ~keep)
+                    walks.advance(host_ids.tolist(), walked, ~keep)
         finally:
             walks.close()  # (every walk has ended unless drafting failed)
 
