@@ -228,19 +228,21 @@ def _each_query_alone(inputs, counts, contexts, together, **kwargs):
 
 
 @pytest.mark.parametrize("window", [None, 90])
-def test_partitions_and_split_kv_keep_the_bits(device, monkeypatch, window):
-    """The reduction's partitions (here 64 keys, at most 2 a query, so 128 and 192 past
-    positions 128 and 256; tiles whose queries straddle 256 have both): a decode or verify
-    launch split over 1, 2 or 3 programs a tile (split-KV, then the combine launch) gives the
+@pytest.mark.parametrize("max_partitions", [2, 8])
+def test_partitions_and_split_kv_keep_the_bits(device, monkeypatch, window, max_partitions):
+    """The reduction's partitions (here 64 keys; at most 2 a query, so 128 and 192 past
+    positions 128 and 256, or at most 8, so 128 past 512; tiles whose queries straddle a size
+    change have both): a decode or verify launch split over 1, 2, 3 or 5 programs a tile
+    (split-KV, each program a contiguous run of partitions, then the combine launch) gives the
     bits of one program a tile, and a prefill launch (the flat grid, folding as it goes) gives
     each row the bits of that query decoded alone, split."""
     monkeypatch.setattr(triton_attention, "PARTITION_KEYS", 64)
-    monkeypatch.setattr(triton_attention, "MAX_PARTITIONS", 2)
-    counts, contexts = [1, 4, 3, 4, 2], [1, 70, 131, 258, 300]  # 254 .. 257: two sizes
-    inputs = _attention_inputs(device, torch.float32, counts, contexts, max_len=320,
+    monkeypatch.setattr(triton_attention, "MAX_PARTITIONS", max_partitions)
+    counts, contexts = [1, 4, 3, 4, 2, 3], [1, 70, 131, 258, 300, 514]  # 254 .. 257: two sizes
+    inputs = _attention_inputs(device, torch.float32, counts, contexts, max_len=528,
                                block_size=16)
     split = [_rope_attention(triton_model.rope_cache_attention, inputs, window=window,
-                             split_programs=n) for n in (1, 2, 3)]
+                             split_programs=n) for n in (1, 2, 3, 5)]
     for out, k, v in split[1:]:
         assert torch.equal(out, split[0][0])
         assert torch.equal(k, split[0][1]) and torch.equal(v, split[0][2])

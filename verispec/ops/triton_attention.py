@@ -51,8 +51,12 @@ ATTENTION_BLOCK_KV = 64  # keys per step of the online softmax (part of the redu
 # most MAX_PARTITIONS of them; each partition's online softmax starts afresh and the partitions
 # are folded in order. One kernel folds them as it goes; a small batch's decode or verify
 # (split-KV) computes them in programs of their own and folds them in a second launch.
-PARTITION_KEYS = 512
-MAX_PARTITIONS = 64
+# 128 x 32 (against 512 x 64): a batch-1 decode at 1 k keys spends 13 us a layer, not 22, and
+# 60 us at 32 k, not 79 (partitions of 128 give a short context's keys to 8 programs a kv head;
+# past 4 k keys they grow, and a program takes a contiguous run of them in one loop: fewer,
+# longer loops than one a partition; docs/benchmarks.md).
+PARTITION_KEYS = 128  # a multiple of ATTENTION_BLOCK_KV: no key block straddles two partitions
+MAX_PARTITIONS = 32
 # A split-KV launch has about this many programs per multiprocessor (0: no split-KV).
 SPLIT_PROGRAMS_PER_SM = 4
 
@@ -101,8 +105,9 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
 
     A decode or verify launch with few programs (a small batch) runs split-KV: each (request, kv
     head, tile) gets ``split_programs`` programs (default: enough for ``SPLIT_PROGRAMS_PER_SM``
-    a multiprocessor), each computing every ``split_programs``-th partition of the rows' keys,
-    and a second launch folds the partitions in order. Same bits as one program per tile.
+    a multiprocessor), each computing a contiguous run of the partitions of the rows' keys (the
+    first ceil(n / split_programs), the next, ...), and a second launch folds the partitions in
+    order. Same bits as one program per tile.
 
     With ``tree_paths`` (token trees) the kernel is compiled with ``TREE``: tiles hold the
     (query, head) rows as a chain's do, a query's position is ``positions[token]``, and the key
@@ -112,6 +117,9 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
     blocks, order and products are those of the same query in a chain, so both give the same
     bits."""
     _check_index(slot_ids=slot_ids, context_lens=context_lens, query_start=query_start)
+    if PARTITION_KEYS % ATTENTION_BLOCK_KV:
+        raise ValueError(f"PARTITION_KEYS ({PARTITION_KEYS}) must be a multiple of "
+                         f"ATTENTION_BLOCK_KV ({ATTENTION_BLOCK_KV})")
     tree = tree_paths is not None
     if tree:
         _check_index(positions=positions)
@@ -187,8 +195,8 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
     if split > 1:
         rows = T * num_heads
         _combine_partitions_kernel[(triton.cdiv(rows, COMBINE_ROWS),)](
-            parts, maxes_sums, num_parts, out, rows, scratch_parts, out.stride(0),
-            out.stride(1), HQ=num_heads, D=D, ROWS=COMBINE_ROWS, num_warps=4)
+            parts, maxes_sums, num_parts, out, rows, out.stride(0), out.stride(1),
+            HQ=num_heads, D=D, ROWS=COMBINE_ROWS, PARTS=scratch_parts, num_warps=4)
     return out
 
 
