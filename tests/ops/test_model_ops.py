@@ -227,17 +227,23 @@ def _each_query_alone(inputs, counts, contexts, together, **kwargs):
     return k_cache, v_cache
 
 
+# (SMALL_PARTITION_KEYS, SMALL_PARTITIONS, PARTITION_KEYS, MAX_PARTITIONS) shrunk: 64-key
+# partitions, at most 2 a query (128 and 192 past positions 128 and 256) or 8 (128 past 512);
+# 64 keys below position 128, then 128 and 256 (past 256)
+SMALL_PARTITIONS = [(64, 0, 64, 2), (64, 0, 64, 8), (64, 2, 128, 2)]
+
+
 @pytest.mark.parametrize("window", [None, 90])
-@pytest.mark.parametrize("max_partitions", [2, 8])
-def test_partitions_and_split_kv_keep_the_bits(device, monkeypatch, window, max_partitions):
-    """The reduction's partitions (here 64 keys; at most 2 a query, so 128 and 192 past
-    positions 128 and 256, or at most 8, so 128 past 512; tiles whose queries straddle a size
+@pytest.mark.parametrize("partitions", SMALL_PARTITIONS)
+def test_partitions_and_split_kv_keep_the_bits(device, monkeypatch, window, partitions):
+    """The reduction's partitions (``SMALL_PARTITIONS``; tiles whose queries straddle a size
     change have both): a decode or verify launch split over 1, 2, 3 or 5 programs a tile
-    (split-KV, each program a contiguous run of partitions, then the combine launch) gives the
-    bits of one program a tile, and a prefill launch (the flat grid, folding as it goes) gives
-    each row the bits of that query decoded alone, split."""
-    monkeypatch.setattr(triton_attention, "PARTITION_KEYS", 64)
-    monkeypatch.setattr(triton_attention, "MAX_PARTITIONS", max_partitions)
+    (split-KV, then the combine launch) gives the bits of one program a tile, and a prefill
+    launch (the flat grid, folding as it goes) gives each row the bits of that query decoded
+    alone, split."""
+    for name, value in zip(("SMALL_PARTITION_KEYS", "SMALL_PARTITIONS", "PARTITION_KEYS",
+                            "MAX_PARTITIONS"), partitions):
+        monkeypatch.setattr(triton_attention, name, value)
     counts, contexts = [1, 4, 3, 4, 2, 3], [1, 70, 131, 258, 300, 514]  # 254 .. 257: two sizes
     inputs = _attention_inputs(device, torch.float32, counts, contexts, max_len=528,
                                block_size=16)

@@ -195,12 +195,15 @@ def test_paged_trees_equal_contiguous_bitwise(device, op):
             assert torch.equal(a.cpu(), b.cpu()), block_size
 
 
-def test_trees_split_over_partitions_keep_their_chains_bits(device, monkeypatch):
-    """Trees over contexts of several partitions (here 64 keys, at most 2 a query: 128 past
-    position 128), verified with split-KV over 1, 2 or 3 programs a tile: the same bits and
-    caches each way, and each token the bits of its path decoded one token at a time."""
-    monkeypatch.setattr(triton_attention, "PARTITION_KEYS", 64)
-    monkeypatch.setattr(triton_attention, "MAX_PARTITIONS", 2)
+@pytest.mark.parametrize("partitions", [(64, 0, 64, 2), (64, 2, 128, 2)])
+def test_trees_split_over_partitions_keep_their_chains_bits(device, monkeypatch, partitions):
+    """Trees over contexts of several partitions (64 keys, at most 2 a query: 128 past position
+    128; or 64 keys below position 128, then 128), verified with split-KV over 1, 2 or 3
+    programs a tile: the same bits and caches each way, and each token the bits of its path
+    decoded one token at a time."""
+    for name, value in zip(("SMALL_PARTITION_KEYS", "SMALL_PARTITIONS", "PARTITION_KEYS",
+                            "MAX_PARTITIONS"), partitions):
+        monkeypatch.setattr(triton_attention, name, value)
     trees = (([-1, -1, 0, 0, 1, 2, 3], 125, 0), ([-1, 0, 1, 2], 190, 0),
              ([-1, -1, 0, 1, 1, 3], 60, 3))
     inputs, layout = _tree_inputs(device, trees=trees, max_len=224, block_size=16)

@@ -46,17 +46,20 @@ ATTENTION_BLOCK_Q = 16  # query rows per program (tl.dot needs >= 16)
 # faster, but cost decode 5 % at batch 1 and 10 % at batch 64 (docs/benchmarks.md).
 PREFILL_BLOCK_Q = 32
 ATTENTION_BLOCK_KV = 64  # keys per step of the online softmax (part of the reduction order)
-# The reduction order's partitions (docs/design.md §12): a query at position p reads its keys in
+# The reduction order's partitions (docs/design.md §12): a query at position p < SMALL_PARTITIONS
+# x SMALL_PARTITION_KEYS reads its keys in partitions of SMALL_PARTITION_KEYS, one further on in
 # partitions of PARTITION_KEYS x ceil(ceil((p + 1) / PARTITION_KEYS) / MAX_PARTITIONS) keys, at
 # most MAX_PARTITIONS of them; each partition's online softmax starts afresh and the partitions
 # are folded in order. One kernel folds them as it goes; a small batch's decode or verify
-# (split-KV) computes them in programs of their own and folds them in a second launch.
-# 128 x 32 (against 512 x 64): a batch-1 decode at 1 k keys spends 13 us a layer, not 22, and
-# 60 us at 32 k, not 79 (partitions of 128 give a short context's keys to 8 programs a kv head;
-# past 4 k keys they grow, and a program takes a contiguous run of them in one loop: fewer,
-# longer loops than one a partition; docs/benchmarks.md).
-PARTITION_KEYS = 128  # a multiple of ATTENTION_BLOCK_KV: no key block straddles two partitions
-MAX_PARTITIONS = 32
+# (split-KV) computes them in programs of their own and folds them in a second launch. The small
+# partitions give a short context's keys to more programs (batch 1, 1 k keys: 13 us a layer,
+# not 22); past 2 k keys, 512 and more keep a program's loop long (partitions of 128 everywhere
+# made 16 x 4 000 keys 18 % slower; docs/benchmarks.md). All are multiples of
+# ATTENTION_BLOCK_KV: no key block straddles two partitions.
+SMALL_PARTITION_KEYS = 128
+SMALL_PARTITIONS = 16
+PARTITION_KEYS = 512
+MAX_PARTITIONS = 64
 # A split-KV launch has about this many programs per multiprocessor (0: no split-KV).
 SPLIT_PROGRAMS_PER_SM = 4
 
@@ -105,9 +108,8 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
 
     A decode or verify launch with few programs (a small batch) runs split-KV: each (request, kv
     head, tile) gets ``split_programs`` programs (default: enough for ``SPLIT_PROGRAMS_PER_SM``
-    a multiprocessor), each computing a contiguous run of the partitions of the rows' keys (the
-    first ceil(n / split_programs), the next, ...), and a second launch folds the partitions in
-    order. Same bits as one program per tile.
+    a multiprocessor), each computing every ``split_programs``-th partition of the rows' keys,
+    and a second launch folds the partitions in order. Same bits as one program per tile.
 
     With ``tree_paths`` (token trees) the kernel is compiled with ``TREE``: tiles hold the
     (query, head) rows as a chain's do, a query's position is ``positions[token]``, and the key
@@ -117,9 +119,10 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
     blocks, order and products are those of the same query in a chain, so both give the same
     bits."""
     _check_index(slot_ids=slot_ids, context_lens=context_lens, query_start=query_start)
-    if PARTITION_KEYS % ATTENTION_BLOCK_KV:
-        raise ValueError(f"PARTITION_KEYS ({PARTITION_KEYS}) must be a multiple of "
-                         f"ATTENTION_BLOCK_KV ({ATTENTION_BLOCK_KV})")
+    if PARTITION_KEYS % ATTENTION_BLOCK_KV or SMALL_PARTITION_KEYS % ATTENTION_BLOCK_KV:
+        raise ValueError(f"PARTITION_KEYS ({PARTITION_KEYS}) and SMALL_PARTITION_KEYS "
+                         f"({SMALL_PARTITION_KEYS}) must be multiples of ATTENTION_BLOCK_KV "
+                         f"({ATTENTION_BLOCK_KV})")
     tree = tree_paths is not None
     if tree:
         _check_index(positions=positions)
@@ -158,8 +161,9 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
         search_steps = max(1, int(B).bit_length())
     split = 1
     # the most partitions a request of this cache can have
-    scratch_parts = min(MAX_PARTITIONS,
-                        -(-block_tables.shape[1] * k_cache.shape[1] // PARTITION_KEYS))
+    cache_keys = block_tables.shape[1] * k_cache.shape[1]
+    scratch_parts = max(min(MAX_PARTITIONS, -(-cache_keys // PARTITION_KEYS)),
+                        min(SMALL_PARTITIONS, -(-cache_keys // SMALL_PARTITION_KEYS)))
     if fused or tree:  # decode, verify, token trees
         split = split_programs or _split_programs(grid[0] * grid[1] * grid[2], qkv.device)
         split = max(1, min(split, scratch_parts))
@@ -187,7 +191,8 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
                 BLOCK_Q=block_q,
                 BLOCK_KV=ATTENTION_BLOCK_KV, HAS_QK_NORM=has_norm, WINDOWED=window is not None,
                 PRECISION=_precision(qkv.dtype), FLAT_GRID=not fused and not tree, TREE=tree,
-                PATH=triton.next_power_of_2(path_len), PART_KEYS=PARTITION_KEYS,
+                PATH=triton.next_power_of_2(path_len), SMALL_KEYS=SMALL_PARTITION_KEYS,
+                SMALL_PARTS=SMALL_PARTITIONS, PART_KEYS=PARTITION_KEYS,
                 MAX_PARTS=MAX_PARTITIONS, num_warps=num_warps)
     if not fused:
         _rope_attention_kernel[grid](*args, WRITE=True, ATTEND=False, SPLIT=False, **meta)

@@ -47,11 +47,14 @@ def _softmax_step(scores, key_pos, pos, window, m, s_sum, WINDOWED: tl.constexpr
 
 
 @triton.jit
-def _partition_size(pos, PART_KEYS: tl.constexpr, MAX_PARTS: tl.constexpr):
-    """Keys per partition of the reduction of queries at ``pos``: PART_KEYS times as many as
-    keep keys 0 .. pos within MAX_PARTS partitions."""
+def _partition_size(pos, SMALL_KEYS: tl.constexpr, SMALL_PARTS: tl.constexpr,
+                    PART_KEYS: tl.constexpr, MAX_PARTS: tl.constexpr):
+    """Keys per partition of the reduction of queries at ``pos``: SMALL_KEYS below position
+    SMALL_KEYS x SMALL_PARTS, else PART_KEYS times as many as keep keys 0 .. pos within
+    MAX_PARTS partitions."""
     units = (pos + PART_KEYS) // PART_KEYS
-    return PART_KEYS * ((units + MAX_PARTS - 1) // MAX_PARTS)
+    large = PART_KEYS * ((units + MAX_PARTS - 1) // MAX_PARTS)
+    return tl.where(pos < SMALL_KEYS * SMALL_PARTS, SMALL_KEYS, large)
 
 
 @triton.jit
@@ -198,7 +201,8 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
                            HAS_QK_NORM: tl.constexpr, WINDOWED: tl.constexpr,
                            WRITE: tl.constexpr, ATTEND: tl.constexpr, PRECISION: tl.constexpr,
                            FLAT_GRID: tl.constexpr, TREE: tl.constexpr, PATH: tl.constexpr,
-                           SPLIT: tl.constexpr, PART_KEYS: tl.constexpr,
+                           SPLIT: tl.constexpr, SMALL_KEYS: tl.constexpr,
+                           SMALL_PARTS: tl.constexpr, PART_KEYS: tl.constexpr,
                            MAX_PARTS: tl.constexpr):
     G: tl.constexpr = HQ // HKV
     if FLAT_GRID:  # grid (tiles of every request, kv heads): find this tile's request
@@ -245,12 +249,12 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
             pos = tl.load(pos_ptr + token, mask=row_ok, other=0)  # root row + depth
         else:
             pos = ctx - num_q + query  # absolute position of the row's query
-        part = _partition_size(pos, PART_KEYS, MAX_PARTS)  # [BLOCK_Q] keys per partition
+        # [BLOCK_Q] keys per partition
+        part = _partition_size(pos, SMALL_KEYS, SMALL_PARTS, PART_KEYS, MAX_PARTS)
         if SPLIT:
             num_parts = (pos + part) // part  # [BLOCK_Q] each row's partitions
             last_part = tl.max(tl.where(row_ok, num_parts, 0), axis=0)
-            per = (last_part + num_split - 1) // num_split  # contiguous partitions a program
-            if split_program * per >= last_part:  # no partition for this program: no work
+            if split_program >= last_part:  # no partition for this program: no work at all
                 return
     if WRITE:
         # K (rotated) and V of the new tokens, in blocks of BLOCK_Q tokens: with ATTEND every
@@ -312,57 +316,41 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
         if WINDOWED:  # blocks wholly before every row's window are skipped (aligned to BLOCK_KV)
             kv_lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_KV * BLOCK_KV
         if SPLIT:
-            # Partitions [z0, z1) of this program, contiguous: one loop over their keys, each
-            # partition an online softmax from a fresh state, stored where it ends (its last
-            # key block, or the row's last key) for the combine launch to fold in order.
+            # Partitions split_program, + num_split, ...: each from a fresh state, its rows'
+            # keys limited to their partition, written for the combine launch to fold in order.
             tl.store(nparts_ptr + token, num_parts.to(tl.int32), mask=row_ok & (rows % G == 0))
-            z0 = split_program * per
-            z1 = tl.minimum(z0 + per, last_part)
-            lo = z0 * part  # [BLOCK_Q] each row's keys here: [lo, lo + span)
-            span = (z1 - z0) * part
-            base = (token * HQ + head) * scratch_parts  # [BLOCK_Q]
-            if WINDOWED:  # partitions before the window get no key block: stored empty
-                for z in range(z0, z1):
-                    keep = row_ok & (z < num_parts)
-                    tl.store(ml_ptr + (base + z) * 2, m, mask=keep)
-                    tl.store(ml_ptr + (base + z) * 2 + 1, s_sum, mask=keep)
-                    tl.store(part_ptr + (base + z)[:, None] * D + d[None, :], acc,
-                             mask=keep[:, None])
-                tl.debug_barrier()  # the partitions' own values land after these
-            for start in range(tl.maximum(z0 * part_min, kv_lo),
-                               tl.minimum(z1 * part_max, last_pos + 1), BLOCK_KV):
-                if TREE:
-                    if start >= tree_start:
-                        m, s_sum, acc = _tree_tile(
-                            q, m, s_sum, acc, start, pos, window, lo, span, query, first_query,
-                            last_query, q_lo, root, path_ptr, pos_ptr, bt_row, k_base, v_base,
-                            d, stride_path, stride_kc_block, stride_kc_pos, stride_vc_block,
-                            stride_vc_pos, scale, BLOCK_SIZE, BLOCK_Q, BLOCK_KV, PRECISION,
-                            WINDOWED, True)
+            for z in range(split_program, last_part, num_split):
+                lo = z * part  # [BLOCK_Q]
+                m = tl.full((BLOCK_Q,), -1.0e30, tl.float32)
+                s_sum = tl.zeros((BLOCK_Q,), tl.float32)
+                acc = tl.zeros((BLOCK_Q, D), tl.float32)
+                for start in range(tl.maximum(z * part_min, kv_lo),
+                                   tl.minimum((z + 1) * part_max, last_pos + 1), BLOCK_KV):
+                    if TREE:
+                        if start >= tree_start:
+                            m, s_sum, acc = _tree_tile(
+                                q, m, s_sum, acc, start, pos, window, lo, part, query,
+                                first_query, last_query, q_lo, root, path_ptr, pos_ptr, bt_row,
+                                k_base, v_base, d, stride_path, stride_kc_block, stride_kc_pos,
+                                stride_vc_block, stride_vc_pos, scale, BLOCK_SIZE, BLOCK_Q,
+                                BLOCK_KV, PRECISION, WINDOWED, True)
+                        else:
+                            m, s_sum, acc = _shared_tile(
+                                q, m, s_sum, acc, start, pos, window, lo, part, bt_row, k_base,
+                                v_base, last_pos, d, stride_kc_block, stride_kc_pos,
+                                stride_vc_block, stride_vc_pos, scale, BLOCK_SIZE, BLOCK_KV,
+                                PRECISION, WINDOWED, True)
                     else:
                         m, s_sum, acc = _shared_tile(
-                            q, m, s_sum, acc, start, pos, window, lo, span, bt_row, k_base,
+                            q, m, s_sum, acc, start, pos, window, lo, part, bt_row, k_base,
                             v_base, last_pos, d, stride_kc_block, stride_kc_pos,
                             stride_vc_block, stride_vc_pos, scale, BLOCK_SIZE, BLOCK_KV,
                             PRECISION, WINDOWED, True)
-                else:
-                    m, s_sum, acc = _shared_tile(
-                        q, m, s_sum, acc, start, pos, window, lo, span, bt_row, k_base, v_base,
-                        last_pos, d, stride_kc_block, stride_kc_pos, stride_vc_block,
-                        stride_vc_pos, scale, BLOCK_SIZE, BLOCK_KV, PRECISION, WINDOWED, True)
-                # a row's partition ends with this block at a multiple of its size or at its
-                # last key (a key block never straddles two partitions: BLOCK_KV divides them)
-                z = start // part  # [BLOCK_Q]
-                ends = (((start + BLOCK_KV) % part == 0) | (start + BLOCK_KV > pos)) & \
-                    (start <= pos) & (z >= z0) & (z < z1) & row_ok
-                if tl.max(ends.to(tl.int32), axis=0) > 0:
-                    tl.store(ml_ptr + (base + z) * 2, m, mask=ends)
-                    tl.store(ml_ptr + (base + z) * 2 + 1, s_sum, mask=ends)
-                    tl.store(part_ptr + (base + z)[:, None] * D + d[None, :], acc,
-                             mask=ends[:, None])
-                    m = tl.where(ends, -1.0e30, m)
-                    s_sum = tl.where(ends, 0.0, s_sum)
-                    acc = tl.where(ends[:, None], 0.0, acc)
+                at = (token * HQ + head) * scratch_parts + z  # [BLOCK_Q]
+                keep = row_ok & (z < num_parts)
+                tl.store(ml_ptr + at * 2, m, mask=keep)
+                tl.store(ml_ptr + at * 2 + 1, s_sum, mask=keep)
+                tl.store(part_ptr + at[:, None] * D + d[None, :], acc, mask=keep[:, None])
             return
         # key blocks every row of the tile reads alike (a tree's context before its root)
         for start in range(kv_lo, tl.minimum(tree_start, last_pos + 1), BLOCK_KV):
@@ -396,8 +384,7 @@ def _combine_partitions_kernel(part_ptr, ml_ptr, nparts_ptr, out_ptr, num_rows, 
     """Split-KV's second launch: each (token, head) row folds its partitions in order with
     ``_fold``, as the one-launch kernel does, and writes partitions-folded / sum. The loop over
     the ``PARTS`` scratch partitions is unrolled: no load waits on a fold, so the loads of every
-    partition are in flight together (a loop waited on each in turn, and a launch folding 16
-    partitions a row took longer than the attention it folded)."""
+    partition are in flight together."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < num_rows
     token = (rows // HQ).to(tl.int64)
