@@ -12,6 +12,14 @@ their rows compared with a launch of the decode rows alone.
 
     python benchmarks/bench_attention.py [--contexts 4096,32768] [--chunks 512,2048]
 
+``--decode`` times decode and verify launches instead (``--cases`` BxL[xQ]: B requests of Q
+queries at L keys): each launch pair (attention, split-KV combine) captured 20 times in a CUDA
+graph (a launch timed alone is host-bound at batch 1), split-KV against one program a tile
+(their bits compared), under the default partitions and under 512-key partitions from key 0
+(``SMALL_PARTITIONS = 0``, the layout before small partitions).
+
+    python benchmarks/bench_attention.py --decode [--cases 1x1024,16x4000]
+
 Prints a table, then one JSON line.
 """
 
@@ -83,16 +91,84 @@ def run(case, block_q, num_warps, repeats):
     return out, float(np.median(times[1:]))
 
 
+DECODE_CASES = ("1x500,1x1024,1x2000,1x2100,1x4096,1x32000,8x8000,16x4000,2x2000,1x1024x4,"
+                "64x1024")
+GRAPH_CALLS = 20
+
+
+def graph_us(case: dict, **kwargs) -> tuple[torch.Tensor, float]:
+    """(output, median device microseconds of one launch pair) over ``GRAPH_CALLS`` calls
+    replayed from a CUDA graph."""
+    from verispec.ops import triton_model
+
+    def call():
+        return triton_model.rope_cache_attention(**case, **kwargs)
+
+    out = call()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        call()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(GRAPH_CALLS):
+                call()
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / GRAPH_CALLS)
+    return out, float(np.median(times[2:]))
+
+
+def decode_rows(cases: str, device: torch.device) -> list[dict]:
+    from verispec.ops import triton_attention
+
+    layouts = {"default": triton_attention.SMALL_PARTITIONS, "512 from key 0": 0}
+    rows = []
+    for spec in cases.split(","):
+        b, length, *q = (int(x) for x in spec.split("x"))
+        queries = q[0] if q else 1
+        case = make_case(queries, length, b - 1, length, device)
+        kv_bytes = b * length * HKV * D * 2 * 2  # K and V, bfloat16
+        for name, small in layouts.items():
+            triton_attention.SMALL_PARTITIONS = small
+            try:
+                split, split_us = graph_us(case)
+                one, one_us = graph_us(case, split_programs=1)
+            finally:
+                triton_attention.SMALL_PARTITIONS = layouts["default"]
+            rows.append(dict(batch=b, keys=length, queries=queries, partitions=name,
+                             split_us=split_us, gb_s=kv_bytes / split_us / 1e3,
+                             one_program_us=one_us, same_bits=bool(torch.equal(split, one))))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="4096,32768")
     parser.add_argument("--chunks", default="512,2048")
     parser.add_argument("--decodes", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--decode", action="store_true",
+                        help="decode / verify launches (--cases) instead of prefill chunks")
+    parser.add_argument("--cases", default=DECODE_CASES, help="with --decode: BxL[xQ],...")
     args = parser.parse_args()
     from verispec.bench.report import machine_description, print_table
 
+    if not torch.cuda.is_available():
+        parser.error("this benchmark times the GPU kernel: it needs CUDA")
     device = torch.device("cuda")
+    if args.decode:
+        rows = decode_rows(args.cases, device)
+        print(machine_description())
+        print_table(rows, ["batch", "keys", "queries", "partitions", "split_us", "gb_s",
+                           "one_program_us", "same_bits"])
+        print(json.dumps({"benchmark": "decode_attention", "machine": machine_description(),
+                          "rows": rows}))
+        return
     rows = []
     for context in [int(x) for x in args.contexts.split(",")]:
         for chunk in [int(x) for x in args.chunks.split(",")]:
