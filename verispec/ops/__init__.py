@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from verispec.ops import staging
 from verispec.ops.backend import (
     Backend,
     few_rows_on_one_thread,
@@ -21,13 +22,12 @@ from verispec.ops.rejection import PLACEHOLDER_TOKEN_ID, num_output_tokens
 def to_device(data, device: torch.device | str, dtype: torch.dtype | None = None
               ) -> torch.Tensor:
     """Host data (a numpy array, a list, a CPU tensor) on ``device``. To a CUDA device the copy
-    goes through pinned memory and does not wait: a copy from pageable memory first waits for
-    the stream to drain, which would serialize the host's preparation of a step behind the
-    GPU's work on the step before."""
+    goes through pinned memory and does not wait (``ops.staging``)."""
     tensor = torch.as_tensor(data, dtype=dtype)
-    if torch.device(device).type != "cuda":
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type == "cuda":
         return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return staging.to_cuda(tensor, device)
 
 
 def rejection_sample(target_logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:
