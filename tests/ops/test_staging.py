@@ -33,7 +33,7 @@ def test_no_slice_is_reused_while_a_copy_reads_it():
     in_flight: list[tuple[int, int, _Event]] = []
     rng = np.random.default_rng(0)
     waits = 0
-    for i in range(2000):
+    for _ in range(2000):
         n = int(rng.integers(1, 257))  # int32 elements: up to a quarter of the ring
         data = torch.from_numpy(rng.integers(-2**31, 2**31 - 1, n, dtype=np.int64)
                                 .astype(np.int32))
@@ -44,7 +44,7 @@ def test_no_slice_is_reused_while_a_copy_reads_it():
             hi = lo + staged.numel() * staged.element_size()
             assert lo % staging.ALIGN == 0 and hi <= ring.capacity
             for a, b, event in in_flight:
-                assert event.done or b <= lo or a >= hi, (i, lo, hi, a, b)
+                assert event.done or b <= lo or a >= hi, (lo, hi, a, b)
             in_flight.append((lo, hi, None))  # its event is made right after
             return staged.clone()
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from verispec import ops
 from verispec.models.layout import FlatBatch
 from verispec.models.mamba2 import (
     MAX_RECURRENT_TOKENS,
@@ -115,7 +116,7 @@ class FlatMambaStep:
         valid = offsets[None, :] < counts_np[:, None]
 
         def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+            return ops.to_device(np.ascontiguousarray(a, dtype=np.int64), device)
 
         return cls._make(batch.slot_ids, dev(starts_np), dev(counts_np), S, state,
                          dev(pad_index), dev(pad_index[valid]), dev(np.flatnonzero(valid)),

@@ -165,7 +165,7 @@ class DraftTreeDrafting:
             if probs is not None:
                 flat_probs.append(probs[a, ops.to_device(index, device)])
         draft_probs = None if probs is None else torch.cat(flat_probs)
-        return TreeProposal(torch.from_numpy(np.concatenate(flat_tokens)).to(self.device),
+        return TreeProposal(ops.to_device(np.concatenate(flat_tokens), self.device),
                             np.concatenate(flat_parents), num_draft_tokens, draft_probs)
 
     def commit_tree(self, slots: Sequence[int], num_tokens: Sequence[int],

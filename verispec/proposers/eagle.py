@@ -162,13 +162,13 @@ class EagleProposer(EagleTreeDrafting, EagleGraphDrafting, ModelProposer):
                 padded = hidden.new_zeros((B * width, hidden.shape[-1]))
                 padded[valid_index] = hidden
                 padded = padded.view(B, width, -1)
-            normed, out = self.head(torch.from_numpy(ids).to(self.device), padded, from_target,
+            normed, out = self.head(ops.to_device(ids, self.device), padded, from_target,
                                     meta, cache.k_layers, cache.v_layers)
             if (counts == width).all():  # no padding (a draft step): the last column
                 normed, out = normed[:, -1], out[:, -1]
             else:
                 rows = torch.arange(B, device=self.device)
-                last = torch.from_numpy(counts - 1).to(self.device)
+                last = ops.to_device(counts - 1, self.device)
                 normed, out = normed[rows, last], out[rows, last]
         cache.advance(slots, counts.tolist())
         if not logits:
@@ -222,10 +222,11 @@ class EagleProposer(EagleTreeDrafting, EagleGraphDrafting, ModelProposer):
         logits, out = self._head_forward(slot_list, feeds, torch.cat(pending), True)
         temperature = seeds = None
         if not self.greedy:
-            temperature = torch.tensor([float(requests[r].temperature) for r in active],
-                                       dtype=torch.float32).to(self.device)
-            seeds = torch.tensor([int(requests[r].seed) for r in active]).to(self.device)
-        slots_t = torch.from_numpy(slots).to(self.device)
+            temperature = ops.to_device([float(requests[r].temperature) for r in active],
+                                        self.device, torch.float32)
+            seeds = ops.to_device([int(requests[r].seed) for r in active], self.device,
+                                  torch.int64)
+        slots_t = ops.to_device(slots, self.device)
         rows = np.arange(active.size)  # the requests still drafting
         # structured output: draft only what each request's grammar allows (grammar_walk)
         walks = GrammarWalks(grammars, self.draft_to_target_np)
@@ -233,8 +234,8 @@ class EagleProposer(EagleTreeDrafting, EagleGraphDrafting, ModelProposer):
             for i in range(int(num_drafts.max())):
                 # (every request still drafting: views, not gathers)
                 row_index = (slice(None) if rows.size == active.size
-                             else torch.from_numpy(rows).to(self.device))
-                positions = torch.from_numpy(num_tokens[rows] + i).to(self.device)
+                             else ops.to_device(rows, self.device))
+                positions = ops.to_device(num_tokens[rows] + i, self.device)
                 row_slots = slots_t[row_index]
                 if walks:  # q = softmax(masked logits / T): what d_{i+1} is drawn from
                     logits = walks.apply(logits, rows)
@@ -252,7 +253,7 @@ class EagleProposer(EagleTreeDrafting, EagleGraphDrafting, ModelProposer):
                 if not keep.any():
                     break
                 kept = (slice(None) if keep.all()
-                        else torch.from_numpy(np.flatnonzero(keep)).to(self.device))
+                        else ops.to_device(np.flatnonzero(keep), self.device))
                 rows = rows[keep]
                 # The head's input ids are host lists: one device-to-host read per position.
                 logits, out = self._head_forward(

@@ -141,7 +141,7 @@ class EagleTreeDrafting:
             ops.to_device(levels.num_tokens[rows] + depth - 1, self.device).repeat_interleave(
                 num_parents),
             m, without_replacement=True,
-            node_ids=None if node_ids is None else node_ids.to(self.device),
+            node_ids=None if node_ids is None else ops.to_device(node_ids, self.device),
             kernels=self.runner.backend.cpu)
         # the j-th largest probability: child j's own for greedy children (top m of the
         # logits); for sampled ones a score that does not depend on which token was drawn
@@ -171,7 +171,7 @@ class EagleTreeDrafting:
                 cache.k_layers, cache.v_layers)
         else:
             meta, _, _ = runner._metadata(slots.tolist(), counts, row_starts, width, feed)
-            normed, out = self.head(torch.from_numpy(ids).to(self.device), hidden, False, meta,
+            normed, out = self.head(ops.to_device(ids, self.device), hidden, False, meta,
                                     cache.k_layers, cache.v_layers)
         cache.advance(slots.tolist(), counts.tolist())
         logits = self.head.compute_logits(normed.reshape(num_rows * width, -1),

@@ -177,12 +177,11 @@ class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
             feeds.append(context_tail(context, num_cached))
         temperature = seeds = None
         if not self.greedy:
-            temperature = torch.tensor(
-                [float(requests[r].temperature) for r in active], dtype=torch.float32
-            ).to(self.device)
-            seeds = torch.tensor([int(requests[r].seed) for r in active], dtype=torch.int64)
-            seeds = seeds.to(self.device)
-        slots_t = torch.from_numpy(slots).to(self.device)
+            temperature = ops.to_device([float(requests[r].temperature) for r in active],
+                                        self.device, torch.float32)
+            seeds = ops.to_device([int(requests[r].seed) for r in active], self.device,
+                                  torch.int64)
+        slots_t = ops.to_device(slots, self.device)
         rows = np.arange(active.size)  # rows of the B_a active requests still drafting
         # structured output: draft only what each request's grammar allows (grammar_walk)
         walks = GrammarWalks([self.draft_grammar(requests[r]) for r in active])
@@ -195,7 +194,7 @@ class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
             else:
                 logits = self.runner.forward(slots.tolist(), feeds, "last", self.num_layers)
             for i in range(int(num_drafts.max())):
-                row_index = torch.from_numpy(rows).to(self.device)
+                row_index = ops.to_device(rows, self.device)
                 row_slots = slots_t if rows.size == active.size else slots_t[row_index]
                 if walks:
                     logits = walks.apply(logits, rows)
@@ -203,7 +202,7 @@ class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
                     draft_ids = torch.argmax(logits, dim=-1)  # [rows] d_{i+1}
                 else:
                     # d_{i+1} occupies absolute position num_tokens + i; q = softmax(logits / T).
-                    positions = torch.from_numpy(num_tokens[rows] + i).to(self.device)
+                    positions = ops.to_device(num_tokens[rows] + i, self.device)
                     draft_ids, q = ops.sample_draft(
                         logits, temperature[row_index], seeds[row_index], positions
                     )
@@ -218,7 +217,7 @@ class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
                 # Feed d_{i+1} to the requests with more drafts to produce. ``ModelRunner.forward``
                 # takes host token ids, so this is the one device-to-host read per draft position
                 # (free on the CPU; on a GPU it waits for this position's sampling).
-                feed_ids = draft_ids[torch.from_numpy(np.flatnonzero(keep)).to(self.device)]
+                feed_ids = draft_ids[ops.to_device(np.flatnonzero(keep), self.device)]
                 walked, rows = rows, rows[keep]
                 host_ids = HostDrafts(draft_ids) if walks else None
                 if by_position:  # d_{i+1} at position num_tokens + i
