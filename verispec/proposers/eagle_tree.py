@@ -195,7 +195,7 @@ class EagleTreeDrafting:
         for t in range(1, int(depth_a.max()) + 1):
             lo, hi = shape.level_starts[t - 1], shape.level_starts[t]
             rows = level_rows[depth_a[level_rows] >= t]
-            keep = torch.from_numpy(np.searchsorted(level_rows, rows))
+            keep = ops.to_device(np.searchsorted(level_rows, rows), self.device)
             parent_slots = (np.zeros(1, np.int64) if t == 1 else
                             np.arange(shape.level_starts[t - 2], lo) + 1)
             m = int(shape.num_children[parent_slots].max())
@@ -207,11 +207,12 @@ class EagleTreeDrafting:
                     np.broadcast_to(parent_slots, (rows.size, parent_slots.size)))
             child_ids, q, _ = self._children(levels, rows, level_logits, t, m, None)
             # node i of this level: parent slot parents[i] + 1, rank sibling_rank[i]
-            which = torch.from_numpy(shape.parents[lo:hi] + 1 - parent_slots[0])
-            rank = torch.from_numpy(shape.sibling_rank[lo:hi])
+            which = ops.to_device(shape.parents[lo:hi] + 1 - parent_slots[0], self.device)
+            rank = ops.to_device(shape.sibling_rank[lo:hi], self.device)
             tokens[rows, lo:hi] = child_ids[:, which, rank].cpu().numpy()  # the next feed
             if q is not None:
-                probs[torch.from_numpy(rows)[:, None], torch.arange(lo, hi)[None, :]] = q[:, which]
+                probs[ops.to_device(rows, self.device)[:, None],
+                      torch.arange(lo, hi, device=self.device)[None, :]] = q[:, which]
             parent_out = out[keep][:, which]  # [R, hi - lo, H]
             deeper = depth_a[rows] > t
             if not deeper.any():
@@ -219,7 +220,7 @@ class EagleTreeDrafting:
             level_rows = rows[deeper]
             logits, out = self._tree_forward(
                 levels, level_rows, np.maximum(tokens[level_rows, lo:hi], 0),  # -1: dropped
-                parent_out[torch.from_numpy(np.flatnonzero(deeper))],
+                parent_out[ops.to_device(np.flatnonzero(deeper), self.device)],
                 np.ascontiguousarray(parents[level_rows, :hi]))
         trees = []
         for a in range(num_active):
@@ -232,7 +233,7 @@ class EagleTreeDrafting:
             renumber = np.cumsum(kept) - 1
             p = shape.parents[index]
             trees.append((tokens[a, index], np.where(p < 0, -1, renumber[np.maximum(p, 0)]),
-                          probs[a, torch.from_numpy(index)]))
+                          probs[a, ops.to_device(index, self.device)]))
         return trees
 
     def _draft_dynamic(self, levels: _Levels, shape: DynamicTree, logits: torch.Tensor,
@@ -262,7 +263,7 @@ class EagleTreeDrafting:
             first = DynamicTree.num_candidates(t - 1, width)
             num_parents = parent_cand.shape[1]
             size = num_parents * width
-            index = torch.from_numpy(rows)
+            index = ops.to_device(rows, device)
             node_ids = torch.from_numpy(parent_cand + 1).reshape(-1)  # the root 0
             if levels.grammars:
                 logits = levels.grammars.apply(logits, rows, cand_tokens[rows, :first],
@@ -275,26 +276,28 @@ class EagleTreeDrafting:
             cand_scores[index, first:first + size] = scores
             cand_q[rows, first:first + size] = np.repeat(parent_q, width, axis=1)
             if q is not None:
-                q_rows[index[:, None], torch.from_numpy(parent_q)] = q
+                q_rows[index[:, None], ops.to_device(parent_q, device)] = q
             deeper = depth_a[rows] > t
             if not deeper.any():
                 break
             # expand the `width` best candidates of this level (ties: the earlier one)
             keep = np.flatnonzero(deeper)
             rows = rows[keep]
-            order = torch.sort(scores[torch.from_numpy(keep)], dim=1, descending=True,
+            order = torch.sort(scores[ops.to_device(keep, device)], dim=1, descending=True,
                                stable=True).indices[:, :width].cpu().numpy()  # [R, width]
             chosen = first + order
             fed_lo = (t - 1) * width
             pick = np.arange(rows.size)[:, None]
             fed_parents[rows, fed_lo:fed_lo + width] = parent_fed[keep][pick, order // width]
-            parent_out = out[torch.from_numpy(keep)[:, None], torch.from_numpy(order // width)]
+            parent_out = out[ops.to_device(keep, device)[:, None],
+                             ops.to_device(order // width, device)]
             logits, out = self._tree_forward(
                 levels, rows, np.maximum(cand_tokens[rows[:, None], chosen], 0),  # -1: -inf
                 parent_out, np.ascontiguousarray(fed_parents[rows, :fed_lo + width]))
             parent_cand = chosen
             parent_fed = np.broadcast_to(fed_lo + np.arange(width), chosen.shape).copy()
-            parent_score = cand_scores[torch.from_numpy(rows)[:, None], torch.from_numpy(chosen)]
+            parent_score = cand_scores[ops.to_device(rows, device)[:, None],
+                                       ops.to_device(chosen, device)]
             parent_q = np.broadcast_to(1 + fed_lo + np.arange(width), chosen.shape).copy()
         trees = []
         for a in range(num_active):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from verispec import ops
 from verispec.ops import tree
 from verispec.ops.tree_feed import TreeFeed
 from verispec.runtime.kv_cache import KVCache
@@ -111,6 +112,6 @@ def keep_path_hidden(runner: ModelRunner, accepted_nodes: np.ndarray) -> None:
     rows = [captured.row_start[b] + np.concatenate([[0], 1 + path[path >= 0]])
             for b, path in enumerate(accepted_nodes)]
     counts = np.array([r.size for r in rows], dtype=np.int64)
-    index = torch.from_numpy(np.concatenate(rows)).to(captured.rows.device)
+    index = ops.to_device(np.concatenate(rows), captured.rows.device)
     runner.captured_hidden = CapturedHidden(list(captured.slots), captured.starts.copy(), counts,
                                             np.cumsum(counts) - counts, captured.rows[index])
