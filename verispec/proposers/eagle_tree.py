@@ -134,7 +134,7 @@ class EagleTreeDrafting:
             ids = torch.where(values > float("-inf"), ids, -1)  # a token the grammar masks
             top = torch.exp(values - torch.logsumexp(logits.float(), -1, keepdim=True))
             return self._to_target(ids), None, top
-        index = torch.from_numpy(rows)
+        index = ops.to_device(rows, self.device)
         ids, q = tree.sample_children(
             logits.reshape(-1, vocab), levels.temperature[index].repeat_interleave(num_parents),
             levels.seeds[index].repeat_interleave(num_parents),
@@ -312,7 +312,7 @@ class EagleTreeDrafting:
             parents = np.where(p < 0, -1, renumber[np.maximum(p, 0)])
             assert (parents < np.arange(index.size)).all() and (parents >= -1).all()
             trees.append((cand_tokens[a, index], parents,
-                          q_rows[a, torch.from_numpy(cand_q[a, index])]))
+                          q_rows[a, ops.to_device(cand_q[a, index], self.device)]))
         return trees
 
 
