@@ -98,15 +98,18 @@ class EngineArgs:
     prefill_attention_budget: int | None = None
     tensor_parallel_size: int = 1
     load_format: str = "auto"
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.dtype is not None:
             parse_dtype(self.dtype)
         for name in ("enforce_eager", "batch_invariant", "enable_prefix_caching",
-                     "enable_chunked_prefill"):
+                     "enable_chunked_prefill", "async_scheduling"):
             flag = getattr(self, name)
-            if not isinstance(flag, bool) and not (flag is None and name.startswith("enable")):
+            if not isinstance(flag, bool) and not (
+                    flag is None and name in ("enable_prefix_caching", "enable_chunked_prefill",
+                                              "async_scheduling")):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.device = check_device(self.device)
         if self.max_num_seqs is None:
@@ -122,6 +125,10 @@ class EngineArgs:
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = memory.parse_bytes(self.kv_cache_memory)
         self.speculative_config = self._speculative_config(self.speculative_config)
+        if self.async_scheduling and (self.speculative_config is not None
+                                      or self.tensor_parallel_size > 1):
+            raise ValueError("async_scheduling=True runs plain decoding on one device: not with "
+                             "a speculative_config or tensor_parallel_size > 1")
 
     def _speculative_config(self, config: Any) -> SpeculativeConfig | None:
         if isinstance(config, dict):

@@ -52,6 +52,11 @@ def build_engine(llm: StepLoop, args: EngineArgs) -> None:
         max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS[llm.enable_chunked_prefill]
     llm.max_num_batched_tokens = max_num_batched_tokens
     llm.model_config = config
+    async_scheduling = args.async_scheduling
+    if async_scheduling is None:
+        async_scheduling = (llm.device.type == "cuda" and speculative_config is None
+                            and not llm._tp.enabled)
+    llm.async_scheduling = async_scheduling
     llm.tokenizer = llm.loaded.tokenizer
     llm.eos_token_ids = frozenset(llm.loaded.eos_token_ids)
     if max_model_len is None:
@@ -76,6 +81,11 @@ def build_engine(llm: StepLoop, args: EngineArgs) -> None:
                              max_step_tokens=max_drafts + 1, enforce_eager=args.enforce_eager,
                              batch_invariant=args.batch_invariant, block_size=args.block_size,
                              num_blocks=2)
+    if llm.runner.hybrid and llm.async_scheduling:
+        if args.async_scheduling:
+            raise ValueError("async_scheduling=True: a hybrid model's steps run in order (its "
+                             "recurrent state advances with every queued step)")
+        llm.async_scheduling = False
     llm.sampler = Sampler()
     llm.options = SamplingOptions(max_num_seqs, config.vocab_size, llm.device)
     llm.options.attach(llm.runner)  # before the memory plan: the counts are in use

@@ -74,6 +74,13 @@ class LLM(StepLoop, RequestIntake):
         from ``config.json`` alone (benchmarks of big shapes; vLLM's meaning)
     enforce_eager : on CUDA, run every step eagerly instead of replaying captured CUDA graphs
         (vLLM's name); no effect on CPU
+    async_scheduling : plain decoding queues each step on the device before the host commits
+        the step before it (the next step's inputs take the sampled tokens on the device), so
+        the GPU does not wait for the host's commit and scheduling between steps (vLLM's key);
+        a request's tokens are those of the steps in order. Default: on with CUDA for plain
+        decoding on one device, off otherwise; True with speculation or tensor parallelism is
+        a ValueError. Steps of requests with logprobs, logits options or several samples run
+        in order
     batch_invariant : matmuls and attention whose rows do not depend on the batch, on CUDA and
         on CPU (the default: a request's tokens are the same alone or in any batch, and greedy
         speculation emits the plain greedy tokens, in every dtype); False uses torch's own
@@ -99,6 +106,7 @@ class LLM(StepLoop, RequestIntake):
         prefill_attention_budget: int | None = None,
         tensor_parallel_size: int = 1,
         load_format: str = "auto",
+        async_scheduling: bool | None = None,
     ) -> None:
         engine_kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         args = EngineArgs(**engine_kwargs)  # ValueError naming the field
@@ -138,6 +146,7 @@ class LLM(StepLoop, RequestIntake):
         self._grammars: LazyCompiler | None = None  # structured outputs' compiler
         self.num_steps = 0  # engine steps run (prefill and decode)
         self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
+        self._pending = None  # the step queued ahead of the host (async_scheduling)
 
     # ----------------------------------------------------------------- the step loop
 

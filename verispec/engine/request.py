@@ -155,6 +155,9 @@ class Request:
         # recomputed (engine.spec_decode).
         self.spec_plan_state: tuple | None = None
         self.finish_reason: str | None = None
+        # It ends at a step still queued whatever that step's token (engine.overlap): the
+        # scheduler gives it no further step.
+        self.ending = False
         self.stop_text_len: int | None = None  # text cut before a stop string
         # One dict per output token when the request asked for logprobs (RequestOutput.logprobs)
         self.logprobs: list[dict[int, float]] | None = None if params.logprobs is None else []

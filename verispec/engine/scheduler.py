@@ -142,7 +142,7 @@ class Scheduler:
         self._attention_left = float("inf")
         plan = self._plan_running(budget)
         plan.prefills += self._admit(budget - self._plan_tokens(plan), first=not plan.prefills)
-        if not plan.decodes and not plan.prefills and self.has_unfinished:
+        if not plan.decodes and not plan.prefills and self.waiting and not self.running:
             return self.schedule()  # everything was preempted: admit again
         return plan
 
@@ -152,10 +152,11 @@ class Scheduler:
     def _plan_running(self, budget: float) -> StepPlan:
         """Every decode, then the next chunk of each prefill under way (oldest first, while
         budget is left), with their blocks reserved."""
-        decodes = [r for r in self.running if not r.is_prefilling]
+        # (a request ``ending`` at a step still queued takes no step after it: engine.overlap)
+        decodes = [r for r in self.running if not r.is_prefilling and not r.ending]
         if not self._reserve_decodes(decodes):
             self._preempt_for(decodes)
-            decodes = [r for r in self.running if not r.is_prefilling]
+            decodes = [r for r in self.running if not r.is_prefilling and not r.ending]
         plan = StepPlan(decodes, [])
         budget -= len(decodes) * self.lookahead  # decodes always run (they free blocks)
         if decodes and self.prefill_attention_budget is not None:

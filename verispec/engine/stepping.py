@@ -19,6 +19,7 @@ import torch
 
 from verispec import ops
 from verispec.engine import inputs
+from verispec.engine.overlap import OverlappedSteps
 from verispec.engine.request import CompletionOutput, Request, RequestOutput
 from verispec.engine.samples import best_of, cumulative_logprob, fill_prompt_logprobs
 from verispec.engine.scheduler import Scheduler
@@ -33,8 +34,9 @@ from verispec.sampling_params import SamplingParams
 logger = logging.getLogger("verispec")
 
 
-class StepLoop:
-    """One engine step over the scheduler's plan, and the outputs it commits."""
+class StepLoop(OverlappedSteps):
+    """One engine step over the scheduler's plan, and the outputs it commits (steps queued one
+    ahead of the host with ``async_scheduling``: ``engine.overlap``)."""
 
     runner: ModelRunner
     scheduler: Scheduler
@@ -90,6 +92,11 @@ class StepLoop:
         )
 
     def _step(self) -> list[Request]:
+        if self._overlap_ok():
+            return self._overlapped_step()
+        finished = self._in_order_first()  # a step queued ahead is committed first
+        if finished is not None:
+            return finished
         plan = self.scheduler.schedule()
         self.num_steps += 1
         finished: list[Request] = []
@@ -213,10 +220,12 @@ class StepLoop:
         return result
 
     def _commit(self, request: Request, token_ids: Sequence[int],
-                logprobs: Sequence[dict[int, float]] | None = None) -> bool:
+                logprobs: Sequence[dict[int, float]] | None = None, truncate: bool = True
+                ) -> bool:
         """Append output tokens in order, stopping at the first that ends the request (no token
         after it is kept), and the logprobs of the tokens kept. Returns True if the request
-        finished (its slot is then released)."""
+        finished (its slot is then released). ``truncate``: roll the KV cache back to the
+        committed tokens but the last (a step queued ahead has written that one: False)."""
         now = time.perf_counter()
         num_before = request.num_output_tokens
         if request.metrics.first_token_time is None:
@@ -238,7 +247,8 @@ class StepLoop:
         if logprobs is not None:
             request.logprobs.extend(logprobs[: request.num_output_tokens - num_before])
         # The cache holds every committed token but the last, which the next step feeds.
-        self.runner.kv_cache.truncate(request.slot, request.num_tokens - 1)
+        if truncate:
+            self.runner.kv_cache.truncate(request.slot, request.num_tokens - 1)
         if request.finished:
             request.metrics.finished_time = now
             request.metrics.num_generated_tokens = request.num_output_tokens

@@ -173,6 +173,7 @@ class ModelRunner(FlatLayout, PaddedLayout, HiddenCapture):
         num_layers: int | None = None,
         penalties: StepPenalties | None = None,
         tree: TreeFeed | None = None,
+        first_tokens: tuple[np.ndarray, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """Append ``token_ids[i]`` to slot ``slots[i]`` and run the model over them.
 
@@ -187,6 +188,9 @@ class ModelRunner(FlatLayout, PaddedLayout, HiddenCapture):
         penalties : the requests' penalties, applied by a captured step (module docstring)
         tree : the tokens are slots of token trees (``ops.tree_feed``): positions by depth,
             attention to the context and the ancestors; one eager forward
+        first_tokens : (rows [R] int, ids [R] on the device): row ``rows[j]``'s first token
+            is ``ids[j]``, whatever ``token_ids`` holds there (tokens sampled by a step still
+            queued: the flat layout copies them on the device; elsewhere they are read)
 
         Each slot's committed length grows by ``len(token_ids[i])``; roll back with
         ``self.kv_cache.truncate``.
@@ -196,6 +200,16 @@ class ModelRunner(FlatLayout, PaddedLayout, HiddenCapture):
         cache = self.kv_cache
         counts = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=len(token_ids))
         limit = self.max_forward_tokens
+        scatter = None
+        if first_tokens is not None and len(first_tokens[0]):
+            rows, ids = first_tokens
+            if self.flat and tree is None and not (
+                    limit is not None and logits != "all" and counts.sum() > limit):
+                scatter = (np.asarray(rows, dtype=np.int64), ids)  # flat indices: * width below
+            else:
+                token_ids = [list(t) for t in token_ids]
+                for row, token in zip(np.asarray(rows).tolist(), ids.tolist()):
+                    token_ids[row][0] = token
         if (limit is not None and logits != "all" and not self.hybrid and tree is None
                 and counts.sum() > limit):
             return self._forward_in_pieces(slots, token_ids, counts, logits, num_layers, limit)
@@ -214,7 +228,9 @@ class ModelRunner(FlatLayout, PaddedLayout, HiddenCapture):
             for row, t in enumerate(token_ids):
                 ids_np[row, : len(t)] = t
         if self.flat:
-            return self._forward_flat(slots, counts, ids_np, None, logits, num_layers,
+            if scatter is not None:
+                scatter = (scatter[0] * width, scatter[1])
+            return self._forward_flat(slots, counts, ids_np, scatter, logits, num_layers,
                                       penalties, tree)
         meta, _, valid_index = self._metadata(slots, counts, starts, width, tree)
         input_ids = torch.from_numpy(ids_np).to(self.device)
