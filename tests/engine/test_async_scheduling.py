@@ -22,7 +22,9 @@ import pytest
 
 from tests.proposers.test_draft_model import save_llama
 from verispec import LLM, SamplingParams
+from verispec.engine import builder as builder_module
 from verispec.engine import overlap
+from verispec.runtime.model_runner import ModelRunner
 
 VOCAB = 64
 MAX_MODEL_LEN = 128
@@ -37,6 +39,23 @@ def target_dir(tmp_path_factory):
 def _engine(target_dir, device, async_scheduling, **kwargs):
     return LLM(model=target_dir, dtype="float32", device=str(device),
                max_model_len=MAX_MODEL_LEN, async_scheduling=async_scheduling, **kwargs)
+
+
+class _FlatRunner(ModelRunner):
+    """The GPU path's flat layout and its (here uncaptured) graph steps, on the CPU."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("flat_layout", True)
+        super().__init__(*args, **kwargs)
+
+
+@pytest.fixture(params=["padded", "flat"])
+def layout(request, monkeypatch):
+    """Both layouts: on the flat one the queued tokens reach the next step's inputs on the
+    device (the decode graph's and the eager mixed step's), on the CPU's they are read."""
+    if request.param == "flat":
+        monkeypatch.setattr(builder_module, "ModelRunner", _FlatRunner)
+    return request.param
 
 
 def _requests(seed=0, n=10):
@@ -69,7 +88,8 @@ class _Spy:
         monkeypatch.setattr(overlap.OverlappedSteps, "_overlapped_step", counted)
 
 
-def test_queued_steps_give_the_tokens_of_steps_in_order(target_dir, device, monkeypatch):
+def test_queued_steps_give_the_tokens_of_steps_in_order(target_dir, device, monkeypatch,
+                                                         layout):
     prompts, params = _requests()
     kwargs = dict(max_num_seqs=4, max_num_batched_tokens=24)  # chunks beside decodes
     expected = _tokens(_engine(target_dir, device, False, **kwargs), prompts, params)
@@ -79,6 +99,7 @@ def test_queued_steps_give_the_tokens_of_steps_in_order(target_dir, device, monk
     expected_stopped = _tokens(_engine(target_dir, device, False, **kwargs), prompts, stopped)
     spy = _Spy(monkeypatch)
     llm = _engine(target_dir, device, True, **kwargs)
+    assert llm.runner.flat == (layout == "flat" or device.type == "cuda")
     assert _tokens(llm, prompts, params) == expected
     assert _tokens(llm, prompts, stopped) == expected_stopped  # a warm prefix cache too
     assert spy.queued > 20
@@ -103,6 +124,7 @@ def test_a_small_kv_pool_preempts_and_keeps_the_tokens(target_dir, device, monke
     expected = _tokens(_engine(target_dir, device, False, max_num_seqs=8), prompts, params)
     spy = _Spy(monkeypatch)
     llm = _engine(target_dir, device, True, **kwargs)
+    assert llm.runner.flat == (layout == "flat" or device.type == "cuda")
     assert _tokens(llm, prompts, params) == expected
     assert llm.scheduler.num_preemptions > 0 and spy.queued > 0
 
@@ -117,7 +139,7 @@ def _pool_bytes(target_dir, blocks):
     return blocks * 4 * per_token
 
 
-def test_an_abort_between_queued_steps(target_dir, device):
+def test_an_abort_between_queued_steps(target_dir, device, layout):
     prompts, params = _requests(seed=3, n=4)
     params = [SamplingParams(max_tokens=30, ignore_eos=True, seed=i) for i in range(4)]
     expected = _tokens(_engine(target_dir, device, False, max_num_seqs=4), prompts, params)
