@@ -160,7 +160,7 @@ class LLM(StepLoop, RequestIntake):
         the captured decode graph)."""
         for request in self._held.release():
             self._queue(request)
-        if not self.scheduler.has_unfinished:
+        if not self.scheduler.has_unfinished and self._pending is None:
             return []
         if self._workers is None:
             return self._step()
@@ -282,7 +282,7 @@ class LLM(StepLoop, RequestIntake):
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._held)
+        return self.scheduler.has_unfinished or bool(self._held) or self._pending is not None
 
     def generate_stream(
         self, prompt: Any, sampling_params: SamplingParams | None = None

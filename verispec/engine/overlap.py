@@ -17,7 +17,8 @@ Why a request's tokens do not change: step N + 1 feeds the same token at the sam
 with the same seed as in order; its batch may differ (a request that step N ends is in it, its
 row thrown away, and requests are admitted a step apart), which the batch-invariant kernels make
 irrelevant (docs/design.md §12). A request whose placeholder reaches ``max_tokens`` or the model
-length ends at step N whatever its token, so it is not scheduled again. The KV cache of a
+length ends at step N whatever its token: it gives its slot and blocks back before step N + 1
+is scheduled, as it would in order. The KV cache of a
 request is one token ahead between calls (the queued step wrote its last token); a request
 ended at step N had its last token written by step N + 1, into blocks it just freed, before any
 later step (queued after) can reuse them.
@@ -109,9 +110,13 @@ class OverlappedSteps:
             for r in pending.requests:
                 if not r.finished:
                     r.append(PLACEHOLDER)
-                    # it ends at the pending step whatever its token: no step after it
+                    # It ends at the pending step whatever its token: no step after it, and
+                    # its slot and blocks go to this step's requests (whose work the device
+                    # runs after the pending step's; its full blocks hold committed tokens).
                     r.ending = (r.num_output_tokens >= r.params.max_tokens
                                 or r.num_tokens >= self.max_model_len)
+                    if r.ending:
+                        self.scheduler.finish(r)
             pending.placeholders = True
         plan = self.scheduler.schedule()
         self.num_steps += 1
@@ -164,7 +169,7 @@ class OverlappedSteps:
                 continue
             if pending.placeholders:
                 r.num_tokens -= 1  # the placeholder gives way to the token
-            r.ending = False
-            if self._commit(r, [token], truncate=False):
+            released, r.ending = r.ending, False
+            if self._commit(r, [token], truncate=False, release=not released):
                 finished.append(r)
         return finished

@@ -220,12 +220,13 @@ class StepLoop(OverlappedSteps):
         return result
 
     def _commit(self, request: Request, token_ids: Sequence[int],
-                logprobs: Sequence[dict[int, float]] | None = None, truncate: bool = True
-                ) -> bool:
+                logprobs: Sequence[dict[int, float]] | None = None, truncate: bool = True,
+                release: bool = True) -> bool:
         """Append output tokens in order, stopping at the first that ends the request (no token
         after it is kept), and the logprobs of the tokens kept. Returns True if the request
-        finished (its slot is then released). ``truncate``: roll the KV cache back to the
-        committed tokens but the last (a step queued ahead has written that one: False)."""
+        finished (its slot is then released, unless ``release`` is False: released already).
+        ``truncate``: roll the KV cache back to the committed tokens but the last (a step
+        queued ahead has written that one: False)."""
         now = time.perf_counter()
         num_before = request.num_output_tokens
         if request.metrics.first_token_time is None:
@@ -252,7 +253,8 @@ class StepLoop(OverlappedSteps):
         if request.finished:
             request.metrics.finished_time = now
             request.metrics.num_generated_tokens = request.num_output_tokens
-            self.scheduler.finish(request)  # the proposer's state goes in on_committed
+            if release:
+                self.scheduler.finish(request)  # the proposer's state goes in on_committed
         return request.finished
 
     def _hit_stop_string(self, request: Request) -> bool:
