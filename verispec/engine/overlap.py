@@ -80,6 +80,23 @@ class PendingStep:
         return self.host.tolist()
 
 
+def sampled_rows(decodes: list[Request], prefills: list[tuple[Request, int]]
+                 ) -> tuple[list[int], list[Request]]:
+    """After a forward over ``decodes`` (a row each) and ``prefills`` (their last rows): count
+    the chunks computed; the rows that sample a token and their requests (every decode, and
+    each request whose prefill this chunk completes: a recomputed one samples at its next
+    step, which feeds its last token)."""
+    for r, n in prefills:
+        r.num_computed_tokens += n
+    rows = list(range(len(decodes)))
+    batch = list(decodes)
+    for i, (r, _) in enumerate(prefills):
+        if not r.is_prefilling and not r.num_output_tokens:
+            rows.append(len(decodes) + i)
+            batch.append(r)
+    return rows, batch
+
+
 class OverlappedSteps:
     """The steps of ``async_scheduling`` (mixed into ``StepLoop``, whose state they use)."""
 
@@ -142,14 +159,7 @@ class OverlappedSteps:
                                 pending.tokens[ops.to_device(index, pending.tokens.device)])
         logits = self.runner.forward([r.slot for r in decodes] + [r.slot for r, _ in prefills],
                                      token_ids, logits="last", first_tokens=first_tokens)
-        for r, n in prefills:
-            r.num_computed_tokens += n
-        rows = list(range(len(decodes)))
-        batch = list(decodes)
-        for i, (r, _) in enumerate(prefills):
-            if not r.is_prefilling and not r.num_output_tokens:
-                rows.append(len(decodes) + i)
-                batch.append(r)
+        rows, batch = sampled_rows(decodes, prefills)
         if not batch:
             return None
         if len(rows) < logits.shape[0]:

@@ -19,7 +19,7 @@ import torch
 
 from verispec import ops
 from verispec.engine import inputs
-from verispec.engine.overlap import OverlappedSteps
+from verispec.engine.overlap import OverlappedSteps, sampled_rows
 from verispec.engine.request import CompletionOutput, Request, RequestOutput
 from verispec.engine.samples import best_of, cumulative_logprob, fill_prompt_logprobs
 from verispec.engine.scheduler import Scheduler
@@ -131,14 +131,7 @@ class StepLoop(OverlappedSteps):
             fill_prompt_logprobs(prefills, logits, ends - [n for _, n in prefills])
             last = np.concatenate([np.arange(len(decodes)), ends - 1])
             logits = logits[ops.to_device(last, logits.device)]
-        for r, n in prefills:
-            r.num_computed_tokens += n
-        rows = list(range(len(decodes)))
-        batch = list(decodes)
-        for i, (r, _) in enumerate(prefills):
-            if not r.is_prefilling and not r.num_output_tokens:
-                rows.append(len(decodes) + i)
-                batch.append(r)
+        rows, batch = sampled_rows(decodes, prefills)
         finished = []
         if batch:
             if len(rows) < logits.shape[0]:
