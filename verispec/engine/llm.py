@@ -147,6 +147,7 @@ class LLM(StepLoop, RequestIntake):
         self.num_steps = 0  # engine steps run (prefill and decode)
         self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
         self._pending = None  # the step queued ahead of the host (async_scheduling)
+        self._host_buffers = None
 
     # ----------------------------------------------------------------- the step loop
 

@@ -62,11 +62,14 @@ class PendingStep:
     placeholders: bool = False
 
     @classmethod
-    def start(cls, requests: list[Request], tokens: torch.Tensor) -> PendingStep:
+    def start(cls, requests: list[Request], tokens: torch.Tensor,
+              buffer: torch.Tensor | None = None) -> PendingStep:
+        """The step's tokens on their way to the host: on CUDA into ``buffer`` (pinned, at
+        least [B] int64), an event after the copy."""
         copied = None
         host = tokens
         if tokens.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host = buffer[:tokens.shape[0]]
             host.copy_(tokens, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
@@ -102,6 +105,7 @@ class OverlappedSteps:
 
     async_scheduling: bool
     _pending: PendingStep | None
+    _host_buffers: list[torch.Tensor] | None  # pinned, for the queued steps' tokens
 
     def _overlap_ok(self) -> bool:
         """Whether the next step may be queued before the pending one is committed."""
@@ -168,7 +172,20 @@ class OverlappedSteps:
         # The sampled token of request r occupies position num_tokens (prompt included).
         positions = ops.to_device([r.num_tokens for r in batch], self.device)
         tokens = self.sampler(logits, self._sampling_tensors(batch), positions)
-        return PendingStep.start(batch, tokens)
+        return PendingStep.start(batch, tokens, self._host_buffer(tokens))
+
+    def _host_buffer(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """A pinned [max_num_seqs] int64 buffer for a queued step's tokens on CUDA: two in turn
+        (a step's tokens are read before the step after the next one is queued)."""
+        if tokens.device.type != "cuda":
+            return None
+        buffers = self._host_buffers
+        if buffers is None:
+            buffers = self._host_buffers = [
+                torch.empty(self.max_num_seqs, dtype=torch.int64, pin_memory=True)
+                for _ in range(2)]
+        buffers.reverse()
+        return buffers[0]
 
     def _commit_pending(self, pending: PendingStep) -> list[Request]:
         """Commit a queued step's tokens (in place of their placeholders); the requests that
