@@ -5,7 +5,9 @@ as ``verispec serve`` runs it. The engine is killed (SIGKILL) while one streamed
 non-streamed request run: both must end at once with an error naming the engine's death (an
 error event, then ``[DONE]``; a 500), ``/health`` must turn 503 and new requests 503, and the
 server must still stop cleanly, leaving no process. A bad engine argument must be the
-ValueError ``LLM`` raises, from the API process, with no process left behind.
+ValueError ``LLM`` raises, from the API process, with no process left behind. An engine that
+queues its steps ahead of the host (``async_scheduling``) serves concurrent requests the texts of
+steps run in order.
 """
 
 from __future__ import annotations
@@ -80,3 +82,37 @@ def test_a_bad_engine_argument_is_llms_value_error(engine_kwargs):
         engine.start()
     assert not engine.process.is_alive()
     assert engine.process not in multiprocessing.active_children()
+
+
+def test_an_async_scheduling_engine_serves_the_tokens_of_steps_in_order(engine_kwargs):
+    """Concurrent streamed and whole completions through an engine process that queues its
+    steps ahead of the host (``async_scheduling``) get the texts ``LLM.generate`` gives in
+    order, and the server stops cleanly."""
+    from verispec import LLM, SamplingParams
+
+    prompts = ["The cat sat on the mat", "Once upon a time", "1, 2, 3,", "Dear reader"]
+    expected = [o.text for o in LLM(**dict(engine_kwargs, max_num_seqs=4)).generate(
+        prompts, SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0))]
+    server = RunningServer(dict(engine_kwargs, max_num_seqs=4, async_scheduling=True), "tiny")
+    try:
+        async def one(http, prompt, stream):
+            body = {"prompt": prompt, "max_tokens": 24, "ignore_eos": True, "temperature": 0.0}
+            if not stream:
+                reply = await http.post("/v1/completions", json=body)
+                return reply.json()["choices"][0]["text"]
+            text = ""
+            async with http.stream("POST", "/v1/completions",
+                                   json=dict(body, stream=True)) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        text += json.loads(line[6:])["choices"][0]["text"]
+            return text
+
+        async def run():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+                return await asyncio.gather(*(one(http, p, i % 2 == 0)
+                                              for i, p in enumerate(prompts)))
+
+        assert asyncio.run(run()) == expected
+    finally:
+        server.stop()
