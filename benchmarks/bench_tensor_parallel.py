@@ -37,6 +37,7 @@ import bench_gpu_e2e  # noqa: E402
 import random_checkpoints  # noqa: E402
 
 from verispec import LLM, SamplingParams  # noqa: E402
+from verispec.bench.report import print_device_profile, print_host_profile  # noqa: E402
 from verispec.runtime.workers import ALL_REDUCE_ENV  # noqa: E402
 
 ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -160,7 +161,8 @@ def measure_config(rows: list, queue, label: str, model_dir: str, tp: int, args,
     weights = rank_weight_bytes(llm)
     pool = llm.kv_plan
     prompts = bench_gpu_e2e.random_prompts(args.batch, 128256, seed=1, length=PROMPT_LEN)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
+    for batch in args.batch_sizes:  # every kernel and graph the measured runs take, compiled
+        bench_gpu_e2e.warm_up(llm, prompts[:batch])
     for batch in args.batch_sizes:
         row, _ = decode(llm, prompts[:batch], args.max_tokens)
         step_s = weights / bandwidth
@@ -179,6 +181,20 @@ def measure_config(rows: list, queue, label: str, model_dir: str, tp: int, args,
             row["alone_eq_batched"] = alone == batched
         rows.append(row)
         queue.put(row)
+    if args.profile:
+        profile_step(llm, prompts[0], f"{label} TP={tp}", args)
+
+
+def profile_step(llm: LLM, prompt: list[int], label: str, args) -> None:
+    """Rank 0's kernels (graph replays included) and host functions over a batch-1 greedy
+    decode of ``--profile`` tokens, per output token."""
+    n = args.profile
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    llm.generate([prompt], params)  # the same lengths' graphs and kernels, warm
+    print_device_profile(f"{label}, batch 1, {n} tokens", lambda: llm.generate([prompt], params),
+                         per=n)
+    print_host_profile(f"{label}, batch 1, {n} tokens", lambda: llm.generate([prompt], params),
+                       rows=25)
 
 
 def add_speedups(rows: list) -> None:
@@ -230,6 +246,9 @@ def main(argv=None) -> dict:
                         help="comma list of the TP > 1 all-reduce paths to run plain decode "
                              "with: fused (peer-to-peer, fused with the next norm), peer, nccl; "
                              "speculative runs take the first")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOKENS",
+                        help="also profile rank 0 over a batch-1 decode of TOKENS tokens: "
+                             "kernels and host functions per token")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

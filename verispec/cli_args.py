@@ -61,7 +61,7 @@ ENGINE_FLAGS: dict[str, dict] = {
         action=argparse.BooleanOptionalAction, default=None,
         help="plain decoding: queue each step before the host commits the one before, so the "
         "GPU does not wait for the host between steps (default: on with CUDA, off on the "
-        "CPU, with speculation and with tensor parallelism)"),
+        "CPU and with speculation)"),
     "device": dict(default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)"),
     "tensor_parallel_size": dict(
         type=int, default=1, help="GPUs (CPU processes) one model is split over: the engine "

@@ -143,6 +143,30 @@ def test_tp2_greedy_speculation_equals_plain(target_dir, draft_dir, head_dir, re
     assert [split[c] for c in counts] == [whole.get_metrics()["spec_decoding"][c] for c in counts]
 
 
+def test_tp2_async_scheduling_keeps_the_tokens(target_dir, reference, monkeypatch):
+    """Steps queued ahead of the host on every rank (``engine.overlap``): TP = 1's greedy
+    tokens, seeded tokens alone == batched, and an abort between queued steps, with the spawned
+    rank queueing the same steps (a rank out of step would feed other tokens or hang)."""
+    from tests.engine.test_async_scheduling import _Spy
+
+    spy = _Spy(monkeypatch)
+    with LLM(target_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2,
+             async_scheduling=True) as llm:
+        assert tokens(llm, PROMPTS, GREEDY) == reference
+        assert spy.queued > 20
+        seeded = tokens(llm, PROMPTS, SEEDED)
+        assert [tokens(llm, [p], SEEDED)[0] for p in PROMPTS] == seeded
+        cut, other = llm.add_request(PROMPTS[0], GREEDY), llm.add_request(PROMPTS[1], GREEDY)
+        for _ in range(4):
+            llm.step()
+        assert llm._pending is not None
+        llm.abort_request(cut)  # with a step queued on both ranks
+        while llm.has_unfinished_requests:
+            llm.step()
+        assert llm.get_output(cut).finish_reason == "abort"
+        assert llm.get_output(other).token_ids == reference[1]
+
+
 def test_tp2_preemption_keeps_tokens(target_dir):
     """A pool too small for the batch at TP = 2: every rank preempts the same requests (the
     pool is the smallest rank's) and each request ends with the tokens it has alone."""
@@ -383,7 +407,7 @@ def _gpu_engine_child(queue, target_dir, tp, kwargs, env, logprobs) -> None:
     try:
         os.environ.update(env)
         llm = gpu_llm(target_dir, tp, **kwargs)
-        result = {"graphs": llm.runner.graphs is not None,
+        result = {"graphs": llm.runner.graphs is not None, "async": llm.async_scheduling,
                   "fused": llm._tp.fused is not None, "peer": llm._tp.peer is not None}
         for name, params in (("greedy", GREEDY), ("seeded", SEEDED)):
             if logprobs:
@@ -423,12 +447,12 @@ def gpu_engine(target_dir, tp: int, env: dict | None = None, logprobs: int | Non
 @pytest.mark.gpu
 @two_gpus
 def test_gpu_tp2_with_cuda_graphs(gpu_target_dir, gpu_draft_dir):
-    """Captured decode / verify / draft steps with the collectives inside: alone == batched
-    (greedy and seeded), greedy speculation == plain (n-gram, draft model); TP = 1's greedy
+    """Captured decode / verify / draft steps with the collectives inside, plain steps queued
+    ahead of the host: alone == batched (greedy and seeded), greedy speculation == plain (n-gram, draft model); TP = 1's greedy
     tokens agree with TP = 2's up to rounding (the share is printed, not asserted)."""
     tp1 = gpu_engine(gpu_target_dir, 1)["greedy"]
     tp2 = gpu_engine(gpu_target_dir, 2)
-    assert tp2["graphs"]
+    assert tp2["graphs"] and tp2["async"]  # steps queued ahead on both ranks
     for name in ("greedy", "seeded"):
         assert tp2[name] == tp2[name + "_alone"], name
     plain = tp2["greedy"]

@@ -320,6 +320,41 @@ def print_host_profile(label: str, fn, rows: int = 20) -> None:
     fn()
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(rows)
+    # the engine's own functions by time spent in them and below: where a step's host time
+    # goes, waits included
+    stats.sort_stats("cumulative").print_stats("verispec", rows)
     print(f"host profile of {label}:")
     print("\n".join([line for line in text.getvalue().splitlines() if line.strip()][2:]))
+
+
+def print_device_profile(label: str, fn, per: int, rows: int = 25) -> dict:
+    """Run ``fn()`` under torch's profiler and print the ``rows`` costliest device kernels (CUDA
+    graph replays included) in microseconds and launches per ``per`` units (decode steps,
+    tokens), with the wall time and the kernels' summed time per unit: where the device's
+    time goes, and how long it waits for the host. Returns the per-unit totals."""
+    import time
+    from collections import defaultdict
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    totals, counts = defaultdict(float), defaultdict(int)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            totals[event.name[:70]] += event.device_time
+            counts[event.name[:70]] += 1
+    busy = sum(totals.values())
+    table = [dict(kernel=name, launches=counts[name] / per, us=us / per, share=us / busy)
+             for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:rows]]
+    print(f"device profile of {label}, per unit of {per}: wall {wall_us / per:.1f} us, kernels "
+          f"{busy / per:.1f} us ({100 * busy / wall_us:.1f} % of the wall)")
+    print_table(table)
+    return dict(wall_us=wall_us / per, kernel_us=busy / per)

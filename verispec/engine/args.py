@@ -125,10 +125,9 @@ class EngineArgs:
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = memory.parse_bytes(self.kv_cache_memory)
         self.speculative_config = self._speculative_config(self.speculative_config)
-        if self.async_scheduling and (self.speculative_config is not None
-                                      or self.tensor_parallel_size > 1):
-            raise ValueError("async_scheduling=True runs plain decoding on one device: not with "
-                             "a speculative_config or tensor_parallel_size > 1")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError("async_scheduling=True runs plain decoding: not with a "
+                             "speculative_config")
 
     def _speculative_config(self, config: Any) -> SpeculativeConfig | None:
         if isinstance(config, dict):

@@ -54,8 +54,7 @@ def build_engine(llm: StepLoop, args: EngineArgs) -> None:
     llm.model_config = config
     async_scheduling = args.async_scheduling
     if async_scheduling is None:
-        async_scheduling = (llm.device.type == "cuda" and speculative_config is None
-                            and not llm._tp.enabled)
+        async_scheduling = llm.device.type == "cuda" and speculative_config is None
     llm.async_scheduling = async_scheduling
     llm.tokenizer = llm.loaded.tokenizer
     llm.eos_token_ids = frozenset(llm.loaded.eos_token_ids)
