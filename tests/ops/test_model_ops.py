@@ -312,6 +312,8 @@ def test_linear_silu_mul_matches_twin_and_the_unfused_kernels(device, bias, dtyp
         _close(fused, unfused, 1e-5)
     for row in (0, 4):  # batch invariant like linear
         assert torch.equal(triton_model.linear_silu_mul(x[row:row + 1], w, b)[0], fused[row])
+    if torch.device(device).type == "cuda":  # 20 rows: the general tile, not the few rows'
+        assert torch.equal(triton_model.linear_silu_mul(torch.cat([x] * 4), w, b)[:5], fused)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -378,6 +380,9 @@ def test_linear_tiles_follow_the_shape():
     assert (cfg(64, 6144, bf16).block_m, cfg(64, 6144, bf16).block_n) == (64, 64)
     assert cfg(1, 4096, bf16).block_n == 32 and cfg(64, 4096, bf16).block_n == 32  # o, down
     assert cfg(1, 28672, bf16).block_n == 128 and cfg(1, 28672, bf16).block_m == 64
+    # the fused gate|up projection at up to 16 rows: tiles of 64 gate and 64 up outputs
+    assert cfg(16, 28672, bf16, gated=True) == triton_model.LinearConfig(16, 128, 4, 4)
+    assert cfg(17, 28672, bf16, gated=True) == cfg(17, 28672, bf16)
     assert cfg(256, 28672, bf16).block_m == 256 and cfg(128, 28672, bf16).block_m == 128
     assert cfg(256, 6144, bf16).block_m == 128 and cfg(256, 4096, bf16).block_m == 64
     assert (cfg(256, 6144, bf16).block_k, cfg(256, 6144, bf16).num_stages) == (64, 5)
