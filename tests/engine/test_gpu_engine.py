@@ -351,33 +351,3 @@ def test_token_trees_on_the_gpu(dirs, heads, dtype):
         sampled = dict(temperature=0.9, seed=11)
         assert _generate(llm, PROMPTS[:1], **sampled)[0] == _generate(llm, PROMPTS,
                                                                        **sampled)[0], method
-
-
-@pytest.mark.parametrize("level", ["1", "2"])
-def test_programmatic_dependent_launch_keeps_the_tokens(dirs, monkeypatch, level):
-    """The model's kernels launched while the one before runs (``VERISPEC_PDL`` 1), and the
-    matmuls prefetching their weights into L2 before their turn (2): the same greedy and seeded
-    tokens and log probabilities as launches in order, plain and with a draft model, in CUDA
-    graphs and eager. Skipped before Hopper (no such launches)."""
-    from verispec.ops import triton_launch
-
-    if not triton_launch._pdl(torch.cuda.current_device()):
-        pytest.skip("programmatic dependent launch needs compute capability 9 or later")
-
-    def run(env: str) -> list:
-        monkeypatch.setenv(triton_launch.PDL_ENV, env)
-        triton_launch.model_pdl.cache_clear()
-        out = []
-        for kwargs in ({}, {"enforce_eager": True},
-                       {"speculative_config": _spec(dirs, "draft_model")}):
-            llm = LLM(dirs[0], dtype="bfloat16", device="cuda", max_num_seqs=8, **kwargs)
-            for params in (dict(temperature=0.0, logprobs=2), dict(temperature=0.8, seed=3)):
-                outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True,
-                                                               **params))
-                out.append([(o.token_ids, o.outputs[0].logprobs) for o in outputs])
-        return out
-
-    try:
-        assert run(level) == run("0")
-    finally:
-        triton_launch.model_pdl.cache_clear()

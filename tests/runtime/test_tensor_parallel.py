@@ -448,8 +448,9 @@ def gpu_engine(target_dir, tp: int, env: dict | None = None, logprobs: int | Non
 @two_gpus
 def test_gpu_tp2_with_cuda_graphs(gpu_target_dir, gpu_draft_dir):
     """Captured decode / verify / draft steps with the collectives inside, plain steps queued
-    ahead of the host: alone == batched (greedy and seeded), greedy speculation == plain (n-gram, draft model); TP = 1's greedy
-    tokens agree with TP = 2's up to rounding (the share is printed, not asserted)."""
+    ahead of the host: alone == batched (greedy and seeded), greedy speculation == plain
+    (n-gram, draft model); TP = 1's greedy tokens agree with TP = 2's up to rounding (the
+    share is printed, not asserted)."""
     tp1 = gpu_engine(gpu_target_dir, 1)["greedy"]
     tp2 = gpu_engine(gpu_target_dir, 2)
     assert tp2["graphs"] and tp2["async"]  # steps queued ahead on both ranks

@@ -79,8 +79,8 @@ class LLM(StepLoop, RequestIntake):
         the GPU does not wait for the host's commit and scheduling between steps (vLLM's key);
         a request's tokens are those of the steps in order. Default: on with CUDA for plain
         decoding (every rank of a tensor-parallel engine queues the same steps), off
-        otherwise; True with speculation is a ValueError. Steps of requests with logprobs, logits options or several samples run
-        in order
+        otherwise; True with speculation is a ValueError. Steps of requests with logprobs,
+        logits options or several samples run in order
     batch_invariant : matmuls and attention whose rows do not depend on the batch, on CUDA and
         on CPU (the default: a request's tokens are the same alone or in any batch, and greedy
         speculation emits the plain greedy tokens, in every dtype); False uses torch's own

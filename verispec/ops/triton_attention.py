@@ -36,7 +36,7 @@ from verispec.ops.triton_attention_kernels import (
     _combine_partitions_kernel,
     _rope_attention_kernel,
 )
-from verispec.ops.triton_rowwise import _precision, pdl_launch, pdl_level
+from verispec.ops.triton_rowwise import _precision
 
 ATTENTION_BLOCK_Q = 16  # query rows per program (tl.dot needs >= 16)
 # ... in a bfloat16 / float16 prefill or mixed step: twice the rows per key tile read, the same
@@ -194,8 +194,6 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
                 PATH=triton.next_power_of_2(path_len), SMALL_KEYS=SMALL_PARTITION_KEYS,
                 SMALL_PARTS=SMALL_PARTITIONS, PART_KEYS=PARTITION_KEYS,
                 MAX_PARTS=MAX_PARTITIONS, num_warps=num_warps)
-    pdl = pdl_level(qkv) > 0
-    meta.update(PDL=pdl, **pdl_launch(pdl))
     if not fused:
         _rope_attention_kernel[grid](*args, WRITE=True, ATTEND=False, SPLIT=False, **meta)
     _rope_attention_kernel[grid](*args, WRITE=fused, ATTEND=True, SPLIT=split > 1, **meta)
@@ -203,8 +201,7 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
         rows = T * num_heads
         _combine_partitions_kernel[(triton.cdiv(rows, COMBINE_ROWS),)](
             parts, maxes_sums, num_parts, out, rows, out.stride(0), out.stride(1),
-            HQ=num_heads, D=D, ROWS=COMBINE_ROWS, PARTS=scratch_parts, num_warps=4, PDL=pdl,
-            **pdl_launch(pdl))
+            HQ=num_heads, D=D, ROWS=COMBINE_ROWS, PARTS=scratch_parts, num_warps=4)
     return out
 
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from verispec.ops.triton_rowwise import pdl_start
-
 
 @triton.jit
 def _rope_rows(src, d, partner, pos, ok, cos_ptr, sin_ptr, stride_cos, norm_ptr, eps,
@@ -205,8 +203,7 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
                            FLAT_GRID: tl.constexpr, TREE: tl.constexpr, PATH: tl.constexpr,
                            SPLIT: tl.constexpr, SMALL_KEYS: tl.constexpr,
                            SMALL_PARTS: tl.constexpr, PART_KEYS: tl.constexpr,
-                           MAX_PARTS: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+                           MAX_PARTS: tl.constexpr):
     G: tl.constexpr = HQ // HKV
     if FLAT_GRID:  # grid (tiles of every request, kv heads): find this tile's request
         t = tl.program_id(0)
@@ -383,12 +380,11 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
 @triton.jit
 def _combine_partitions_kernel(part_ptr, ml_ptr, nparts_ptr, out_ptr, num_rows, stride_ot,
                                stride_oh, HQ: tl.constexpr, D: tl.constexpr,
-                               ROWS: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
+                               ROWS: tl.constexpr, PARTS: tl.constexpr):
     """Split-KV's second launch: each (token, head) row folds its partitions in order with
     ``_fold``, as the one-launch kernel does, and writes partitions-folded / sum. The loop over
     the ``PARTS`` scratch partitions is unrolled: no load waits on a fold, so the loads of every
     partition are in flight together."""
-    pdl_start(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = rows < num_rows
     token = (rows // HQ).to(tl.int64)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 import torch
 
@@ -101,26 +100,6 @@ def _pdl(index: int) -> bool:
     if INTERPRET or index < 0:
         return False
     return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-# Programmatic dependent launch between the kernels of a model forward (Hopper and later):
-# 0 off; 1 each kernel lets the next one launch while it runs (the next waits in hardware for
-# it to finish before touching memory); 2 also, a matmul of few rows prefetches the first part
-# of its weight into L2 before that wait (while the kernels before it run).
-PDL_ENV = "VERISPEC_PDL"
-DEFAULT_MODEL_PDL = 0
-
-
-@functools.cache
-def model_pdl(index: int) -> int:
-    """The level of programmatic dependent launch of the model's kernels on device ``index``
-    (``PDL_ENV``; 0 where the device or the interpreter cannot)."""
-    if not _pdl(index):
-        return 0
-    level = os.environ.get(PDL_ENV, str(DEFAULT_MODEL_PDL))
-    if level not in ("0", "1", "2"):
-        raise ValueError(f"{PDL_ENV} must be 0, 1 or 2, got {level!r}")
-    return int(level)
 
 
 @functools.cache

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from verispec.ops.triton_rowwise import pdl_launch, pdl_level, pdl_start, rms_norm_row
+from verispec.ops.triton_rowwise import rms_norm_row
 
 PROGRAMS = 64  # fixed: the row -> program map must not depend on the number of rows
 MAX_POLLS = 1 << 27
@@ -42,8 +42,7 @@ def _peer_reduce_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, bases_ptr, counters
                              flags_offset, max_polls,
                              RANK: tl.constexpr, WORLD: tl.constexpr, PROGRAMS: tl.constexpr,
                              ITEMSIZE: tl.constexpr, BLOCK: tl.constexpr,
-                             ALIGN: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)  # (the previous kernel has finished before any buffer is touched, as below)
+                             ALIGN: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -113,11 +112,10 @@ def peer_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.
                          f"{half_bytes} bytes")
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(H)
-    pdl = pdl_level(x) > 0
     _peer_reduce_norm_kernel[(PROGRAMS,)](
         x2, res, weight, out, bases, counters, x2.shape[0], H, x2.stride(0), res.stride(0),
         out.stride(0), eps, half_bytes, flags_offset, max_polls,
         RANK=rank, WORLD=world, PROGRAMS=PROGRAMS, ITEMSIZE=x.element_size(), BLOCK=block,
-        ALIGN=16 // x.element_size() if (H * x.element_size()) % 16 == 0 else 1, PDL=pdl,
-        num_warps=min(16, max(1, block // 256)), **pdl_launch(pdl))
+        ALIGN=16 // x.element_size() if (H * x.element_size()) % 16 == 0 else 1,
+        num_warps=min(16, max(1, block // 256)))
     return out.view(x.shape)

@@ -17,12 +17,6 @@ result does not depend on its batch (docs/design.md §12):
   output's sum unchanged; with ``GATED`` it computes the gate and up tiles of the fused gate|up
   projection together and stores ``silu(gate) * up`` (no [T, 2I] intermediate, one kernel
   fewer per layer).
-
-Under programmatic dependent launch (``PDL``, ``triton_launch.model_pdl``) a kernel is launched
-while the one before it runs and waits in hardware (``pdl_start``, ``gdc_wait``) before it reads
-or writes memory, so the launch and the programs' start overlap the kernel before; the matmul
-may first prefetch the start of its weight rows into L2 (``PREFETCH``), which no kernel before it
-writes. The same instructions compute every value: the bits do not change.
 """
 
 from __future__ import annotations
@@ -34,48 +28,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from verispec.ops.triton_kernels import INTERPRET
-from verispec.ops.triton_launch import model_pdl
-
-# The most weight bytes the matmuls of few rows prefetch into L2 ahead of their turn (the H100 /
-# H200 L2 holds 50 MB): what the kernels before them leave of the memory bandwidth unused.
-PREFETCH_L2_BYTES = 24 << 20
-
-
-@triton.jit
-def pdl_start(PDL: tl.constexpr):
-    """At a kernel's start under programmatic dependent launch (``triton_launch.model_pdl``):
-    let the next kernel launch now, and wait until the kernel before has finished and its
-    writes are visible. Nothing may be read or written before it."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-
-
-@triton.jit
-def _prefetch_l2(addr, nbytes, ok):
-    """One bulk prefetch of ``nbytes`` from each address (int64, 16-byte aligned) into L2,
-    where ``ok``; a read of memory nothing writes during the forward (weights) only."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r,r", [addr, nbytes, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-def pdl_level(t: torch.Tensor) -> int:
-    """``triton_launch.model_pdl`` of ``t``'s device (0 off CUDA)."""
-    if t.device.type != "cuda":
-        return 0
-    return model_pdl(t.device.index if t.device.index is not None
-                     else torch.cuda.current_device())
-
-
-def pdl_launch(pdl: bool) -> dict:
-    """The launch option of a kernel compiled with ``PDL``."""
-    return {"launch_pdl": True} if pdl else {}
 
 
 @triton.jit
@@ -98,8 +53,7 @@ def rms_norm_row(x, res_row_ptr, w_ptr, out_row_ptr, cols, mask, H, eps,
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, stride_out, H, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -118,11 +72,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     res = x2 if residual is None else residual.view(-1, H)
     block = triton.next_power_of_2(H)
-    pdl = pdl_level(x) > 0
     _rms_norm_kernel[(x2.shape[0],)](
         x2, res, weight, out, x2.stride(0), res.stride(0), out.stride(0), H, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl,
-        num_warps=min(16, max(1, block // 256)), **pdl_launch(pdl))
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return out.view(x.shape)
 
 
@@ -256,7 +208,7 @@ LINEAR_MIN_PROGRAMS = 96
 # weight stream); wider products keep the tiles above.
 LINEAR_FEW_ROWS = {2: (16, 8192, LinearConfig(16, 32, 4, 6))}  # itemsize: rows, outputs, tile
 # The fused gate|up projection at up to 16 rows, whatever its width: gate and up tiles of 64
-# outputs (H200, one and four rows: 5-7 % faster than the tile above or the general rule on the
+# outputs (H200, one and four rows: 3-7 % faster than the tile above or the general rule on the
 # 8B shape whole and split in two, the 70B shape split in two and the 1B shape).
 LINEAR_FEW_ROWS_GATED = {2: (16, LinearConfig(16, 128, 4, 4))}  # itemsize: rows, tile
 # Loads by the tensor-memory accelerator (bfloat16 / float16 on Hopper) from LINEAR_TMA_MIN_ROWS
@@ -310,20 +262,15 @@ def _with_tma(config: LinearConfig) -> LinearConfig:
     return dataclasses.replace(config, tma=True)
 
 
-@triton.jit(do_not_specialize=["M", "w_addr", "prefetch_bytes"])
+@triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                   w_addr, prefetch_bytes,
                    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                   TMA: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr,
-                   PREFETCH: tl.constexpr):
+                   TMA: tl.constexpr, ROUND: tl.constexpr):
     """Grid (row tiles, output tiles). With ``TMA``, ``x_ptr`` and ``w_ptr`` are tensor
     descriptors of x [M, K] and W [N (GATED: 2N), K] with blocks [BLOCK_M, BLOCK_K] and
     [BLOCK_N, BLOCK_K]. Outputs are rounded to ``ROUND`` (x's dtype), then stored in the
-    output's (float32 logits: the rounded values widened, no second pass over them). ``PDL``:
-    launched while the kernel before runs, it waits for it before reading x, and lets the next
-    kernel launch once its sums are done; ``PREFETCH`` (the weight's element size, 0: none):
-    first the L2 prefetch of ``prefetch_bytes`` of each of its weight rows from ``w_addr``."""
+    output's (float32 logits: the rounded values widened, no second pass over them)."""
     pid_m = tl.program_id(0)  # row tiles vary fastest: programs that run together share a
     pid_n = tl.program_id(1)  # weight tile, so the weight is read from memory about once
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -333,13 +280,6 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
         x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
         w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
         up_rows = w_rows + N * stride_wn  # GATED: weight rows N + n: output n's up projection
-    if PDL:
-        if PREFETCH:  # the weight does not depend on the kernel before: read it meanwhile
-            row_addr = w_addr + rn.to(tl.int64) * stride_wn * PREFETCH
-            _prefetch_l2(row_addr, prefetch_bytes, rn < N)
-            if GATED:
-                _prefetch_l2(row_addr + N * stride_wn * PREFETCH, prefetch_bytes, rn < N)
-        gdc_wait()
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):  # a fixed order of BLOCK_K steps: the row's sum
@@ -359,8 +299,6 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
             else:
                 u = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0)
             acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=PRECISION)
-    if PDL:
-        gdc_launch_dependents()
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -415,33 +353,17 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, block_n))
     x_arg, w_arg = x2, weight
     tma = cfg.tma and _tma_ok(x2) and _tma_ok(weight)
-    pdl = pdl_level(x)
-    prefetch_bytes = _prefetch_bytes(weight, grid[0]) if pdl > 1 and not tma else 0
     if tma:
         x_arg = TensorDescriptor(x2, [M, K], [x2.stride(0), 1], [cfg.block_m, cfg.block_k])
         w_arg = TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1],
                                  [block_n, cfg.block_k])
     _linear_kernel[grid](
         x_arg, w_arg, weight if bias is None else bias, out, M, N, K, x2.stride(0),
-        weight.stride(0), out.stride(0), weight.data_ptr(), prefetch_bytes,
-        HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=block_n,
-        BLOCK_K=cfg.block_k, PRECISION=_precision(x.dtype), TMA=tma, ROUND=_TL_DTYPES[x.dtype],
-        PDL=pdl > 0, PREFETCH=weight.element_size() if prefetch_bytes else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl > 0))
+        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, GATED=gated,
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
+        PRECISION=_precision(x.dtype), TMA=tma, ROUND=_TL_DTYPES[x.dtype],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.view(*x.shape[:-1], N)
-
-
-def _prefetch_bytes(weight: torch.Tensor, row_tiles: int) -> int:
-    """Bytes of each weight row a matmul prefetches into L2 before its turn: with one tile of
-    rows (decode and verify steps of small batches, where the weight stream is the step), the
-    start of every row, ``PREFETCH_L2_BYTES`` over the weight; 0 where the rows are not
-    16-byte aligned or the share is too small to matter."""
-    row_bytes = weight.shape[1] * weight.element_size()
-    stride_bytes = weight.stride(0) * weight.element_size()
-    if row_tiles != 1 or weight.data_ptr() % 16 or stride_bytes % 16:
-        return 0
-    share = min(row_bytes, PREFETCH_L2_BYTES // weight.shape[0]) // 256 * 256
-    return share if share >= 1024 else 0
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
