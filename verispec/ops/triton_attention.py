@@ -60,8 +60,12 @@ SMALL_PARTITION_KEYS = 128
 SMALL_PARTITIONS = 16
 PARTITION_KEYS = 512
 MAX_PARTITIONS = 64
-# A split-KV launch has about this many programs per multiprocessor (0: no split-KV).
+# A split-KV launch has about this many programs per multiprocessor (0: no split-KV); a token
+# tree's, whose tiles are heavier (H200, 8B shape, a 32-token tree over 1 024 keys in a
+# captured verify: 6.55 ms at 1 a multiprocessor, 6.58 at 2, 6.91 at 4; a decode step is the
+# same 4.8 ms under all three).
 SPLIT_PROGRAMS_PER_SM = 4
+TREE_SPLIT_PROGRAMS_PER_SM = 1
 
 
 def _check_index(**tensors: torch.Tensor) -> None:
@@ -165,7 +169,9 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
     scratch_parts = max(min(MAX_PARTITIONS, -(-cache_keys // PARTITION_KEYS)),
                         min(SMALL_PARTITIONS, -(-cache_keys // SMALL_PARTITION_KEYS)))
     if fused or tree:  # decode, verify, token trees
-        split = split_programs or _split_programs(grid[0] * grid[1] * grid[2], qkv.device)
+        per_sm = TREE_SPLIT_PROGRAMS_PER_SM if tree else SPLIT_PROGRAMS_PER_SM
+        split = split_programs or _split_programs(grid[0] * grid[1] * grid[2], qkv.device,
+                                                  per_sm)
         split = max(1, min(split, scratch_parts))
     if split > 1:
         grid = (grid[0], grid[1], grid[2] * split)
@@ -215,12 +221,12 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _split_programs(programs: int, device: torch.device) -> int:
-    """Programs per (request, kv head, tile) of a decode or verify launch of ``programs``
-    tiles: 1 (no split) when there are more tiles than multiprocessors (a batch of 32 x 2 000
-    keys ran 8 % slower split on an H200), else enough for ``SPLIT_PROGRAMS_PER_SM`` programs
-    a multiprocessor."""
+def _split_programs(programs: int, device: torch.device, per_sm: int) -> int:
+    """Programs per (request, kv head, tile) of a decode, verify or tree launch of
+    ``programs`` tiles: 1 (no split) when there are more tiles than multiprocessors (a batch of
+    32 x 2 000 keys ran 8 % slower split on an H200), else enough for ``per_sm`` programs a
+    multiprocessor (``SPLIT_PROGRAMS_PER_SM``, ``TREE_SPLIT_PROGRAMS_PER_SM``)."""
     sms = _multiprocessors(device)
     if SPLIT_PROGRAMS_PER_SM == 0 or programs > sms:
         return 1
-    return -(-SPLIT_PROGRAMS_PER_SM * sms // programs)
+    return -(-per_sm * sms // programs)
