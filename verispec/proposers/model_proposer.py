@@ -183,16 +183,17 @@ class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
                                   torch.int64)
         slots_t = ops.to_device(slots, self.device)
         rows = np.arange(active.size)  # rows of the B_a active requests still drafting
-        # structured output: draft only what each request's grammar allows (grammar_walk)
+        if by_position:
+            self._catch_up(requests, active, slots)
+            last_two = np.stack([np.asarray(context_tail(c, n - 2), dtype=np.int64)
+                                 for c, n in zip(contexts, num_tokens)])
+            logits = self._position_logits(slots, last_two, num_tokens - 2)  # [B_a, V]
+        else:
+            logits = self.runner.forward(slots.tolist(), feeds, "last", self.num_layers)
+        # structured output: draft only what each request's grammar allows (grammar_walk); the
+        # first draft's masks are computed while the device runs the forward above
         walks = GrammarWalks([self.draft_grammar(requests[r]) for r in active])
         try:
-            if by_position:
-                self._catch_up(requests, active, slots)
-                last_two = np.stack([np.asarray(context_tail(c, n - 2), dtype=np.int64)
-                                     for c, n in zip(contexts, num_tokens)])
-                logits = self._position_logits(slots, last_two, num_tokens - 2)  # [B_a, V]
-            else:
-                logits = self.runner.forward(slots.tolist(), feeds, "last", self.num_layers)
             for i in range(int(num_drafts.max())):
                 row_index = ops.to_device(rows, self.device)
                 row_slots = slots_t if rows.size == active.size else slots_t[row_index]
