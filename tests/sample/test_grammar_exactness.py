@@ -301,6 +301,16 @@ def test_batched_masks_equal_one_matcher_at_a_time(threads, monkeypatch):
         fresh.sync(np.array(OUTPUT))
         assert np.array_equal(g.masks(drafts), fresh.masks(drafts)), drafts
         assert np.array_equal(g.masks([]), fresh.masks([]))  # rolled back
+    # one matcher listed several times (a chain repeated): each distinct chain filled once
+    shared = make_request(1.0).options.grammar
+    shared.sync(np.array(OUTPUT))
+    listed = [chains[0], chains[1], chains[0], chains[4], chains[1]]
+    fill_chain_masks([shared] * len(listed), listed)
+    assert sorted(shared._memo) == sorted({tuple(c) for c in listed})
+    for drafts in listed:
+        fresh = make_request(1.0).options.grammar
+        fresh.sync(np.array(OUTPUT))
+        assert np.array_equal(shared.masks(drafts), fresh.masks(drafts)), drafts
     walks = [make_request(1.0).options.grammar for _ in chains]
     for g in walks:
         g.sync(np.array(OUTPUT))

@@ -299,21 +299,15 @@ def fill_chain_masks(grammars: Sequence[GrammarMatcher],
                      drafts: Sequence[Sequence[int]]) -> None:
     """Put into each matcher's memo the masks ``GrammarMatcher.masks`` gives its chain of
     ``drafts`` (the verify step's rows), depth by depth, each depth's masks in one
-    ``compute_masks`` over the requests. A matcher listed more than once walks its chains one
-    after the other."""
-    pending = [(g, tuple(int(t) for t in d)) for g, d in zip(grammars, drafts)]
-    while pending:
-        todo, seen, later = [], set(), []
-        for g, d in pending:
-            if d in g._memo:
-                continue
-            if id(g) in seen:
-                later.append((g, d))
-            else:
-                seen.add(id(g))
-                todo.append((g, d))
-        _fill_distinct(todo)
-        pending = later
+    ``compute_masks`` over the requests. A matcher listed more than once walks its distinct
+    chains one after the other: round r takes the r-th of each matcher (linear in the
+    chains)."""
+    chains: dict[int, tuple[GrammarMatcher, dict]] = {}  # id -> (matcher, its chains in order)
+    for g, d in zip(grammars, drafts):
+        chains.setdefault(id(g), (g, {}))[1][tuple(int(t) for t in d)] = None
+    queues = [(g, [d for d in ds if d not in g._memo]) for g, ds in chains.values()]
+    for r in range(max((len(ds) for _, ds in queues), default=0)):
+        _fill_distinct([(g, ds[r]) for g, ds in queues if r < len(ds)])
 
 
 def _fill_distinct(todo: list[tuple[GrammarMatcher, tuple[int, ...]]]) -> None:
