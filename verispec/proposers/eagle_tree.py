@@ -283,14 +283,14 @@ class EagleTreeDrafting:
             # expand the `width` best candidates of this level (ties: the earlier one)
             keep = np.flatnonzero(deeper)
             rows = rows[keep]
-            order = torch.sort(scores[ops.to_device(keep, device)], dim=1, descending=True,
+            keep_t = ops.to_device(keep, device)
+            order = torch.sort(scores[keep_t], dim=1, descending=True,
                                stable=True).indices[:, :width].cpu().numpy()  # [R, width]
             chosen = first + order
             fed_lo = (t - 1) * width
             pick = np.arange(rows.size)[:, None]
             fed_parents[rows, fed_lo:fed_lo + width] = parent_fed[keep][pick, order // width]
-            parent_out = out[ops.to_device(keep, device)[:, None],
-                             ops.to_device(order // width, device)]
+            parent_out = out[keep_t[:, None], ops.to_device(order // width, device)]
             logits, out = self._tree_forward(
                 levels, rows, np.maximum(cand_tokens[rows[:, None], chosen], 0),  # -1: -inf
                 parent_out, np.ascontiguousarray(fed_parents[rows, :fed_lo + width]))
