@@ -238,7 +238,7 @@ SMALL_PARTITIONS = [(64, 0, 64, 2), (64, 0, 64, 8), (64, 2, 128, 2)]
 def test_partitions_and_split_kv_keep_the_bits(device, monkeypatch, window, partitions):
     """The reduction's partitions (``SMALL_PARTITIONS``; tiles whose queries straddle a size
     change have both): a decode or verify launch split over 1, 2, 3 or 5 programs a tile
-    (split-KV, then the combine launch) gives the bits of one program a tile, and a prefill
+    (split-KV, the last program to finish folding) gives the bits of one program a tile, and a prefill
     launch (the flat grid, folding as it goes) gives each row the bits of that query decoded
     alone, split."""
     for name, value in zip(("SMALL_PARTITION_KEYS", "SMALL_PARTITIONS", "PARTITION_KEYS",
@@ -277,6 +277,26 @@ def test_layers_of_a_step_share_what_the_layout_gives(device):
         assert torch.equal(v, results[0][2])
 
 
+def test_split_kv_layers_share_the_step_tickets(device):
+    """A split-KV launch counts its programs' arrivals per tile in the step's ``derived``
+    tickets; the last program of a tile puts its count back to 0, so the next layer's launch
+    (same tickets) folds again: the same bits as launches with fresh tickets, and the tickets
+    are all 0 after every launch."""
+    counts, contexts = [1, 4, 2], [200, 70, 131]
+    derived = {}
+    with torch.inference_mode():
+        results = []
+        for shared in (None, derived, derived, derived):
+            inputs = _attention_inputs(device, torch.float32, counts, contexts, max_len=256,
+                                       block_size=16)
+            results.append(_rope_attention(triton_model.rope_cache_attention, inputs,
+                                           derived=shared, split_programs=3))
+            tickets = [v for k, v in derived.items() if k[0] == "tickets"]
+            assert shared is None or (len(tickets) == 1 and not tickets[0].any())
+    for out, k, v in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(k, results[0][1])
+
+
 @pytest.mark.parametrize("shape", [(40, 64), (48, 1024)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -312,8 +332,10 @@ def test_linear_silu_mul_matches_twin_and_the_unfused_kernels(device, bias, dtyp
         _close(fused, unfused, 1e-5)
     for row in (0, 4):  # batch invariant like linear
         assert torch.equal(triton_model.linear_silu_mul(x[row:row + 1], w, b)[0], fused[row])
-    if torch.device(device).type == "cuda":  # 20 rows: the general tile, not the few rows'
-        assert torch.equal(triton_model.linear_silu_mul(torch.cat([x] * 4), w, b)[:5], fused)
+    if torch.device(device).type == "cuda":  # 20 rows: the general tile, not the few rows';
+        for copies in (4, 40):  # 200: the tile of many rows (LINEAR_MANY_ROWS_GATED)
+            assert torch.equal(triton_model.linear_silu_mul(torch.cat([x] * copies), w, b)[:5],
+                               fused)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -383,6 +405,10 @@ def test_linear_tiles_follow_the_shape():
     # the fused gate|up projection at up to 16 rows: tiles of 64 gate and 64 up outputs
     assert cfg(16, 28672, bf16, gated=True) == triton_model.LinearConfig(16, 128, 4, 4)
     assert cfg(17, 28672, bf16, gated=True) == cfg(17, 28672, bf16)
+    # ... and above 128 rows: gate and up tiles of 128 x 128 (bulk copies from 128 rows)
+    many_gated = cfg(129, 28672, bf16, gated=True)
+    assert (many_gated.block_m, many_gated.block_n, many_gated.block_k) == (128, 256, 64)
+    assert many_gated.tma and cfg(128, 28672, bf16, gated=True) == cfg(128, 28672, bf16)
     assert cfg(256, 28672, bf16).block_m == 256 and cfg(128, 28672, bf16).block_m == 128
     assert cfg(256, 6144, bf16).block_m == 128 and cfg(256, 4096, bf16).block_m == 64
     assert (cfg(256, 6144, bf16).block_k, cfg(256, 6144, bf16).num_stages) == (64, 5)

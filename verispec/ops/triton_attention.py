@@ -18,11 +18,11 @@ of a verify step (blocks past its position are fully masked and leave its runnin
 unchanged: rescale by exp(0) = 1, add 0). The blocks form partitions that depend on the
 query's position alone (``PARTITION_KEYS``), each an online softmax from scratch, folded in
 order (``_fold``); a decode or verify launch with fewer tiles than multiprocessors computes
-the partitions in programs of their own and folds them in a second launch (split-KV,
-``_combine_partitions_kernel``), the same bits. Compiled with ``TREE`` (token trees), each row of a
-tile reads its keys in the order of the chain holding its path: the key blocks before the
-tree's root are shared by the tile's queries, a block holding tree rows is read once per
-query and each row keeps its own query's scores and values.
+the partitions in programs of their own (split-KV), and the last of a tile's programs to
+finish folds them (``_combine_rows``), the same bits. Compiled with ``TREE`` (token trees),
+each row of a tile reads its keys in the order of the chain holding its path: the key blocks
+before the tree's root are shared by the tile's queries, a block holding tree rows is read
+once per query and each row keeps its own query's scores and values.
 """
 
 from __future__ import annotations
@@ -32,10 +32,7 @@ import functools
 import torch
 import triton
 
-from verispec.ops.triton_attention_kernels import (
-    _combine_partitions_kernel,
-    _rope_attention_kernel,
-)
+from verispec.ops.triton_attention_kernels import _rope_attention_kernel
 from verispec.ops.triton_rowwise import _precision
 
 ATTENTION_BLOCK_Q = 16  # query rows per program (tl.dot needs >= 16)
@@ -51,7 +48,7 @@ ATTENTION_BLOCK_KV = 64  # keys per step of the online softmax (part of the redu
 # partitions of PARTITION_KEYS x ceil(ceil((p + 1) / PARTITION_KEYS) / MAX_PARTITIONS) keys, at
 # most MAX_PARTITIONS of them; each partition's online softmax starts afresh and the partitions
 # are folded in order. One kernel folds them as it goes; a small batch's decode or verify
-# (split-KV) computes them in programs of their own and folds them in a second launch. The small
+# (split-KV) computes them in programs of their own, the last to finish folding them. The small
 # partitions give a short context's keys to more programs (batch 1, 1 k keys: 13 us a layer,
 # not 22); past 2 k keys, 512 and more keep a program's loop long (partitions of 128 everywhere
 # made 16 x 4 000 keys 18 % slower; docs/benchmarks.md). All are multiples of
@@ -112,8 +109,9 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
 
     A decode or verify launch with few programs (a small batch) runs split-KV: each (request, kv
     head, tile) gets ``split_programs`` programs (default: enough for ``SPLIT_PROGRAMS_PER_SM``
-    a multiprocessor), each computing every ``split_programs``-th partition of the rows' keys,
-    and a second launch folds the partitions in order. Same bits as one program per tile.
+    a multiprocessor), each computing every ``split_programs``-th partition of the rows' keys;
+    the tile's last program to finish folds the partitions in order (a count per tile in
+    ``_tickets``: no second launch). Same bits as one program per tile.
 
     With ``tree_paths`` (token trees) the kernel is compiled with ``TREE``: tiles hold the
     (query, head) rows as a chain's do, a query's position is ``positions[token]``, and the key
@@ -179,14 +177,14 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
                             device=qkv.device)
         maxes_sums = torch.empty((T, num_heads, scratch_parts, 2), dtype=torch.float32,
                                  device=qkv.device)
-        num_parts = torch.zeros((T,), dtype=torch.int32, device=qkv.device)
+        tickets = _tickets(grid[0] * grid[1] * (grid[2] // split), qkv.device, derived)
     else:
-        parts, maxes_sums, num_parts = out, out, query_start  # (unread without SPLIT)
+        parts, maxes_sums, tickets = out, out, query_start  # (unread without SPLIT)
     paths = tree_paths if tree else query_start  # (unread without TREE)
     path_len = tree_paths.shape[1] if tree else 1
     args = (qkv, cos, sin, q_norm if has_norm else cos, k_norm if has_norm else cos, k_cache,
             v_cache, out, block_tables, slot_ids, context_lens, query_start, tile_starts,
-            positions if tree else query_start, paths, parts, maxes_sums, num_parts, split,
+            positions if tree else query_start, paths, parts, maxes_sums, tickets, split,
             scratch_parts if split > 1 else 1, B,
             search_steps, qkv.stride(0),
             cos.stride(0), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
@@ -203,15 +201,20 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
     if not fused:
         _rope_attention_kernel[grid](*args, WRITE=True, ATTEND=False, SPLIT=False, **meta)
     _rope_attention_kernel[grid](*args, WRITE=fused, ATTEND=True, SPLIT=split > 1, **meta)
-    if split > 1:
-        rows = T * num_heads
-        _combine_partitions_kernel[(triton.cdiv(rows, COMBINE_ROWS),)](
-            parts, maxes_sums, num_parts, out, rows, out.stride(0), out.stride(1),
-            HQ=num_heads, D=D, ROWS=COMBINE_ROWS, PARTS=scratch_parts, num_warps=4)
     return out
 
 
-COMBINE_ROWS = 8  # (token, head) rows per program of the split-KV combine
+def _tickets(count: int, device: torch.device, derived: dict | None) -> torch.Tensor:
+    """[count] int32 zeros: a split-KV launch's arrival count per tile. The last program of a
+    tile puts its count back to 0, so the step's layers share one (kept in ``derived``): one
+    zero fill a step, not one a layer."""
+    key = ("tickets", count)
+    if derived is not None and key in derived:
+        return derived[key]
+    tickets = torch.zeros((count,), dtype=torch.int32, device=device)
+    if derived is not None:
+        derived[key] = tickets
+    return tickets
 
 
 @functools.cache

@@ -1,6 +1,6 @@
 """The Triton programs of the GPU attention (``verispec.ops.triton_attention`` launches them and
-describes the design): the attention over the paged cache with its cache write, the partitions'
-fold, and split-KV's combine launch.
+describes the design): the attention over the paged cache with its cache write and the partitions'
+fold.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def _tree_tile(q, m, s_sum, acc, start, pos, window, lo, part, query, first_quer
 @triton.jit
 def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr,
                            out_ptr, bt_ptr, slot_ptr, ctx_ptr, qs_ptr, ts_ptr, pos_ptr, path_ptr,
-                           part_ptr, ml_ptr, nparts_ptr, num_split, scratch_parts,
+                           part_ptr, ml_ptr, ticket_ptr, num_split, scratch_parts,
                            B, search_steps,
                            stride_qkv,
                            stride_cos,
@@ -317,8 +317,8 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
             kv_lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_KV * BLOCK_KV
         if SPLIT:
             # Partitions split_program, + num_split, ...: each from a fresh state, its rows'
-            # keys limited to their partition, written for the combine launch to fold in order.
-            tl.store(nparts_ptr + token, num_parts.to(tl.int32), mask=row_ok & (rows % G == 0))
+            # keys limited to their partition, written to the scratch; the tile's last program
+            # to finish folds them in order (below).
             for z in range(split_program, last_part, num_split):
                 lo = z * part  # [BLOCK_Q]
                 m = tl.full((BLOCK_Q,), -1.0e30, tl.float32)
@@ -351,6 +351,17 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
                 tl.store(ml_ptr + at * 2, m, mask=keep)
                 tl.store(ml_ptr + at * 2 + 1, s_sum, mask=keep)
                 tl.store(part_ptr + at[:, None] * D + d[None, :], acc, mask=keep[:, None])
+            # Count this program in (its stores are ordered before the count: the barrier, then
+            # a release). The tile's programs with partitions are min(num_split, last_part);
+            # the last to arrive puts the ticket back to 0 for the next launch and folds.
+            tl.debug_barrier()
+            ticket = ticket_ptr + (b * HKV + kv_head) * (tl.num_programs(2) // num_split) + tile
+            arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.minimum(num_split, last_part) - 1:
+                tl.store(ticket, 0)
+                _combine_rows(part_ptr, ml_ptr, out_ptr, token, head, row_ok, num_parts,
+                              last_part, scratch_parts, stride_ot, stride_oh, d, HQ, BLOCK_Q,
+                              D)
             return
         # key blocks every row of the tile reads alike (a tree's context before its root)
         for start in range(kv_lo, tl.minimum(tree_start, last_pos + 1), BLOCK_KV):
@@ -378,29 +389,24 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
 
 
 @triton.jit
-def _combine_partitions_kernel(part_ptr, ml_ptr, nparts_ptr, out_ptr, num_rows, stride_ot,
-                               stride_oh, HQ: tl.constexpr, D: tl.constexpr,
-                               ROWS: tl.constexpr, PARTS: tl.constexpr):
-    """Split-KV's second launch: each (token, head) row folds its partitions in order with
-    ``_fold``, as the one-launch kernel does, and writes partitions-folded / sum. The loop over
-    the ``PARTS`` scratch partitions is unrolled: no load waits on a fold, so the loads of every
-    partition are in flight together."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    ok = rows < num_rows
-    token = (rows // HQ).to(tl.int64)
-    head = rows % HQ
-    d = tl.arange(0, D)
-    n = tl.minimum(tl.load(nparts_ptr + token, mask=ok, other=0), PARTS)
+def _combine_rows(part_ptr, ml_ptr, out_ptr, token, head, row_ok, num_parts, last_part,
+                  scratch_parts, stride_ot, stride_oh, d, HQ: tl.constexpr, ROWS: tl.constexpr,
+                  D: tl.constexpr):
+    """Split-KV's fold, by the last program of a tile to finish: each (token, head) row folds
+    its ``num_parts`` partitions in order with ``_fold``, as the one-launch kernel does, and
+    writes partitions-folded / sum. The scratch is read from L2: other multiprocessors wrote
+    it."""
     big_m = tl.full((ROWS,), -1.0e30, tl.float32)
     big_l = tl.zeros((ROWS,), tl.float32)
     big_a = tl.zeros((ROWS, D), tl.float32)
-    for z in tl.static_range(PARTS):
-        has = z < n
-        at = rows.to(tl.int64) * PARTS + z
-        m = tl.load(ml_ptr + at * 2, mask=has, other=-1.0e30)
-        s_sum = tl.load(ml_ptr + at * 2 + 1, mask=has, other=0.0)
-        acc = tl.load(part_ptr + at[:, None] * D + d[None, :], mask=has[:, None], other=0.0)
+    for z in range(0, last_part):
+        has = row_ok & (z < num_parts)
+        at = (token * HQ + head) * scratch_parts + z
+        m = tl.load(ml_ptr + at * 2, mask=has, other=-1.0e30, cache_modifier=".cg")
+        s_sum = tl.load(ml_ptr + at * 2 + 1, mask=has, other=0.0, cache_modifier=".cg")
+        acc = tl.load(part_ptr + at[:, None] * D + d[None, :], mask=has[:, None], other=0.0,
+                      cache_modifier=".cg")
         m, s_sum, acc, big_m, big_l, big_a = _fold(has, m, s_sum, acc, big_m, big_l, big_a)
-    out = big_a / tl.where(n > 0, big_l, 1.0)[:, None]  # (rows of no request: not stored)
+    out = big_a / tl.where(row_ok, big_l, 1.0)[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=(ok & (n > 0))[:, None])
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
