@@ -238,9 +238,9 @@ SMALL_PARTITIONS = [(64, 0, 64, 2), (64, 0, 64, 8), (64, 2, 128, 2)]
 def test_partitions_and_split_kv_keep_the_bits(device, monkeypatch, window, partitions):
     """The reduction's partitions (``SMALL_PARTITIONS``; tiles whose queries straddle a size
     change have both): a decode or verify launch split over 1, 2, 3 or 5 programs a tile
-    (split-KV, the last program to finish folding) gives the bits of one program a tile, and a prefill
-    launch (the flat grid, folding as it goes) gives each row the bits of that query decoded
-    alone, split."""
+    (split-KV, the last program to finish folding) gives the bits of one program a tile, and a
+    prefill launch (the flat grid, folding as it goes) gives each row the bits of that query
+    decoded alone, split."""
     for name, value in zip(("SMALL_PARTITION_KEYS", "SMALL_PARTITIONS", "PARTITION_KEYS",
                             "MAX_PARTITIONS"), partitions):
         monkeypatch.setattr(triton_attention, name, value)
@@ -295,6 +295,7 @@ def test_split_kv_layers_share_the_step_tickets(device):
             assert shared is None or (len(tickets) == 1 and not tickets[0].any())
     for out, k, v in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(k, results[0][1])
+        assert torch.equal(v, results[0][2])
 
 
 @pytest.mark.parametrize("shape", [(40, 64), (48, 1024)])
