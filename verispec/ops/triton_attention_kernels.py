@@ -186,6 +186,41 @@ def _tree_tile(q, m, s_sum, acc, start, pos, window, lo, part, query, first_quer
 
 
 @triton.jit
+def _partition(q, z, part, part_min, part_max, kv_lo, last_pos, tree_start, pos, window, query,
+               first_query, last_query, q_lo, root, path_ptr, pos_ptr, bt_row, k_base, v_base,
+               d, stride_path, stride_kc_block, stride_kc_pos, stride_vc_block, stride_vc_pos,
+               scale, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+               D: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
+               TREE: tl.constexpr):
+    """Split-KV: partition ``z`` of the tile's rows from a fresh state, each row's keys limited
+    to its partition -> (max, sum, unnormalised output)."""
+    lo = z * part  # [BLOCK_Q]
+    m = tl.full((BLOCK_Q,), -1.0e30, tl.float32)
+    s_sum = tl.zeros((BLOCK_Q,), tl.float32)
+    acc = tl.zeros((BLOCK_Q, D), tl.float32)
+    for start in range(tl.maximum(z * part_min, kv_lo),
+                       tl.minimum((z + 1) * part_max, last_pos + 1), BLOCK_KV):
+        if TREE:
+            if start >= tree_start:
+                m, s_sum, acc = _tree_tile(
+                    q, m, s_sum, acc, start, pos, window, lo, part, query, first_query,
+                    last_query, q_lo, root, path_ptr, pos_ptr, bt_row, k_base, v_base, d,
+                    stride_path, stride_kc_block, stride_kc_pos, stride_vc_block, stride_vc_pos,
+                    scale, BLOCK_SIZE, BLOCK_Q, BLOCK_KV, PRECISION, WINDOWED, True)
+            else:
+                m, s_sum, acc = _shared_tile(
+                    q, m, s_sum, acc, start, pos, window, lo, part, bt_row, k_base, v_base,
+                    last_pos, d, stride_kc_block, stride_kc_pos, stride_vc_block, stride_vc_pos,
+                    scale, BLOCK_SIZE, BLOCK_KV, PRECISION, WINDOWED, True)
+        else:
+            m, s_sum, acc = _shared_tile(
+                q, m, s_sum, acc, start, pos, window, lo, part, bt_row, k_base, v_base,
+                last_pos, d, stride_kc_block, stride_kc_pos, stride_vc_block, stride_vc_pos,
+                scale, BLOCK_SIZE, BLOCK_KV, PRECISION, WINDOWED, True)
+    return m, s_sum, acc
+
+
+@triton.jit
 def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr,
                            out_ptr, bt_ptr, slot_ptr, ctx_ptr, qs_ptr, ts_ptr, pos_ptr, path_ptr,
                            part_ptr, ml_ptr, ticket_ptr, num_split, scratch_parts,
@@ -300,6 +335,7 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
             last_pos = ctx - num_q + last_query
             first_pos = ctx - num_q + first_query
             tree_start = last_pos + 1
+            root = tree_start  # (read by trees only)
         q = _rope_rows(qkv_ptr + token[:, None] * stride_qkv + head[:, None] * D, d, partner,
                        pos, row_ok, cos_ptr, sin_ptr, stride_cos, qn_ptr, eps, D, HAS_QK_NORM)
         q = q.to(qkv_ptr.dtype.element_ty)  # q rounded to the model dtype, as the twin's
@@ -316,53 +352,37 @@ def _rope_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, k_cache_pt
         if WINDOWED:  # blocks wholly before every row's window are skipped (aligned to BLOCK_KV)
             kv_lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_KV * BLOCK_KV
         if SPLIT:
-            # Partitions split_program, + num_split, ...: each from a fresh state, its rows'
-            # keys limited to their partition, written to the scratch; the tile's last program
-            # to finish folds them in order (below).
-            for z in range(split_program, last_part, num_split):
-                lo = z * part  # [BLOCK_Q]
-                m = tl.full((BLOCK_Q,), -1.0e30, tl.float32)
-                s_sum = tl.zeros((BLOCK_Q,), tl.float32)
-                acc = tl.zeros((BLOCK_Q, D), tl.float32)
-                for start in range(tl.maximum(z * part_min, kv_lo),
-                                   tl.minimum((z + 1) * part_max, last_pos + 1), BLOCK_KV):
-                    if TREE:
-                        if start >= tree_start:
-                            m, s_sum, acc = _tree_tile(
-                                q, m, s_sum, acc, start, pos, window, lo, part, query,
-                                first_query, last_query, q_lo, root, path_ptr, pos_ptr, bt_row,
-                                k_base, v_base, d, stride_path, stride_kc_block, stride_kc_pos,
-                                stride_vc_block, stride_vc_pos, scale, BLOCK_SIZE, BLOCK_Q,
-                                BLOCK_KV, PRECISION, WINDOWED, True)
-                        else:
-                            m, s_sum, acc = _shared_tile(
-                                q, m, s_sum, acc, start, pos, window, lo, part, bt_row, k_base,
-                                v_base, last_pos, d, stride_kc_block, stride_kc_pos,
-                                stride_vc_block, stride_vc_pos, scale, BLOCK_SIZE, BLOCK_KV,
-                                PRECISION, WINDOWED, True)
-                    else:
-                        m, s_sum, acc = _shared_tile(
-                            q, m, s_sum, acc, start, pos, window, lo, part, bt_row, k_base,
-                            v_base, last_pos, d, stride_kc_block, stride_kc_pos,
-                            stride_vc_block, stride_vc_pos, scale, BLOCK_SIZE, BLOCK_KV,
-                            PRECISION, WINDOWED, True)
-                at = (token * HQ + head) * scratch_parts + z  # [BLOCK_Q]
-                keep = row_ok & (z < num_parts)
-                tl.store(ml_ptr + at * 2, m, mask=keep)
-                tl.store(ml_ptr + at * 2 + 1, s_sum, mask=keep)
-                tl.store(part_ptr + at[:, None] * D + d[None, :], acc, mask=keep[:, None])
-            # Count this program in (its stores are ordered before the count: the barrier, then
-            # a release). The tile's programs with partitions are min(num_split, last_part);
-            # the last to arrive puts the ticket back to 0 for the next launch and folds.
-            tl.debug_barrier()
-            ticket = ticket_ptr + (b * HKV + kv_head) * (tl.num_programs(2) // num_split) + tile
-            arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
-            if arrived == tl.minimum(num_split, last_part) - 1:
-                tl.store(ticket, 0)
-                _combine_rows(part_ptr, ml_ptr, out_ptr, token, head, row_ok, num_parts,
-                              last_part, scratch_parts, stride_ot, stride_oh, d, HQ, BLOCK_Q,
-                              D)
-            return
+            # A tile whose rows all have one partition (positions below SMALL_KEYS) is program
+            # 0's alone: it folds as it goes below (the same bits), no scratch and no count.
+            if last_part > 1:
+                # Partitions split_program, + num_split, ...: each from a fresh state, its
+                # rows' keys limited to their partition, written to the scratch; the tile's
+                # last program to finish folds them in order.
+                for z in range(split_program, last_part, num_split):
+                    m, s_sum, acc = _partition(
+                        q, z, part, part_min, part_max, kv_lo, last_pos, tree_start, pos,
+                        window, query, first_query, last_query, q_lo, root, path_ptr, pos_ptr,
+                        bt_row, k_base, v_base, d, stride_path, stride_kc_block, stride_kc_pos,
+                        stride_vc_block, stride_vc_pos, scale, BLOCK_SIZE, BLOCK_Q, BLOCK_KV,
+                        D, PRECISION, WINDOWED, TREE)
+                    at = (token * HQ + head) * scratch_parts + z  # [BLOCK_Q]
+                    keep = row_ok & (z < num_parts)
+                    tl.store(ml_ptr + at * 2, m, mask=keep)
+                    tl.store(ml_ptr + at * 2 + 1, s_sum, mask=keep)
+                    tl.store(part_ptr + at[:, None] * D + d[None, :], acc, mask=keep[:, None])
+                # Count this program in (its stores ordered before the count: the barrier, then
+                # a release). The tile's programs with partitions are min(num_split,
+                # last_part); the last to arrive puts the ticket back to 0 and folds.
+                tl.debug_barrier()
+                tiles = tl.num_programs(2) // num_split
+                ticket = ticket_ptr + (b * HKV + kv_head) * tiles + tile
+                arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
+                if arrived == tl.minimum(num_split, last_part) - 1:
+                    tl.store(ticket, 0)
+                    _combine_rows(part_ptr, ml_ptr, out_ptr, token, head, row_ok, num_parts,
+                                  last_part, scratch_parts, stride_ot, stride_oh, d, HQ,
+                                  BLOCK_Q, D)
+                return
         # key blocks every row of the tile reads alike (a tree's context before its root)
         for start in range(kv_lo, tl.minimum(tree_start, last_pos + 1), BLOCK_KV):
             m, s_sum, acc = _shared_tile(q, m, s_sum, acc, start, pos, window, pos, part, bt_row,
