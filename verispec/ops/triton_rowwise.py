@@ -226,7 +226,8 @@ LINEAR_TMA_ALL_ROWS = 128
 LINEAR_MANY_ROWS = {(2, LinearConfig(128, 128, 8, 3)): LinearConfig(128, 128, 8, 5, 64)}
 # ... and the fused gate|up projection above 128 rows (prefill and chunked steps): gate and up
 # tiles of 128 x 128, 4 stages of 64 features (H200, 8B shape at 512 / 2 048 / 8 192 rows: 182
-# / 720 / 3 095 us against 205 / 807 / 3 556 in the 256 x 128 tile the rule above picks).
+# / 720 / 3 095 us against 205 / 807 / 3 556 in the 256 x 128 tile the rule above picks;
+# benchmarks/bench_linear_tiles.py).
 LINEAR_MANY_ROWS_GATED = {2: LinearConfig(128, 256, 8, 4, 64)}
 
 
