@@ -258,10 +258,10 @@ class GrammarMatcher:
 # alone). llguidance releases the GIL while it computes a mask, so masks split over threads:
 # on a 2-core CPU an engine's JSON-schema masks (~100 us each) took 2.0x less time on two,
 # with no step gain that stood out from the run's drift (the CPU engine's step is its forward).
-# Beside a GPU engine (``benchmarks/bench_options.py --grammar-threads 4``, H200) four threads
-# gave no step gain either (2.58x plain against 2.51x on one), so the masks are not what a JSON
-# step waits on; llguidance's own executor (all cores) made that step slower
-# (docs/benchmarks.md). Hence one thread by default.
+# Beside a GPU engine (``benchmarks/bench_options.py --grammar-threads 2,4,8``, H200) two, four
+# and eight threads gave 2.99x, 2.92x and 3.19x plain against 3.10x on one, inside the step's
+# spread between runs, so the masks are not what a JSON step waits on; llguidance's own executor
+# (all cores) made that step slower (docs/benchmarks.md). Hence one thread by default.
 GRAMMAR_THREADS = max(1, int(os.environ.get("VERISPEC_GRAMMAR_THREADS", "1")))
 # Below this many matchers a call computes its masks on this thread alone.
 PARALLEL_MIN_MASKS = 8
