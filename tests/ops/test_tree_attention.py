@@ -11,7 +11,8 @@ tolerance of the chain tests (tests/ops/test_model_ops.py), and the kernel write
 K/V. Bit for bit: every tree token equals the same query in the chain holding its path
 (verify-shaped, from its root), in the kernel and in the twin alike, for K/V written inside
 the attention launch and in a launch of their own, and with G heads per KV head above the
-16 rows of a tile; the trees give the bits of the same trees laid out in consecutive blocks.
+16 rows of a tile, in float32 and (on a GPU) bfloat16; the trees give the bits of the same
+trees laid out in consecutive blocks.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _ancestors(parents: list[int], slot: int) -> list[int]:
 
 
 def _tree_inputs(device, trees=TREES, hq=4, hkv=2, block_size=4, in_order=False, seed=3,
-                 max_len=32):
+                 max_len=32, dtype=torch.float32):
     """``_attention_inputs`` of a step feeding the trees' slots: positions root + depth and the
     paths of ``TreeFeed``. Returns (inputs, [(parents, root, first slot, count)])."""
     counts, contexts, positions, paths, layout = [], [], [], [], []
@@ -59,7 +60,7 @@ def _tree_inputs(device, trees=TREES, hq=4, hkv=2, block_size=4, in_order=False,
         positions.append(torch.from_numpy(pos))
         paths.append(path)
         layout.append((parents, root, first, count))
-    inputs = _attention_inputs(device, torch.float32, counts, contexts, hq=hq, hkv=hkv,
+    inputs = _attention_inputs(device, dtype, counts, contexts, hq=hq, hkv=hkv,
                                max_len=max_len, block_size=block_size, in_order=in_order,
                                seed=seed)
     inputs.update(positions=torch.cat(positions).to(device), tree_paths=torch.cat(paths).to(device))
@@ -140,21 +141,25 @@ def _chain_of(inputs, layout, b, slot, fn, one_at_a_time=False):
     return torch.cat(outs), k_cache, v_cache
 
 
-@pytest.mark.parametrize("op, write, heads", [
-    ("triton", "fused", (4, 2)), ("triton", "separate", (4, 2)), ("triton", "fused", (32, 1)),
-    ("twin", "fused", (4, 2)),
-], ids=["triton-gqa2", "triton-separate-write", "triton-gqa32", "twin"])
-def test_tree_tokens_equal_their_chains_bitwise(device, op, write, heads, monkeypatch):
+@pytest.mark.parametrize("op, write, heads, dtype", [
+    ("triton", "fused", (4, 2), torch.float32), ("triton", "separate", (4, 2), torch.float32),
+    ("triton", "fused", (32, 1), torch.float32), ("triton", "fused", (4, 2), torch.bfloat16),
+    ("triton", "fused", (32, 1), torch.bfloat16), ("twin", "fused", (4, 2), torch.float32),
+], ids=["triton-gqa2", "triton-separate-write", "triton-gqa32", "triton-gqa2-bf16",
+        "triton-gqa32-bf16", "twin"])
+def test_tree_tokens_equal_their_chains_bitwise(device, op, write, heads, dtype, monkeypatch):
     """Each token of the verified trees (the first two requests) gives the bits of its chain:
     the path fed one token at a time (decodes), and in the kernel the path fed in one verify
     step as well (the twin's chain attention, one product for all of a step's queries, differs
     in the last bits between the two, hence within 1e-6 of it); the chain-shaped tree writes
     its chain's K/V."""
+    if dtype == torch.bfloat16 and torch.device(device).type != "cuda":
+        pytest.skip("bfloat16 tl.dot runs on a GPU only (the interpreter does not emulate it)")
     if write == "separate":
         monkeypatch.setattr(triton_attention, "FUSED_WRITE_MAX_QUERIES", 0)
     fn = triton_model.rope_cache_attention if op == "triton" else model_ops.rope_cache_attention
     hq, hkv = heads
-    inputs, layout = _tree_inputs(device, hq=hq, hkv=hkv)
+    inputs, layout = _tree_inputs(device, hq=hq, hkv=hkv, dtype=dtype)
     out, k_tree, v_tree = _rope_attention(fn, inputs)
     for b, (parents, _, first, count) in enumerate(layout):
         if first > 0:  # a draft's level: its ancestors' rows hold other values
