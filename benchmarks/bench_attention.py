@@ -13,7 +13,7 @@ their rows compared with a launch of the decode rows alone.
     python benchmarks/bench_attention.py [--contexts 4096,32768] [--chunks 512,2048]
 
 ``--decode`` times decode and verify launches instead (``--cases`` BxL[xQ]: B requests of Q
-queries at L keys): each launch pair (attention, split-KV combine) captured 20 times in a CUDA
+queries at L keys): each attention launch (split-KV folds inside it) captured 20 times in a CUDA
 graph (a launch timed alone is host-bound at batch 1), split-KV against one program a tile
 (their bits compared), under the default partitions and under 512-key partitions from key 0
 (``SMALL_PARTITIONS = 0``, the layout before small partitions).
