@@ -4,9 +4,9 @@ A decode step's attention reads every cached key of every request; at batch 1 th
 one program per kv head (8 for the 8B shape), far fewer than the GPU's multiprocessors, so a
 32 k context reads its keys at a small fraction of the bandwidth. Split-KV
 (``ops.triton_attention``) gives each partition of the keys a program of its own, the last of
-them to finish folding them, with the same bits. For each ``--cases`` entry BxL (B requests of L random
-prompt tokens) this times ``--tokens`` greedy decode steps (the prompt's prefill is timed apart
-and subtracted), once with split-KV (the default) and once with it off
+them to finish folding them, with the same bits. For each ``--cases`` entry BxL (B requests of
+L random prompt tokens) this times ``--tokens`` greedy decode steps (the prompt's prefill is
+timed apart and subtracted), once with split-KV (the default) and once with it off
 (``SPLIT_PROGRAMS_PER_SM = 0``), each engine in a process of its own, on a random-weight
 Llama-3.1-8B-shaped target (``--tiny``: a tiny one, a smoke run on CPU, where neither applies).
 Both must give the same tokens.

@@ -74,20 +74,28 @@ def _check_index(**tensors: torch.Tensor) -> None:
                              f"{tuple(t.shape)} and stride {t.stride()}")
 
 
+def _step_value(derived: dict | None, key: tuple, make) -> torch.Tensor:
+    """``make()``, kept in ``derived`` under ``key`` (the step's layout-derived values, shared
+    by its layers: made once a step, not once a layer); made afresh without ``derived``."""
+    if derived is None:
+        return make()
+    if key not in derived:
+        derived[key] = make()
+    return derived[key]
+
+
 def _tile_starts(query_start: torch.Tensor, G: int, block_q: int,
                  derived: dict | None) -> torch.Tensor:
     """[B + 1]: each request's first tile of ``block_q`` (query, head) rows in a flat-grid
-    launch, kept in ``derived`` (the step's layout-derived values, shared by its layers): once
-    a step, not seven small launches per layer."""
-    key = ("tile_starts", G, block_q)
-    if derived is not None and key in derived:
-        return derived[key]
-    tiles = (torch.diff(query_start) * G + block_q - 1) // block_q
-    tile_starts = torch.zeros(query_start.shape[0], dtype=torch.int64, device=query_start.device)
-    torch.cumsum(tiles, 0, out=tile_starts[1:])
-    if derived is not None:
-        derived[key] = tile_starts
-    return tile_starts
+    launch, once a step (``_step_value``), not seven small launches per layer."""
+
+    def make() -> torch.Tensor:
+        tiles = (torch.diff(query_start) * G + block_q - 1) // block_q
+        starts = torch.zeros(query_start.shape[0], dtype=torch.int64, device=query_start.device)
+        torch.cumsum(tiles, 0, out=starts[1:])
+        return starts
+
+    return _step_value(derived, ("tile_starts", G, block_q), make)
 
 
 # Steps of up to this many new tokens per request (decode, verify) write their K/V inside the
@@ -206,15 +214,10 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
 
 def _tickets(count: int, device: torch.device, derived: dict | None) -> torch.Tensor:
     """[count] int32 zeros: a split-KV launch's arrival count per tile. The last program of a
-    tile puts its count back to 0, so the step's layers share one (kept in ``derived``): one
-    zero fill a step, not one a layer."""
-    key = ("tickets", count)
-    if derived is not None and key in derived:
-        return derived[key]
-    tickets = torch.zeros((count,), dtype=torch.int32, device=device)
-    if derived is not None:
-        derived[key] = tickets
-    return tickets
+    tile puts its count back to 0, so the step's layers share one (``_step_value``): one zero
+    fill a step, not one a layer."""
+    return _step_value(derived, ("tickets", count),
+                       lambda: torch.zeros((count,), dtype=torch.int32, device=device))
 
 
 @functools.cache
