@@ -34,6 +34,8 @@ triton_attention = pytest.importorskip("verispec.ops.triton_attention")
 TREES = (([-1, -1, 0, 0, 1, 2, 3], 6, 0),
          ([-1, 0, 1, 2], 13, 0),
          ([-1, -1, 0, 1, 1, 3], 2, 3))
+# a tree wider than a verify step (20 nodes, depth 3): written inside the attention launch too
+WIDE_TREE = ([-1, -1, -1, -1, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 5, 9], 5, 0)
 MAX_DEPTH = 4
 
 
@@ -145,21 +147,25 @@ def _chain_of(inputs, layout, b, slot, fn, one_at_a_time=False):
     ("triton", "fused", (4, 2), torch.float32), ("triton", "separate", (4, 2), torch.float32),
     ("triton", "fused", (32, 1), torch.float32), ("triton", "fused", (4, 2), torch.bfloat16),
     ("triton", "fused", (32, 1), torch.bfloat16), ("twin", "fused", (4, 2), torch.float32),
+    ("triton", "fused-wide", (4, 2), torch.float32),
+    ("triton", "separate-wide", (4, 2), torch.float32),
 ], ids=["triton-gqa2", "triton-separate-write", "triton-gqa32", "triton-gqa2-bf16",
-        "triton-gqa32-bf16", "twin"])
+        "triton-gqa32-bf16", "twin", "triton-wide", "triton-wide-separate-write"])
 def test_tree_tokens_equal_their_chains_bitwise(device, op, write, heads, dtype, monkeypatch):
     """Each token of the verified trees (the first two requests) gives the bits of its chain:
     the path fed one token at a time (decodes), and in the kernel the path fed in one verify
     step as well (the twin's chain attention, one product for all of a step's queries, differs
     in the last bits between the two, hence within 1e-6 of it); the chain-shaped tree writes
-    its chain's K/V."""
+    its chain's K/V. ``-wide``: a tree of 20 nodes beside them."""
     if dtype == torch.bfloat16 and torch.device(device).type != "cuda":
         pytest.skip("bfloat16 tl.dot runs on a GPU only (the interpreter does not emulate it)")
-    if write == "separate":
+    if write.startswith("separate"):
         monkeypatch.setattr(triton_attention, "FUSED_WRITE_MAX_QUERIES", 0)
+        monkeypatch.setattr(triton_attention, "FUSED_WRITE_MAX_TREE_QUERIES", 0)
     fn = triton_model.rope_cache_attention if op == "triton" else model_ops.rope_cache_attention
     hq, hkv = heads
-    inputs, layout = _tree_inputs(device, hq=hq, hkv=hkv, dtype=dtype)
+    trees = TREES + (WIDE_TREE,) if write.endswith("wide") else TREES
+    inputs, layout = _tree_inputs(device, trees, hq=hq, hkv=hkv, dtype=dtype)
     out, k_tree, v_tree = _rope_attention(fn, inputs)
     for b, (parents, _, first, count) in enumerate(layout):
         if first > 0:  # a draft's level: its ancestors' rows hold other values

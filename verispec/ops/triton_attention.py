@@ -99,8 +99,11 @@ def _tile_starts(query_start: torch.Tensor, G: int, block_q: int,
 
 
 # Steps of up to this many new tokens per request (decode, verify) write their K/V inside the
-# attention launch; longer ones (prefill) write it in a launch of their own first.
+# attention launch; longer ones (prefill) write it in a launch of their own first. Token trees
+# up to FUSED_WRITE_MAX_TREE_QUERIES (a 32-token tree's verify, 8B shape, H200: 6.37 against
+# 6.57 ms with the write apart, docs/benchmarks.md).
 FUSED_WRITE_MAX_QUERIES = 16
+FUSED_WRITE_MAX_TREE_QUERIES = 64
 
 
 def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
@@ -155,7 +158,7 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
             raise ValueError(f"{name} must have a contiguous last dimension")
     G = num_heads // num_kv_heads
     has_norm = q_norm is not None
-    fused = max_queries <= FUSED_WRITE_MAX_QUERIES
+    fused = max_queries <= (FUSED_WRITE_MAX_TREE_QUERIES if tree else FUSED_WRITE_MAX_QUERIES)
     if block_q is None:  # float32 products (no tensor cores) take another order at 32 rows
         block_q = (PREFILL_BLOCK_Q if not fused and qkv.dtype != torch.float32 and not tree
                    else ATTENTION_BLOCK_Q)

@@ -38,7 +38,6 @@ import itertools
 import json
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
 import numpy as np
@@ -254,44 +253,42 @@ class GrammarMatcher:
         self._draft_ids, self._draft_masks, self._draft_consumed = [], [], 0
 
 
-# Threads that compute a step's masks (``VERISPEC_GRAMMAR_THREADS``, default 1: this thread
-# alone). llguidance releases the GIL while it computes a mask, so masks split over threads:
-# on a 2-core CPU an engine's JSON-schema masks (~100 us each) took 2.0x less time on two,
-# with no step gain that stood out from the run's drift (the CPU engine's step is its forward).
-# Beside a GPU engine (``benchmarks/bench_options.py --grammar-threads 2,4,8``, H200) two, four
-# and eight threads gave 2.99x, 2.92x and 3.19x plain against 3.10x on one, inside the step's
-# spread between runs, so the masks are not what a JSON step waits on; llguidance's own executor
-# (all cores) made that step slower (docs/benchmarks.md). Hence one thread by default.
-GRAMMAR_THREADS = max(1, int(os.environ.get("VERISPEC_GRAMMAR_THREADS", "1")))
+# Threads that compute a step's masks (``VERISPEC_GRAMMAR_THREADS``; default: half the cores, at
+# most 8). The masks of one call are computed by llguidance's own thread pool (``LLExecutor``),
+# which leaves the GIL while it works. A JSON-schema mask at a random-weight model's states
+# costs ~50-65 us, and a batch-64 speculative step with k = 3 needs 256 of them, a round of 64
+# per draft position (docs/benchmarks.md). Python threads calling the matchers one at a time
+# gave no gain: the call holds the GIL for part of its work.
+GRAMMAR_THREADS = max(1, int(os.environ.get("VERISPEC_GRAMMAR_THREADS",
+                                            str(min(8, max(1, (os.cpu_count() or 2) // 2))))))
 # Below this many matchers a call computes its masks on this thread alone.
 PARALLEL_MIN_MASKS = 8
-_pools: dict[int, ThreadPoolExecutor] = {}  # by thread count: the other threads of a call
+_executors: dict[int, llguidance.LLExecutor] = {}  # by thread count
 
 
 def compute_masks(grammars: Sequence[GrammarMatcher]) -> np.ndarray:
     """[len(grammars), ceil(V / 32)] int32: each matcher's mask where it stands, on
-    ``GRAMMAR_THREADS`` threads (this one among them) for ``PARALLEL_MIN_MASKS`` matchers and
-    more; every mask is the matcher's alone, whichever thread computes it."""
+    ``GRAMMAR_THREADS`` threads for ``PARALLEL_MIN_MASKS`` distinct matchers and more; every
+    mask is the matcher's alone, whichever thread computes it (a matcher listed twice is
+    computed once)."""
     num_words = grammars[0].num_words if grammars else 0
     out = np.empty((len(grammars), num_words), dtype=np.int32)
-    threads = min(GRAMMAR_THREADS, len(grammars))
-
-    def part(first: int) -> None:
-        for i in range(first, len(grammars), threads):
+    first: dict[int, int] = {}  # id(matcher) -> the row computing its mask
+    for i, g in enumerate(grammars):
+        first.setdefault(id(g), i)
+    rows = list(first.values())
+    if GRAMMAR_THREADS <= 1 or len(rows) < PARALLEL_MIN_MASKS:
+        for i in rows:
             grammars[i].matcher.unsafe_compute_mask_ptr(out[i].ctypes.data, out[i].nbytes)
-
-    if threads <= 1 or len(grammars) < PARALLEL_MIN_MASKS:
-        threads = 1  # read by part
-        part(0)
-        return out
-    pool = _pools.get(threads)
-    if pool is None:
-        pool = _pools[threads] = ThreadPoolExecutor(threads - 1,
-                                                    thread_name_prefix="verispec-grammar")
-    others = [pool.submit(part, first) for first in range(1, threads)]
-    part(0)
-    for future in others:
-        future.result()
+    else:
+        executor = _executors.get(GRAMMAR_THREADS)
+        if executor is None:
+            executor = _executors[GRAMMAR_THREADS] = llguidance.LLExecutor(GRAMMAR_THREADS)
+        executor.unsafe_compute_mask_ptr([(grammars[i].matcher, i) for i in rows],
+                                         out.ctypes.data, num_words * 4, len(grammars))
+    if len(rows) < len(grammars):
+        for i, g in enumerate(grammars):
+            out[i] = out[first[id(g)]]
     return out
 
 
