@@ -142,6 +142,30 @@ def test_prompt_forms(llm):
     assert llm.generate("Hi there", p)[0].prompt == "Hi there"
 
 
+def test_vllm_prompt_dicts(llm):
+    """vLLM's TextPrompt and TokensPrompt: one dict is one prompt, a list of them a batch; a key
+    verispec does not read is refused by name, in a batch for that prompt alone."""
+    p = SamplingParams(temperature=0, max_tokens=4)
+    ids = llm.tokenizer.encode("Hi there")
+    by_text, by_ids = llm.generate("Hi there", p)[0], llm.generate(ids, p)[0]
+    one = llm.generate({"prompt": "Hi there"}, p)
+    assert len(one) == 1 and one[0].token_ids == by_text.token_ids
+    assert one[0].prompt == "Hi there"
+    a, b = llm.generate([{"prompt_token_ids": ids}, {"prompt": "Hi there"}], p)
+    assert a.token_ids == by_ids.token_ids and b.token_ids == by_text.token_ids
+    assert list(llm.generate_stream({"prompt_token_ids": ids}, p))[-1].token_ids == \
+        by_ids.token_ids
+    with pytest.raises(ValueError, match="'multi_modal_data' is not supported"):
+        llm.generate({"prompt": "Hi", "multi_modal_data": {}}, p)
+    with pytest.raises(ValueError, match="got both"):
+        llm.generate({"prompt": "Hi", "prompt_token_ids": ids}, p)
+    with pytest.raises(ValueError, match="prompt_token_ids'] must be a list of token ids"):
+        llm.generate({"prompt_token_ids": "Hi"}, p)
+    good, bad = llm.generate([{"prompt": "Hi there"}, {"prompt": 5}], p)
+    assert good.token_ids == by_text.token_ids
+    assert bad.finish_reason == "error" and "prompt['prompt'] must be a string" in bad.error
+
+
 def test_stream_matches_generate(llm):
     p = SamplingParams(temperature=0, max_tokens=16, stop=["zz"])
     final = llm.generate("Once upon", p)[0]

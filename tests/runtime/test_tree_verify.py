@@ -35,9 +35,12 @@ TREES = [  # (parents, tokens)
 
 @pytest.fixture(scope="module", params=["LlamaForCausalLM", "Qwen3ForCausalLM"])
 def model(request, tmp_path_factory):
+    """On the GPU where there is one (the Triton ops launch there; on a CPU they run in the
+    interpreter)."""
     path = tmp_path_factory.mktemp(request.param)
     save_tiny_model(path, request.param)
-    return load_model(str(path), "float32").model
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return load_model(str(path), "float32").model.to(device)
 
 
 def _path(parents, node):

@@ -1,10 +1,11 @@
 """Turning what the user passes to ``generate`` into token ids, and output tokens into text.
 
-A prompt is a string (tokenized as is, no chat template), a list of token ids, or a list of chat
+A prompt is a string (tokenized as is, no chat template), a list of token ids, a list of chat
 messages (``{"role": ..., "content": ...}`` dicts; the model's chat template is applied with the
-generation prompt). ``generate`` takes one prompt or a list of them: a list of ints (or a 1-D
-numpy array or torch tensor of them) is one token-id prompt and a list of dicts one conversation;
-any other list is a batch.
+generation prompt), or vLLM's prompt dicts ``{"prompt": text}`` and ``{"prompt_token_ids":
+ids}``. ``generate`` takes one prompt or a list of them: a list of ints (or a 1-D numpy array or
+torch tensor of them) is one token-id prompt, a list of chat messages one conversation; any
+other list (vLLM's prompt dicts among them) is a batch.
 
 ``PromptEncoder`` holds the rules a request meets before it is queued, the same for ``LLM`` and
 the server: text is valid Unicode, chat roles are ones the chat template knows, token ids are in
@@ -31,17 +32,62 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Number) and not isinstance(value, (bool, np.bool_))
 
 
+# vLLM's prompt dicts: TextPrompt {"prompt": text}, TokensPrompt {"prompt_token_ids": ids}
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def is_prompt_dict(value: Any) -> bool:
+    """Whether ``value`` is one of vLLM's prompt dicts (not a chat message)."""
+    return isinstance(value, dict) and any(k in value for k in PROMPT_DICT_KEYS)
+
+
 def is_single_prompt(prompts: Any) -> bool:
-    """One prompt (a string, a list of numbers, a 1-D numpy array, a list of chat messages) or
-    a batch. A list of numbers is one prompt even where some are not valid token ids (numpy
-    integers, floats): it then fails as one prompt, not as a batch of per-token errors."""
-    if isinstance(prompts, str):
+    """One prompt (a string, a list of numbers, a 1-D numpy array, a list of chat messages, a
+    prompt dict) or a batch. A list of numbers is one prompt even where some are not valid
+    token ids (numpy integers, floats): it then fails as one prompt, not as a batch of
+    per-token errors."""
+    if isinstance(prompts, str) or is_prompt_dict(prompts):
         return True
     if isinstance(prompts, (np.ndarray, torch.Tensor)):
         return prompts.ndim == 1
     if isinstance(prompts, (list, tuple)) and prompts:
-        return all(_is_number(p) for p in prompts) or all(isinstance(p, dict) for p in prompts)
+        return all(_is_number(p) for p in prompts) or all(
+            isinstance(p, dict) and not is_prompt_dict(p) for p in prompts)
     return False
+
+
+def unwrap_prompt(prompt: Any) -> Any:
+    """A prompt dict's text or token ids (any other prompt as it is); ValueError naming the key
+    for a key verispec does not read (multimodal data, ...) or for both keys at once."""
+    if not is_prompt_dict(prompt):
+        return prompt
+    unknown = sorted(str(k) for k in prompt if k not in PROMPT_DICT_KEYS)
+    if unknown:
+        raise ValueError(f"prompt dict key {unknown[0]!r} is not supported: a prompt dict takes "
+                         "'prompt' (text) or 'prompt_token_ids'")
+    if len(prompt) != 1:
+        raise ValueError("a prompt dict takes one of 'prompt' (text) and 'prompt_token_ids', "
+                         "got both")
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"prompt['prompt'] must be a string, got "
+                             f"{type(prompt['prompt']).__name__}")
+        return prompt["prompt"]
+    ids = prompt["prompt_token_ids"]
+    if isinstance(ids, str) or not isinstance(ids, (list, tuple, np.ndarray, torch.Tensor)):
+        raise ValueError(f"prompt['prompt_token_ids'] must be a list of token ids, got "
+                         f"{type(ids).__name__}")
+    if len(ids) and not all(_is_number(t) for t in (ids.tolist() if hasattr(ids, "tolist")
+                                                    else ids)):
+        raise ValueError("prompt['prompt_token_ids'] must be a list of token ids")
+    return ids
+
+
+def prompt_text(prompt: Any) -> str | None:
+    """The text of a prompt given as text (a string or ``{"prompt": text}``), else None."""
+    if is_prompt_dict(prompt):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
 
 
 def check_unicode(text: str, name: str) -> None:

@@ -45,6 +45,7 @@ class RequestIntake:
         where ``several``) it is sample 0 and ``request.samples`` lists all n
         (``engine.samples``)."""
         params = inputs.as_sampling_params(params)
+        prompt = inputs.unwrap_prompt(prompt)
         if params.num_samples != 1 and not several:
             raise ValueError(f"n={params.n}, best_of={params.best_of}: this call makes one "
                              "request; use generate, or add one request per sample")

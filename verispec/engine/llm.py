@@ -195,8 +195,8 @@ class LLM(StepLoop, RequestIntake):
             prompts = [prompts]
         elif not isinstance(prompts, (list, tuple)):
             raise ValueError(
-                "prompts must be a string, a list of token ids, a list of chat messages or a "
-                f"list of those, got {type(prompts).__name__}"
+                "prompts must be a string, a list of token ids, a list of chat messages, a "
+                f"prompt dict or a list of those, got {type(prompts).__name__}"
             )
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -219,7 +219,7 @@ class LLM(StepLoop, RequestIntake):
                 if single:
                     raise
                 outputs[i] = RequestOutput(
-                    request_id=-1, prompt=prompt if isinstance(prompt, str) else None,
+                    request_id=-1, prompt=inputs.prompt_text(prompt),
                     prompt_token_ids=[], finish_reason="error", error=f"prompt {i}: {e}",
                 )
         for _, request in requests:
