@@ -15,6 +15,8 @@ are refused.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -35,12 +37,9 @@ TREES = [  # (parents, tokens)
 
 @pytest.fixture(scope="module", params=["LlamaForCausalLM", "Qwen3ForCausalLM"])
 def model(request, tmp_path_factory):
-    """On the GPU where there is one (the Triton ops launch there; on a CPU they run in the
-    interpreter)."""
     path = tmp_path_factory.mktemp(request.param)
     save_tiny_model(path, request.param)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return load_model(str(path), "float32").model.to(device)
+    return load_model(str(path), "float32").model
 
 
 def _path(parents, node):
@@ -137,6 +136,9 @@ def test_hybrid_targets_are_refused(model):
 def _flat_runner(model, ops_name):
     """A flat-layout runner (the GPU path's, eager on CPU) with a captured verify step as wide
     as the first tree, and the GPU's Triton ops or the torch twins."""
+    if ops_name == "triton" and torch.cuda.is_available():
+        # the Triton ops launch on the GPU where there is one (on a CPU, the interpreter)
+        model = copy.deepcopy(model).to("cuda")
     runner = ModelRunner(model, 4, 64, flat_layout=True, max_step_tokens=10)
     if ops_name == "triton":
         pytest.importorskip("triton")

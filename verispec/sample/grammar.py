@@ -271,14 +271,13 @@ class GrammarMatcher:
         self._draft_ids, self._draft_masks, self._draft_consumed = [], [], 0
 
 
-# Threads that compute a step's masks (``VERISPEC_GRAMMAR_THREADS``; default: half the cores, at
-# most 8). The masks of one call are computed by llguidance's own thread pool (``LLExecutor``),
-# which leaves the GIL while it works. A JSON-schema mask at a random-weight model's states
-# costs ~50-65 us, and a batch-64 speculative step with k = 3 needs 256 of them, a round of 64
-# per draft position (docs/benchmarks.md). Python threads calling the matchers one at a time
-# gave no gain: the call holds the GIL for part of its work.
-GRAMMAR_THREADS = max(1, int(os.environ.get("VERISPEC_GRAMMAR_THREADS",
-                                            str(min(8, max(1, (os.cpu_count() or 2) // 2))))))
+# Threads that compute a step's masks (``VERISPEC_GRAMMAR_THREADS``, default 1: this thread
+# alone); more than one: llguidance's own pool (``LLExecutor``, which leaves the GIL). Beside a
+# GPU engine (H200 host, batch 64, k = 3, a JSON schema: 256 masks a step, ~25 us each once a
+# schema's requests share its lexer) eight threads made the masks slower, 11.1 against 6.4 ms a
+# step; Python threads calling the matchers one at a time gave no gain either
+# (docs/benchmarks.md).
+GRAMMAR_THREADS = max(1, int(os.environ.get("VERISPEC_GRAMMAR_THREADS", "1")))
 # Below this many matchers a call computes its masks on this thread alone.
 PARALLEL_MIN_MASKS = 8
 _executors: dict[int, llguidance.LLExecutor] = {}  # by thread count
