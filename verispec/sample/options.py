@@ -253,7 +253,9 @@ class SamplingOptions:
             rows = first_rows[b] + np.arange(n + 1)  # [n + 1]
             parents = (None if parent_ids is None
                        else parent_ids[first_drafts[b]:first_drafts[b] + n])
-            path = SlotPaths(np.arange(n) - 1 if parents is None else parents, width)
+            # the drafts each row sees, where an option needs them (a grammar alone does not)
+            path = (SlotPaths(np.arange(n) - 1 if parents is None else parents, width)
+                    if o.min_tokens_ids.size or o.bad_words or p.uses_penalties else None)
             if o.bias_ids.size:
                 add.append((np.repeat(rows, o.bias_ids.size), np.tile(o.bias_ids, n + 1),
                             np.tile(o.bias_values, n + 1)))
