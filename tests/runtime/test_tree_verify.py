@@ -15,8 +15,6 @@ are refused.
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
@@ -39,7 +37,9 @@ TREES = [  # (parents, tokens)
 def model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     save_tiny_model(path, request.param)
-    return load_model(str(path), "float32").model
+    model = load_model(str(path), "float32").model
+    model.checkpoint = str(path)  # (``_flat_runner`` loads it again on the GPU)
+    return model
 
 
 def _path(parents, node):
@@ -136,10 +136,12 @@ def test_hybrid_targets_are_refused(model):
 def _flat_runner(model, ops_name):
     """A flat-layout runner (the GPU path's, eager on CPU) with a captured verify step as wide
     as the first tree, and the GPU's Triton ops or the torch twins."""
+    device = "cpu"
     if ops_name == "triton" and torch.cuda.is_available():
         # the Triton ops launch on the GPU where there is one (on a CPU, the interpreter)
-        model = copy.deepcopy(model).to("cuda")
-    runner = ModelRunner(model, 4, 64, flat_layout=True, max_step_tokens=10)
+        device = "cuda"
+        model = load_model(model.checkpoint, "float32").model.to(device)
+    runner = ModelRunner(model, 4, 64, device=device, flat_layout=True, max_step_tokens=10)
     if ops_name == "triton":
         pytest.importorskip("triton")
         runner.ops = triton_model_ops(True)
