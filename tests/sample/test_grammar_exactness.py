@@ -48,6 +48,7 @@ from verispec.sample.grammar import (
     extend_drafts,
     fill_chain_masks,
 )
+from verispec.proposers.grammar_walk import GrammarWalks
 from verispec.sample.options import RequestOptions, SamplingOptions
 from verispec.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -282,6 +283,36 @@ def test_a_grammar_is_compiled_once_and_its_matchers_are_independent(monkeypatch
     assert len(compiler_._compiled) == 2 and len(compiled) == 3
     compiler_.matcher(params)  # dropped: compiled again
     assert len(compiled) == 4
+
+
+def test_a_walk_ended_before_its_last_draft_leaves_the_verify_step_one_row(monkeypatch):
+    """A proposer ends a walk without reading its last draft (``GrammarWalks.advance`` with
+    ``last``): the verify step's masks are those of a fresh matcher, and only the bonus row is
+    computed there (none where an earlier draft left the grammar)."""
+    computed = []
+    real = grammar_module.compute_masks
+    monkeypatch.setattr(grammar_module, "compute_masks",
+                        lambda gs: computed.append(len(gs)) or real(gs))
+    chains = [[27, 24, 5], [2, 26, 5], [2, 3], [5], [99, 2], [24, 24, 5]]
+    grammars = [make_request(1.0).options.grammar for _ in chains]
+    for g in grammars:
+        g.sync(np.array(OUTPUT))
+    walks = GrammarWalks(grammars)
+    rows = np.arange(len(chains))
+    for i in range(max(map(len, chains))):
+        here = rows[[i < len(chains[a]) for a in rows]]
+        last = np.array([i + 1 == len(chains[a]) for a in here])
+        walks.advance(None if last.all() else [chains[a][i] for a in here], here, last)
+    assert not walks and walks.masks == {}
+    computed.clear()
+    fill_chain_masks(grammars, chains)
+    inside = sum(g.num_valid(d) == len(d) for g, d in zip(grammars, chains))
+    assert inside == 3 and sum(computed) == inside  # one row each, for chains inside it
+    for g, drafts in zip(grammars, chains):
+        fresh = make_request(1.0).options.grammar
+        fresh.sync(np.array(OUTPUT))
+        assert np.array_equal(g.masks(drafts), fresh.masks(drafts)), drafts
+        assert np.array_equal(g.masks([]), fresh.masks([]))  # rolled back
 
 
 def test_the_drafting_walk_gives_the_verify_masks():

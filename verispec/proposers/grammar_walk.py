@@ -96,9 +96,19 @@ class GrammarWalks(_ColumnMasks):
     def advance(self, draft_ids: torch.Tensor | list[int], rows: np.ndarray,
                 last: np.ndarray) -> None:
         """Walk each of ``rows``' matchers along its new draft (``draft_ids`` [len(rows)]: on
-        the device, one host read, or already read); a request whose draft was its last
-        (``last`` [len(rows)] bool) ends its walk."""
-        walked = [(j, a) for j, a in enumerate(rows.tolist()) if a in self.masks]
+        the device, one host read, or already read). A request whose draft was its last
+        (``last`` [len(rows)] bool) ends its walk without it: the mask after the last draft is
+        the verify step's bonus row, computed there while the device runs the target forward
+        (``fill_chain_masks``), so a batch whose every draft was its last reads nothing."""
+        walked = []
+        for j, a in enumerate(rows.tolist()):
+            if a not in self.masks:
+                continue
+            if last[j]:
+                self.grammars[a].end_draft()
+                del self.masks[a]
+            else:
+                walked.append((j, a))
         if not walked:
             return
         picked = [j for j, _ in walked]
@@ -108,11 +118,8 @@ class GrammarWalks(_ColumnMasks):
             ids = draft_ids[ops.to_device(np.array(picked, dtype=np.int64),
                                           draft_ids.device)].tolist()
         masks = extend_drafts([self.grammars[a] for _, a in walked], ids)
-        for (j, a), mask in zip(walked, masks):
+        for (_, a), mask in zip(walked, masks):
             self.masks[a] = mask
-            if last[j]:
-                self.grammars[a].end_draft()
-                del self.masks[a]
 
     def close(self) -> None:
         """End every walk still open (the matchers back at the committed output)."""

@@ -325,23 +325,34 @@ def fill_chain_masks(grammars: Sequence[GrammarMatcher],
 
 
 def _fill_distinct(todo: list[tuple[GrammarMatcher, tuple[int, ...]]]) -> None:
-    """``fill_chain_masks`` of distinct matchers."""
+    """``fill_chain_masks`` of distinct matchers. A chain whose drafts but the last were walked
+    (``end_draft`` kept the masks of d_1..d_{n-1}: a proposer does not wait for its last draft)
+    computes its last row alone."""
     valid = [g.num_valid(d) for g, d in todo]
     outs = [np.empty((len(d) + 1, g.num_words), dtype=np.int32) for g, d in todo]
-    depth = 0
+    starts = []  # per chain: its rows below this one are known
+    for (g, d), v, out in zip(todo, valid, outs):
+        known = g._memo.get(d[:-1]) if d else None
+        start = 0 if known is None else min(len(d), v + 1)
+        if start:
+            out[:len(d)] = known
+            if start <= v:  # the matcher goes to row `start` along drafts it allows
+                g.matcher.consume_tokens(list(d[:start]))
+        starts.append(start)
+    depth = min(starts, default=0)
     while True:
-        here = [i for i, v in enumerate(valid) if depth <= v]
-        if not here:
+        if depth > max(valid, default=-1):
             break
-        masks = compute_masks([todo[i][0] for i in here])
+        here = [i for i, v in enumerate(valid) if starts[i] <= depth <= v]
+        masks = compute_masks([todo[i][0] for i in here]) if here else ()
         for mask, i in zip(masks, here):
             outs[i][depth] = mask
             if depth < valid[i]:
                 todo[i][0].matcher.consume_token(todo[i][1][depth])
         depth += 1
-    for (g, d), v, out in zip(todo, valid, outs):
+    for (g, d), v, start, out in zip(todo, valid, starts, outs):
         out[v + 1:] = out[v]  # rows past a draft the grammar refuses: never reached
-        if v:
+        if v and start <= v:
             g.matcher.rollback(v)
         g._memo[d] = out
 
