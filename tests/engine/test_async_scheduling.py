@@ -119,6 +119,23 @@ def test_a_request_needing_the_host_runs_its_steps_in_order(target_dir, device, 
     assert spy.queued > 0  # before it arrived and after it finished
 
 
+def test_an_aborted_waiting_request_needing_the_host_lets_steps_queue_again(target_dir, device,
+                                                                            monkeypatch):
+    """A waiting request with logprobs holds steps in order until it is aborted."""
+    prompts, params = _requests(seed=4, n=2)
+    llm = _engine(target_dir, device, True, max_num_seqs=2)
+    requests = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    waiting = llm.add_request(prompts[0], SamplingParams(max_tokens=5, logprobs=1))
+    assert llm.scheduler.in_order_ids
+    llm.abort_request(waiting)
+    assert not llm.scheduler.in_order_ids
+    spy = _Spy(monkeypatch)
+    while llm.has_unfinished_requests:
+        llm.step()
+    assert spy.queued > 0
+    assert [llm.get_output(r).finish_reason for r in requests] == ["length", "length"]
+
+
 def test_a_small_kv_pool_preempts_and_keeps_the_tokens(target_dir, device, monkeypatch):
     prompts, params = _requests(seed=2, n=8)
     kwargs = dict(max_num_seqs=8, block_size=4, kv_cache_memory=_pool_bytes(target_dir, 60))

@@ -42,12 +42,6 @@ from verispec.engine.request import Request
 PLACEHOLDER = -1  # a token sampled by a step still queued (never fed: see first_tokens)
 
 
-def needs_host_between_steps(request: Request) -> bool:
-    """Whether a step of ``request`` needs its previous token on the host (it runs in order)."""
-    return (request.options is not None or request.logprobs is not None
-            or request.prompt_logprobs is not None or request.samples is not None)
-
-
 @dataclasses.dataclass
 class PendingStep:
     """A queued step's sampled tokens: ``tokens`` [B] on the device, row i of ``requests[i]``,
@@ -112,8 +106,7 @@ class OverlappedSteps:
         if not self.async_scheduling or self.spec is not None:
             return False
         scheduler = self.scheduler
-        if any(needs_host_between_steps(r) for r in scheduler.running) or any(
-                needs_host_between_steps(r) for r in scheduler.waiting):
+        if scheduler.in_order_ids:  # a request whose steps need its previous token on the host
             return False
         cache = scheduler.kv_cache
         return cache is None or cache.pool.num_free >= len(scheduler.running)

@@ -52,6 +52,12 @@ def attention_pairs(start: int, n: int) -> int:
     return n * start + n * (n + 1) // 2
 
 
+def needs_host_between_steps(request: Request) -> bool:
+    """Whether a step of ``request`` needs its previous token on the host (it runs in order)."""
+    return (request.options is not None or request.logprobs is not None
+            or request.prompt_logprobs is not None or request.samples is not None)
+
+
 @dataclass
 class StepPlan:
     """One step: the running requests that decode (or verify), and the prefill chunks:
@@ -87,12 +93,18 @@ class Scheduler:
         self._attention_left: float = float("inf")  # of the step being planned
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
+        # id() of the requests, waiting or running, whose steps need their previous token on
+        # the host (``needs_host_between_steps``): none, and steps may be queued ahead
+        # (engine.overlap)
+        self.in_order_ids: set[int] = set()
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # a stack: lowest on top
         self.num_preemptions = 0
         self._admissions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        if needs_host_between_steps(request):
+            self.in_order_ids.add(id(request))
 
     @property
     def has_unfinished(self) -> bool:
@@ -280,11 +292,13 @@ class Scheduler:
         next step; the request keeps its slot number for the step's remaining bookkeeping)."""
         self.publish([request])
         self.running.remove(request)
+        self.in_order_ids.discard(id(request))
         self._release_slot(request)
 
     def abort(self, request: Request) -> None:
         """Drop an unfinished request, waiting or running (its slot is released)."""
         if request in self.waiting:
             self.waiting.remove(request)
+            self.in_order_ids.discard(id(request))
         elif request in self.running:
             self.finish(request)
