@@ -41,6 +41,7 @@ from verispec import ops
 from verispec.engine.request import Request
 from verispec.ops.backend import get_backend, load_backend
 from verispec.ops.options import apply_token_bitmask
+from verispec.proposers.grammar_walk import GrammarWalks
 from verispec.sample import grammar as grammar_module
 from verispec.sample.grammar import (
     GrammarCompiler,
@@ -48,7 +49,6 @@ from verispec.sample.grammar import (
     extend_drafts,
     fill_chain_masks,
 )
-from verispec.proposers.grammar_walk import GrammarWalks
 from verispec.sample.options import RequestOptions, SamplingOptions
 from verispec.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -313,6 +313,24 @@ def test_a_walk_ended_before_its_last_draft_leaves_the_verify_step_one_row(monke
         fresh.sync(np.array(OUTPUT))
         assert np.array_equal(g.masks(drafts), fresh.masks(drafts)), drafts
         assert np.array_equal(g.masks([]), fresh.masks([]))  # rolled back
+
+
+def test_a_chain_past_the_grammar_s_end_leaves_the_matcher_intact():
+    """A grammar complete after d_2 ("ab"): the matcher stops there and consumes nothing more
+    (an end token on a stopped matcher would put it in error, beyond any rollback); the rows
+    after repeat its last, and the matcher stays at the committed output."""
+    compiler_ = compiler()
+    for chain in ([1, 2, EOS, EOS], [27, EOS, EOS], [1, 2, 3]):
+        g = compiler_.matcher(StructuredOutputsParams(regex="ab"))
+        before = g.masks([]).copy()
+        rows = g.masks(chain)
+        g._memo.clear()
+        assert np.array_equal(g.masks([]), before)  # rolled back, not in error
+        assert not g.matcher.is_error()
+        stop = 2 if chain[0] == 1 else 1  # the row after "ab"
+        assert (rows[stop + 1:] == rows[stop]).all()
+        g.sync(np.array(chain[:stop] + [EOS]))  # committed: "ab" then the end
+        assert not g.matcher.is_error()
 
 
 def test_the_drafting_walk_gives_the_verify_masks():

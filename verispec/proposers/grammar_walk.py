@@ -23,14 +23,14 @@ matcher walks the tree drafted so far depth first, ``GrammarMatcher.masks`` with
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from verispec import ops
 from verispec.ops.options import apply_token_bitmask
-from verispec.sample.grammar import begin_drafts, extend_drafts
+from verispec.sample.grammar import begin_drafts, compute_masks, extend_drafts
 
 
 class _ColumnMasks:
@@ -75,14 +75,29 @@ class _ColumnMasks:
 
 class GrammarWalks(_ColumnMasks):
     """The walks of one eager draft: ``grammars[a]`` is active request a's matcher or None;
-    ``token_ids`` as ``_ColumnMasks``."""
+    ``token_ids`` as ``_ColumnMasks``.
 
-    def __init__(self, grammars: Sequence, token_ids: np.ndarray | None = None) -> None:
+    ``greedy``: the drafts are argmaxes (``argmax``), and a walk computes a mask only where the
+    unmasked argmax is one the grammar refuses: the argmax of the masked logits is the
+    unmasked one whenever the grammar allows that (ties too: the lowest allowed index of the
+    tied is the lowest of them), and checking a token costs ~2 us against ~25-40 us a mask.
+    The verify step then computes every row's mask (``fill_chain_masks``) while the device runs
+    the target forward."""
+
+    def __init__(self, grammars: Sequence, token_ids: np.ndarray | None = None,
+                 greedy: bool = False) -> None:
         super().__init__(token_ids)
         self.grammars = list(grammars)
-        # active request -> [ceil(V / 32)] int32 mask its next draft is drafted under
+        self.greedy = greedy
+        # active request -> [ceil(V / 32)] int32 mask its next draft is drafted under (greedy:
+        # None, the walks compute masks only where an argmax is refused)
         walking = [a for a, g in enumerate(self.grammars) if g is not None]
-        self.masks = dict(zip(walking, begin_drafts([self.grammars[a] for a in walking])))
+        if greedy:
+            for a in walking:
+                self.grammars[a]._restart_walk()
+            self.masks = dict.fromkeys(walking)
+        else:
+            self.masks = dict(zip(walking, begin_drafts([self.grammars[a] for a in walking])))
 
     def __bool__(self) -> bool:
         return bool(self.masks)
@@ -92,6 +107,31 @@ class GrammarWalks(_ColumnMasks):
         (a new tensor when any row is masked)."""
         return self._masked(logits, [(j, self.masks[a]) for j, a in enumerate(rows.tolist())
                                      if a in self.masks])
+
+    def argmax(self, logits: torch.Tensor, rows: np.ndarray,
+               argmax: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        """Greedy walks: (``argmax(logits)`` [len(rows)], the target ids of the argmaxes of
+        ``logits`` [len(rows), V'] of active requests ``rows``, each walking row's taken under
+        its grammar, on the device; the same ids read on the host). One read; a second, of the
+        refused rows alone, where the grammar refuses an unmasked argmax."""
+        draft_ids = argmax(logits)
+        host = draft_ids.tolist()
+        refused = []
+        for j, a in enumerate(rows.tolist()):
+            if a in self.masks:
+                if not self.grammars[a]._allows(host[j]):
+                    refused.append((j, a))
+        if refused:
+            picked = np.array([j for j, _ in refused], dtype=np.int64)
+            masks = compute_masks([self.grammars[a] for _, a in refused])
+            index = ops.to_device(picked, logits.device)
+            masked = self._masked(logits[index], list(enumerate(masks)))
+            fixed = argmax(masked)
+            draft_ids = draft_ids.clone()
+            draft_ids[index] = fixed
+            for j, t in zip(picked.tolist(), fixed.tolist()):
+                host[j] = t
+        return draft_ids, host
 
     def advance(self, draft_ids: torch.Tensor | list[int], rows: np.ndarray,
                 last: np.ndarray) -> None:
@@ -117,6 +157,10 @@ class GrammarWalks(_ColumnMasks):
         else:
             ids = draft_ids[ops.to_device(np.array(picked, dtype=np.int64),
                                           draft_ids.device)].tolist()
+        if self.greedy:  # the walk moves; masks only where ``argmax`` meets a refusal
+            for (_, a), token in zip(walked, ids):
+                self.grammars[a]._walk(token)
+            return
         masks = extend_drafts([self.grammars[a] for _, a in walked], ids)
         for (_, a), mask in zip(walked, masks):
             self.masks[a] = mask

@@ -192,16 +192,21 @@ class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
             logits = self.runner.forward(slots.tolist(), feeds, "last", self.num_layers)
         # structured output: draft only what each request's grammar allows (grammar_walk); the
         # first draft's masks are computed while the device runs the forward above
-        walks = GrammarWalks([self.draft_grammar(requests[r]) for r in active])
+        walks = GrammarWalks([self.draft_grammar(requests[r]) for r in active],
+                             greedy=self.greedy)
         try:
             for i in range(int(num_drafts.max())):
                 row_index = ops.to_device(rows, self.device)
                 row_slots = slots_t if rows.size == active.size else slots_t[row_index]
-                if walks:
-                    logits = walks.apply(logits, rows)
-                if self.greedy:
+                read = None  # d_{i+1} on the host, where the walks read it already
+                if walks and self.greedy:  # masks only where the grammar refuses an argmax
+                    draft_ids, read = walks.argmax(logits, rows,
+                                                   lambda x: torch.argmax(x, dim=-1))
+                elif self.greedy:
                     draft_ids = torch.argmax(logits, dim=-1)  # [rows] d_{i+1}
                 else:
+                    if walks:
+                        logits = walks.apply(logits, rows)
                     # d_{i+1} occupies absolute position num_tokens + i; q = softmax(logits / T).
                     positions = ops.to_device(num_tokens[rows] + i, self.device)
                     draft_ids, q = ops.sample_draft(
@@ -220,7 +225,7 @@ class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
                 # (free on the CPU; on a GPU it waits for this position's sampling).
                 feed_ids = draft_ids[ops.to_device(np.flatnonzero(keep), self.device)]
                 walked, rows = rows, rows[keep]
-                host_ids = HostDrafts(draft_ids) if walks else None
+                host_ids = HostDrafts(draft_ids) if walks and read is None else None
                 if by_position:  # d_{i+1} at position num_tokens + i
                     logits = self._position_logits(slots[rows], feed_ids[:, None],
                                                    num_tokens[rows] + i)
@@ -232,7 +237,8 @@ class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
                     # the masks of d_{i+2} are built while the device runs the forward above
                     # (the replayed forward takes d_{i+1} on the device; its host copy was
                     # queued before it)
-                    walks.advance(host_ids.tolist(), walked, ~keep)
+                    walks.advance(read if read is not None else host_ids.tolist(), walked,
+                                  ~keep)
         finally:
             walks.close()  # (every walk has ended unless drafting failed)
 

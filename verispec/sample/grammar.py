@@ -164,9 +164,9 @@ class GrammarMatcher:
             return
         self._memo.clear()
         self.num_consumed = len(output_token_ids)
-        if self.matcher.is_stopped():  # done (EOS with ignore_eos, max_tokens): nothing to do
-            return
-        self.matcher.consume_tokens([int(t) for t in new])
+        # (a matcher that stops, its grammar complete, consumes nothing after: done, EOS with
+        # ignore_eos, max_tokens)
+        _consume(self.matcher, new)
 
     def masks(self, drafts: Sequence[int], parent_ids: Sequence[int] | None = None
               ) -> np.ndarray:
@@ -327,34 +327,50 @@ def fill_chain_masks(grammars: Sequence[GrammarMatcher],
 def _fill_distinct(todo: list[tuple[GrammarMatcher, tuple[int, ...]]]) -> None:
     """``fill_chain_masks`` of distinct matchers. A chain whose drafts but the last were walked
     (``end_draft`` kept the masks of d_1..d_{n-1}: a proposer does not wait for its last draft)
-    computes its last row alone."""
+    computes its last row alone. A matcher that stops along a chain (its grammar complete:
+    only the end is left) consumes nothing more (an end token there would put it in error, and
+    no rollback undoes that): the rows after are never reached, an accepted end token ending
+    the request, and repeat its last."""
     valid = [g.num_valid(d) for g, d in todo]
     outs = [np.empty((len(d) + 1, g.num_words), dtype=np.int32) for g, d in todo]
     starts = []  # per chain: its rows below this one are known
-    for (g, d), v, out in zip(todo, valid, outs):
+    consumed = [0] * len(todo)
+    for i, ((g, d), out) in enumerate(zip(todo, outs)):
         known = g._memo.get(d[:-1]) if d else None
-        start = 0 if known is None else min(len(d), v + 1)
+        start = 0 if known is None else min(len(d), valid[i] + 1)
         if start:
             out[:len(d)] = known
-            if start <= v:  # the matcher goes to row `start` along drafts it allows
-                g.matcher.consume_tokens(list(d[:start]))
+            if start <= valid[i]:  # the matcher goes to row `start` along drafts it allows
+                consumed[i] = _consume(g.matcher, d[:start])
+                if consumed[i] < start:  # stopped on the way: the known rows go on
+                    valid[i] = consumed[i]
         starts.append(start)
     depth = min(starts, default=0)
-    while True:
-        if depth > max(valid, default=-1):
-            break
+    while depth <= max(valid, default=-1):
         here = [i for i, v in enumerate(valid) if starts[i] <= depth <= v]
         masks = compute_masks([todo[i][0] for i in here]) if here else ()
         for mask, i in zip(masks, here):
             outs[i][depth] = mask
             if depth < valid[i]:
-                todo[i][0].matcher.consume_token(todo[i][1][depth])
+                if _consume(todo[i][0].matcher, todo[i][1][depth:depth + 1]):
+                    consumed[i] += 1
+                else:
+                    valid[i] = depth
         depth += 1
-    for (g, d), v, start, out in zip(todo, valid, starts, outs):
+    for (g, d), v, n, out in zip(todo, valid, consumed, outs):
         out[v + 1:] = out[v]  # rows past a draft the grammar refuses: never reached
-        if v and start <= v:
-            g.matcher.rollback(v)
+        if n:
+            g.matcher.rollback(n)
         g._memo[d] = out
+
+
+def _consume(matcher: llguidance.LLMatcher, tokens: Sequence[int]) -> int:
+    """Consume ``tokens`` (ones the grammar allows) until the matcher stops; how many."""
+    for n, token in enumerate(tokens):
+        if matcher.is_stopped():
+            return n
+        matcher.consume_token(int(token))
+    return len(tokens)
 
 
 def begin_drafts(grammars: Sequence[GrammarMatcher]) -> list[np.ndarray]:
