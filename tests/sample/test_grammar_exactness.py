@@ -315,6 +315,32 @@ def test_a_walk_ended_before_its_last_draft_leaves_the_verify_step_one_row(monke
         assert np.array_equal(g.masks([]), fresh.masks([]))  # rolled back
 
 
+def test_greedy_walks_draft_the_masked_argmax():
+    """``GrammarWalks(greedy=True).argmax`` (a mask only where the grammar refuses the unmasked
+    argmax) drafts what the argmax of the masked logits drafts, ties included, along walks
+    that stay in the grammar and walks that leave it."""
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        walks = {}
+        for greedy in (False, True):
+            grammars = [make_request(1.0).options.grammar for _ in range(6)]
+            for g in grammars:
+                g.sync(np.array(OUTPUT))
+            walks[greedy] = GrammarWalks(grammars, greedy=greedy)
+        rows = np.arange(6)
+        for i in range(3):
+            logits = torch.from_numpy(rng.integers(0, 4, (6, V)).astype(np.float32))  # ties
+            if trial % 2:
+                logits[:, FAVOURED[:3]] += 10.0  # EOS, b, x: refused at some positions
+            eager = torch.argmax(walks[False].apply(logits, rows), dim=-1)
+            lazy, host = walks[True].argmax(logits, rows, lambda x: torch.argmax(x, dim=-1))
+            assert torch.equal(eager, lazy) and host == lazy.tolist(), (trial, i)
+            last = np.full(6, i == 2)
+            for w in walks.values():
+                w.advance(eager.tolist(), rows, last)
+        assert not walks[False] and not walks[True]
+
+
 def test_a_chain_past_the_grammar_s_end_leaves_the_matcher_intact():
     """A grammar complete after d_2 ("ab"): the matcher stops there and consumes nothing more
     (an end token on a stopped matcher would put it in error, beyond any rollback); the rows
