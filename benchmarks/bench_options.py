@@ -19,9 +19,10 @@ planner's per-request switch is off), so each row's steps do the same speculativ
 weights accept few drafts, but a grammar's forced tokens (punctuation, keys) are accepted
 whenever the draft proposes them, which is what grammar-aware drafting changes. ``--model`` /
 ``--device cpu`` run it on any model (the bundled one on the CPU as a smoke test).
-``--grammar-threads 4`` adds the JSON row with its masks computed on 4 threads
-(``VERISPEC_GRAMMAR_THREADS``). ``--profile ROW`` runs that row once more under cProfile and
-prints the host functions by their own time (what a step spends outside the device).
+``--draft-sample-method greedy`` drafts argmaxes. ``--grammar-threads 4`` adds the JSON row with
+its masks computed on 4 threads (``VERISPEC_GRAMMAR_THREADS``). ``--profile ROW`` runs that row
+once more under cProfile and prints the host functions by their own time (what a step spends
+outside the device).
 
     python benchmarks/bench_options.py                       # GPU: 8B shape, batch 64
     python benchmarks/bench_options.py --device cpu --model bundled --batch 4 --tokens 16 \\
@@ -142,6 +143,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--shapes", default="8b,1b",
                         help="target and draft shapes of the random models (tiny,tiny: the "
                         "host's share of a step, on a CPU)")
+    parser.add_argument("--draft-sample-method", choices=["probabilistic", "greedy"],
+                        default="probabilistic",
+                        help="the draft model's drafts: sampled (q passed to verification) or "
+                             "argmaxes (a greedy walk masks only refused argmaxes)")
     parser.add_argument("--tokenizer-dir", default=None,
                         help="the bundled model's config.json and tokenizer files, where its "
                              "package is not installed")
@@ -169,7 +174,7 @@ def main(argv=None) -> dict:
                          "--spec ngram with --model")
         spec = {"method": "draft_model",
                 "model": model_dir(args.workdir, draft_shape, args.tokenizer_dir),
-                "num_speculative_tokens": K, "draft_sample_method": "probabilistic"}
+                "num_speculative_tokens": K, "draft_sample_method": args.draft_sample_method}
     llm = LLM(speculative_config=spec, **kwargs)
     vocab = llm.model_config.vocab_size
     rng = np.random.default_rng(0)
@@ -190,8 +195,8 @@ def main(argv=None) -> dict:
     base = next((r["step_ms"] for r in rows if r["row"] == "plain"), None)
     for r in rows:
         r["step_vs_plain"] = None if base is None else r["step_ms"] / base
-    print(f"{machine_description()}; {args.spec}, k = {K}, batch {args.batch}, "
-          f"{args.tokens} tokens, temperature 1")
+    print(f"{machine_description()}; {args.spec} ({args.draft_sample_method} drafts), k = {K}, "
+          f"batch {args.batch}, {args.tokens} tokens, temperature 1")
     print_table(rows, ["row", "decode_tok_s", "steps", "step_ms", "step_vs_plain", "accept_len",
                        "tokens"])
     result = dict(device=machine_description(), spec=args.spec, batch=args.batch,
