@@ -327,7 +327,7 @@ def test_greedy_walks_draft_the_masked_argmax():
             for g in grammars:
                 g.sync(np.array(OUTPUT))
             walks[greedy] = GrammarWalks(grammars, greedy=greedy)
-        rows = np.arange(6)
+        rows, chains = np.arange(6), [[] for _ in range(6)]
         for i in range(3):
             logits = torch.from_numpy(rng.integers(0, 4, (6, V)).astype(np.float32))  # ties
             if trial % 2:
@@ -338,7 +338,16 @@ def test_greedy_walks_draft_the_masked_argmax():
             last = np.full(6, i == 2)
             for w in walks.values():
                 w.advance(eager.tolist(), rows, last)
+            for chain, token in zip(chains, host):
+                chain.append(token)
         assert not walks[False] and not walks[True]
+        # the verify step's rows: the greedy walk's few masks and the rest computed there
+        fill_chain_masks(walks[True].grammars, chains)
+        for g, drafts in zip(walks[True].grammars, chains):
+            fresh = make_request(1.0).options.grammar
+            fresh.sync(np.array(OUTPUT))
+            assert np.array_equal(g.masks(drafts), fresh.masks(drafts)), (trial, drafts)
+            assert np.array_equal(g.masks([]), fresh.masks([]))  # rolled back
 
 
 def test_a_chain_past_the_grammar_s_end_leaves_the_matcher_intact():

@@ -119,11 +119,15 @@ class GrammarWalks(_ColumnMasks):
         refused = []
         for j, a in enumerate(rows.tolist()):
             if a in self.masks:
-                if not self.grammars[a]._allows(host[j]):
+                grammar = self.grammars[a]
+                grammar._draft_masks.append(None)  # this row's mask, where it is computed
+                if not grammar._allows(host[j]):
                     refused.append((j, a))
         if refused:
             picked = np.array([j for j, _ in refused], dtype=np.int64)
             masks = compute_masks([self.grammars[a] for _, a in refused])
+            for (_, a), mask in zip(refused, masks):  # kept for the verify step
+                self.grammars[a]._draft_masks[-1] = mask
             index = ops.to_device(picked, logits.device)
             masked = self._masked(logits[index], list(enumerate(masks)))
             fixed = argmax(masked)

@@ -151,6 +151,9 @@ class GrammarMatcher:
         self.num_words = (vocab_size + 31) // 32
         self.num_consumed = 0  # output tokens consumed
         self._memo: dict[tuple[int, ...], np.ndarray] = {}  # drafts -> masks, this output
+        # drafts -> the masks a greedy walk computed along them ([ceil(V / 32)] int32 or None
+        # per row), this output: ``fill_chain_masks`` computes only the others
+        self._partial: dict[tuple[int, ...], list[np.ndarray | None]] = {}
         # the walk of begin_draft / extend_draft: drafts, their masks, tokens consumed
         self._draft_ids: list[int] = []
         self._draft_masks: list[np.ndarray] = []
@@ -163,6 +166,7 @@ class GrammarMatcher:
         if not len(new):
             return
         self._memo.clear()
+        self._partial.clear()
         self.num_consumed = len(output_token_ids)
         # (a matcher that stops, its grammar complete, consumes nothing after: done, EOS with
         # ignore_eos, max_tokens)
@@ -249,6 +253,7 @@ class GrammarMatcher:
         if self._draft_consumed:
             self.matcher.rollback(self._draft_consumed)
         self._draft_ids, self._draft_consumed, self._draft_left = [], 0, False
+        self._draft_masks = []
 
     def _walk(self, token_id: int) -> bool:
         """Record the walk's next draft; consume it where the grammar allows it (then the walk
@@ -267,8 +272,24 @@ class GrammarMatcher:
         if self._draft_consumed:
             self.matcher.rollback(self._draft_consumed)
         if self._draft_masks:
-            self._memo[tuple(self._draft_ids)] = np.stack(self._draft_masks)
+            key = tuple(self._draft_ids)
+            if any(mask is None for mask in self._draft_masks):  # a greedy walk's
+                self._partial[key] = self._draft_masks
+            else:
+                self._memo[key] = np.stack(self._draft_masks)
         self._draft_ids, self._draft_masks, self._draft_consumed = [], [], 0
+
+    def _known_rows(self, drafts: tuple[int, ...]) -> list[np.ndarray | None]:
+        """The rows of ``masks(drafts)`` a walk along all drafts but the last computed (None
+        where it did not; the last row is never known)."""
+        rows: list[np.ndarray | None] = [None] * (len(drafts) + 1)
+        if drafts:
+            walked = self._memo.get(drafts[:-1])
+            if walked is None:
+                walked = self._partial.get(drafts[:-1])
+            if walked is not None:
+                rows[:len(drafts)] = list(walked)
+        return rows
 
 
 # Threads that compute a step's masks (``VERISPEC_GRAMMAR_THREADS``, default 1: this thread
@@ -326,35 +347,29 @@ def fill_chain_masks(grammars: Sequence[GrammarMatcher],
 
 def _fill_distinct(todo: list[tuple[GrammarMatcher, tuple[int, ...]]]) -> None:
     """``fill_chain_masks`` of distinct matchers. A chain whose drafts but the last were walked
-    (``end_draft`` kept the masks of d_1..d_{n-1}: a proposer does not wait for its last draft)
-    computes its last row alone. A matcher that stops along a chain (its grammar complete:
-    only the end is left) consumes nothing more (an end token there would put it in error, and
-    no rollback undoes that): the rows after are never reached, an accepted end token ending
-    the request, and repeat its last."""
+    (``end_draft`` kept the masks of d_1..d_{n-1}, all of them or a greedy walk's few: a
+    proposer does not wait for its last draft) computes only the rows the walk did not. A
+    matcher that stops along a chain (its grammar complete: only the end is left) consumes
+    nothing more (an end token there would put it in error, and no rollback undoes that): the
+    rows after are never reached, an accepted end token ending the request, and repeat its
+    last."""
     valid = [g.num_valid(d) for g, d in todo]
     outs = [np.empty((len(d) + 1, g.num_words), dtype=np.int32) for g, d in todo]
-    starts = []  # per chain: its rows below this one are known
+    known = [g._known_rows(d) for g, d in todo]
     consumed = [0] * len(todo)
-    for i, ((g, d), out) in enumerate(zip(todo, outs)):
-        known = g._memo.get(d[:-1]) if d else None
-        start = 0 if known is None else min(len(d), valid[i] + 1)
-        if start:
-            out[:len(d)] = known
-            if start <= valid[i]:  # the matcher goes to row `start` along drafts it allows
-                consumed[i] = _consume(g.matcher, d[:start])
-                if consumed[i] < start:  # stopped on the way: the known rows go on
-                    valid[i] = consumed[i]
-        starts.append(start)
-    depth = min(starts, default=0)
+    depth = 0
     while depth <= max(valid, default=-1):
-        here = [i for i, v in enumerate(valid) if starts[i] <= depth <= v]
-        masks = compute_masks([todo[i][0] for i in here]) if here else ()
-        for mask, i in zip(masks, here):
-            outs[i][depth] = mask
+        here = [i for i, v in enumerate(valid) if depth <= v]
+        missing = [i for i in here if known[i][depth] is None]
+        for i, mask in zip(missing, compute_masks([todo[i][0] for i in missing])
+                           if missing else ()):
+            known[i][depth] = mask
+        for i in here:
+            outs[i][depth] = known[i][depth]
             if depth < valid[i]:
                 if _consume(todo[i][0].matcher, todo[i][1][depth:depth + 1]):
                     consumed[i] += 1
-                else:
+                else:  # stopped: the rows after are never reached
                     valid[i] = depth
         depth += 1
     for (g, d), v, n, out in zip(todo, valid, consumed, outs):
