@@ -229,7 +229,7 @@ class EagleProposer(EagleTreeDrafting, EagleGraphDrafting, ModelProposer):
         slots_t = ops.to_device(slots, self.device)
         rows = np.arange(active.size)  # the requests still drafting
         # structured output: draft only what each request's grammar allows (grammar_walk)
-        walks = GrammarWalks(grammars, self.draft_to_target_np)
+        walks = GrammarWalks(grammars, self.draft_to_target_np, greedy=self.greedy)
         try:
             for i in range(int(num_drafts.max())):
                 # (every request still drafting: views, not gathers)
@@ -237,28 +237,36 @@ class EagleProposer(EagleTreeDrafting, EagleGraphDrafting, ModelProposer):
                              else ops.to_device(rows, self.device))
                 positions = ops.to_device(num_tokens[rows] + i, self.device)
                 row_slots = slots_t[row_index]
-                if walks:  # q = softmax(masked logits / T): what d_{i+1} is drawn from
+                read = None  # d_{i+1} on the host, where a greedy walk read it already
+                if walks and not self.greedy:  # q = softmax(masked logits / T): d_{i+1}'s
                     logits = walks.apply(logits, rows)
                 # (the draw and q's store touch a few rows: one thread, no workers to wake)
                 with ops.few_rows_on_one_thread(self.device, rows.size * self.vocab_size):
-                    draft_ids, q = self._choose(
-                        logits, None if temperature is None else temperature[row_index],
-                        None if seeds is None else seeds[row_index], positions)
+                    if walks and self.greedy:  # masks only where the grammar refuses an argmax
+                        draft_ids, read = walks.argmax(
+                            logits, rows, lambda x: self._choose(x, None, None, None)[0])
+                        q = None
+                    else:
+                        draft_ids, q = self._choose(
+                            logits, None if temperature is None else temperature[row_index],
+                            None if seeds is None else seeds[row_index], positions)
                     self.draft_token_buffer[row_slots, i] = draft_ids  # d_{i+1}
                     if q is not None:
                         self._store_q(row_slots, i, q)
                 keep = num_drafts[rows] > i + 1
                 if walks:
-                    walks.advance(draft_ids, rows, ~keep)
+                    walks.advance(draft_ids if read is None else read, rows, ~keep)
                 if not keep.any():
                     break
                 kept = (slice(None) if keep.all()
                         else ops.to_device(np.flatnonzero(keep), self.device))
+                # The head's input ids are host lists: one device-to-host read per position
+                # (a greedy walk's read already).
+                feed = (draft_ids[kept].tolist() if read is None
+                        else [read[j] for j in np.flatnonzero(keep).tolist()])
                 rows = rows[keep]
-                # The head's input ids are host lists: one device-to-host read per position.
                 logits, out = self._head_forward(
-                    slots[rows].tolist(), [[t] for t in draft_ids[kept].tolist()], out[kept],
-                    False)
+                    slots[rows].tolist(), [[t] for t in feed], out[kept], False)
         finally:
             walks.close()  # (every walk has ended unless drafting failed)
             for slot, n in zip(slot_list, num_tokens.tolist()):
