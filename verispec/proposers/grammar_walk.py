@@ -81,8 +81,8 @@ class GrammarWalks(_ColumnMasks):
     unmasked argmax is one the grammar refuses: the argmax of the masked logits is the
     unmasked one whenever the grammar allows that (ties too: the lowest allowed index of the
     tied is the lowest of them), and checking a token costs ~2 us against ~25-40 us a mask.
-    The verify step then computes every row's mask (``fill_chain_masks``) while the device runs
-    the target forward."""
+    The masks it computed are kept for the verify step, which computes the others
+    (``fill_chain_masks``) while the device runs the target forward."""
 
     def __init__(self, grammars: Sequence, token_ids: np.ndarray | None = None,
                  greedy: bool = False) -> None:
