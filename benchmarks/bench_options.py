@@ -19,10 +19,9 @@ planner's per-request switch is off), so each row's steps do the same speculativ
 weights accept few drafts, but a grammar's forced tokens (punctuation, keys) are accepted
 whenever the draft proposes them, which is what grammar-aware drafting changes. ``--model`` /
 ``--device cpu`` run it on any model (the bundled one on the CPU as a smoke test).
-``--draft-sample-method greedy`` drafts argmaxes. ``--grammar-threads 4`` adds the JSON row with
-its masks computed on 4 threads (``VERISPEC_GRAMMAR_THREADS``). ``--profile ROW`` runs that row
-once more under cProfile and prints the host functions by their own time (what a step spends
-outside the device).
+``--draft-sample-method greedy`` drafts argmaxes. ``--profile ROW`` runs that row once more
+under cProfile and prints the host functions by their own time (what a step spends outside the
+device).
 
     python benchmarks/bench_options.py                       # GPU: 8B shape, batch 64
     python benchmarks/bench_options.py --device cpu --model bundled --batch 4 --tokens 16 \\
@@ -53,7 +52,6 @@ from verispec.bench.report import (  # noqa: E402
     print_table,
 )
 from verispec.models import gguf  # noqa: E402
-from verispec.sample import grammar  # noqa: E402
 
 K = 3
 SCHEMA = {
@@ -135,9 +133,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--workdir", default="/tmp/bench_options")
     parser.add_argument("--rows", default=",".join(ROWS))
-    parser.add_argument("--grammar-threads", type=lambda v: [int(x) for x in v.split(",")],
-                        default=[], help="also run the JSON row with its masks computed on "
-                        "this many threads (comma-separated counts; verispec.sample.grammar)")
     parser.add_argument("--profile", default=None, choices=list(ROWS),
                         help="run this row again under cProfile: host functions by own time")
     parser.add_argument("--shapes", default="8b,1b",
@@ -181,14 +176,6 @@ def main(argv=None) -> dict:
     prompts = [rng.integers(100, vocab, size=args.prompt_len).tolist()
                for _ in range(args.batch)]
     rows = [run_row(llm, prompts, name, args) for name in args.rows.split(",")]
-    for threads in args.grammar_threads:  # the JSON row again, its masks on more threads
-        name = f"json, masks on {threads} threads"
-        ROWS[name] = ROWS["json"]
-        grammar.GRAMMAR_THREADS, default = threads, grammar.GRAMMAR_THREADS
-        try:
-            rows.append(run_row(llm, prompts, name, args))
-        finally:
-            grammar.GRAMMAR_THREADS = default
     if args.profile:
         print_host_profile(f"the row {args.profile!r}",
                            lambda: run_row(llm, prompts, args.profile, args), rows=25)

@@ -395,14 +395,11 @@ def test_triton_backend_gives_the_same_tokens(device):
                               run(drafts, 32, backend="torch", device=device))
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_batched_masks_equal_one_matcher_at_a_time(threads, monkeypatch):
+def test_batched_masks_equal_one_matcher_at_a_time():
     """The masks computed for many requests at once (``fill_chain_masks`` depth by depth,
     ``begin_drafts`` / ``extend_drafts``) are each matcher's own: the verify rows of several
     chains (drafts inside the grammar, leaving it, empty, out of the vocabulary) and the
-    drafting walks, on this thread alone and on three of llguidance's threads."""
-    monkeypatch.setattr(grammar_module, "GRAMMAR_THREADS", threads)
-    monkeypatch.setattr(grammar_module, "PARALLEL_MIN_MASKS", 2)
+    drafting walks."""
     chains = [[27, 24, 5], [2, 26, 5], [2, 3], [], [3, 4, 5, 24], [99, 2]]
     batched = [make_request(1.0).options.grammar for _ in chains]
     for g in batched:

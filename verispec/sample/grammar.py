@@ -37,7 +37,6 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-import os
 from collections.abc import Sequence
 
 import llguidance
@@ -292,41 +291,14 @@ class GrammarMatcher:
         return rows
 
 
-# Threads that compute a step's masks (``VERISPEC_GRAMMAR_THREADS``, default 1: this thread
-# alone); more than one: llguidance's own pool (``LLExecutor``, which leaves the GIL). Beside a
-# GPU engine (H200 host, batch 64, k = 3, a JSON schema: 256 masks a step, ~25 us each once a
-# schema's requests share its lexer) eight threads made the masks slower, 11.1 against 6.4 ms a
-# step; Python threads calling the matchers one at a time gave no gain either
-# (docs/benchmarks.md).
-GRAMMAR_THREADS = max(1, int(os.environ.get("VERISPEC_GRAMMAR_THREADS", "1")))
-# Below this many matchers a call computes its masks on this thread alone.
-PARALLEL_MIN_MASKS = 8
-_executors: dict[int, llguidance.LLExecutor] = {}  # by thread count
-
-
 def compute_masks(grammars: Sequence[GrammarMatcher]) -> np.ndarray:
-    """[len(grammars), ceil(V / 32)] int32: each matcher's mask where it stands, on
-    ``GRAMMAR_THREADS`` threads for ``PARALLEL_MIN_MASKS`` distinct matchers and more; every
-    mask is the matcher's alone, whichever thread computes it (a matcher listed twice is
-    computed once)."""
+    """[len(grammars), ceil(V / 32)] int32: each matcher's mask where it stands, on this thread.
+    (llguidance's own thread pool made a batch-64 JSON step's masks slower beside a GPU engine,
+    11.1 against 6.4 ms a step, as Python threads gave no gain: docs/benchmarks.md.)"""
     num_words = grammars[0].num_words if grammars else 0
     out = np.empty((len(grammars), num_words), dtype=np.int32)
-    first: dict[int, int] = {}  # id(matcher) -> the row computing its mask
-    for i, g in enumerate(grammars):
-        first.setdefault(id(g), i)
-    rows = list(first.values())
-    if GRAMMAR_THREADS <= 1 or len(rows) < PARALLEL_MIN_MASKS:
-        for i in rows:
-            grammars[i].matcher.unsafe_compute_mask_ptr(out[i].ctypes.data, out[i].nbytes)
-    else:
-        executor = _executors.get(GRAMMAR_THREADS)
-        if executor is None:
-            executor = _executors[GRAMMAR_THREADS] = llguidance.LLExecutor(GRAMMAR_THREADS)
-        executor.unsafe_compute_mask_ptr([(grammars[i].matcher, i) for i in rows],
-                                         out.ctypes.data, num_words * 4, len(grammars))
-    if len(rows) < len(grammars):
-        for i, g in enumerate(grammars):
-            out[i] = out[first[id(g)]]
+    for g, row in zip(grammars, out):
+        g.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
     return out
 
 
