@@ -38,6 +38,7 @@ from tests.engine.test_token_trees import BINARY
 from tests.models.utils import copy_bundled_tokenizer, requires_bundled, save_tiny_model
 from tests.proposers.test_eagle_loader import eagle_checkpoint, write_checkpoint
 from verispec import LLM, SamplingParams, StructuredOutputsParams
+from verispec.engine import intake
 
 jsonschema = pytest.importorskip("jsonschema")  # a test extra (pyproject): skip where absent
 pytestmark = requires_bundled
@@ -217,6 +218,20 @@ def test_greedy_speculation_with_a_grammar_equals_plain(method, model_dir, draft
     if seen is not None:
         print(method, seen)
         assert seen["drafts"] > 0
+
+
+def test_masks_on_several_threads_give_the_same_tokens(model_dir, draft_dir, eagle_dirs,
+                                                       plain_tokens, monkeypatch):
+    """A GPU engine computes a batch's masks on several threads, its requests spread over
+    several compilations of their grammar (``GrammarCompiler``): the same tokens."""
+    monkeypatch.setattr(intake, "mask_threads", lambda device_type: 3)
+    llm = engine_for(model_dir, spec_config("draft_model", draft_dir, eagle_dirs))
+    for name in CASES:
+        outputs = llm.generate(PROMPTS, params(name))
+        assert [o.token_ids for o in outputs] == plain_tokens[name], name
+    compiler = llm._grammars()
+    assert compiler.threads == 3 and compiler.executor is not None
+    assert max(len(lanes) for lanes, _ in compiler._compiled.values()) == min(3, len(PROMPTS))
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3",

@@ -89,22 +89,23 @@ class TinyTokenizer:
         return ids
 
 
-def compiler() -> GrammarCompiler:
+def compiler(threads: int = 1) -> GrammarCompiler:
     ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(TinyTokenizer()))
-    return GrammarCompiler(ll, V)
+    return GrammarCompiler(ll, V, threads)
 
 
 COMPILER = compiler()
+THREADED = compiler(threads=3)  # masks on 3 threads, each grammar compiled in 3 lanes
 
 
-def make_request(temperature: float) -> Request:
+def make_request(temperature: float, grammars: GrammarCompiler | None = None) -> Request:
     params = SamplingParams(max_tokens=40, temperature=temperature,
                             structured_outputs=StructuredOutputsParams(regex=REGEX))
     r = Request(0, None, PROMPT, params, seed=0, max_model_len=100)
     for t in OUTPUT:
         r.append(t)
     r.slot = 0
-    r.options = RequestOptions.build(params, V, [EOS], None, lambda: COMPILER)
+    r.options = RequestOptions.build(params, V, [EOS], None, lambda: grammars or COMPILER)
     return r
 
 
@@ -395,13 +396,17 @@ def test_triton_backend_gives_the_same_tokens(device):
                               run(drafts, 32, backend="torch", device=device))
 
 
-def test_batched_masks_equal_one_matcher_at_a_time():
+@pytest.mark.parametrize("threads", [1, 3])
+def test_batched_masks_equal_one_matcher_at_a_time(threads):
     """The masks computed for many requests at once (``fill_chain_masks`` depth by depth,
     ``begin_drafts`` / ``extend_drafts``) are each matcher's own: the verify rows of several
     chains (drafts inside the grammar, leaving it, empty, out of the vocabulary) and the
-    drafting walks."""
+    drafting walks; on one thread, and on three (the requests spread over three compilations
+    of the grammar) against one matcher at a time on one."""
+    grammars = THREADED if threads > 1 else COMPILER
     chains = [[27, 24, 5], [2, 26, 5], [2, 3], [], [3, 4, 5, 24], [99, 2]]
-    batched = [make_request(1.0).options.grammar for _ in chains]
+    batched = [make_request(1.0, grammars).options.grammar for _ in chains]
+    assert {g.lane for g in batched} == set(range(threads))
     for g in batched:
         g.sync(np.array(OUTPUT))
     fill_chain_masks(batched, chains)
@@ -411,7 +416,7 @@ def test_batched_masks_equal_one_matcher_at_a_time():
         assert np.array_equal(g.masks(drafts), fresh.masks(drafts)), drafts
         assert np.array_equal(g.masks([]), fresh.masks([]))  # rolled back
     # one matcher listed several times (a chain repeated): each distinct chain filled once
-    shared = make_request(1.0).options.grammar
+    shared = make_request(1.0, grammars).options.grammar
     shared.sync(np.array(OUTPUT))
     listed = [chains[0], chains[1], chains[0], chains[4], chains[1]]
     fill_chain_masks([shared] * len(listed), listed)
@@ -420,7 +425,7 @@ def test_batched_masks_equal_one_matcher_at_a_time():
         fresh = make_request(1.0).options.grammar
         fresh.sync(np.array(OUTPUT))
         assert np.array_equal(shared.masks(drafts), fresh.masks(drafts)), drafts
-    walks = [make_request(1.0).options.grammar for _ in chains]
+    walks = [make_request(1.0, grammars).options.grammar for _ in chains]
     for g in walks:
         g.sync(np.array(OUTPUT))
     steps = [begin_drafts(walks)]

@@ -19,7 +19,7 @@ from verispec.engine.request import Request
 from verispec.engine.samples import HeldSamples, sample_params
 from verispec.engine.scheduler import Scheduler
 from verispec.runtime.workers import WorkerGroup
-from verispec.sample.grammar import LazyCompiler
+from verispec.sample.grammar import LazyCompiler, mask_threads
 from verispec.sample.options import RequestOptions
 from verispec.sample.sampler import draw_seed
 from verispec.sampling_params import SamplingParams
@@ -38,6 +38,7 @@ class RequestIntake:
     _held: HeldSamples
     _next_request_id: int
     _seed_rng: random.Random | None
+    device: Any  # torch.device
     _grammars: LazyCompiler | None
 
     def _make_request(self, prompt: Any, params: Any, several: bool = False) -> Request:
@@ -70,7 +71,8 @@ class RequestIntake:
                      params: SamplingParams, seed: int) -> Request:
         request = Request(request_id, text, ids, params, seed, self.max_model_len)
         if self._grammars is None or self._grammars.tokenizer is not self.tokenizer:
-            self._grammars = LazyCompiler(self.tokenizer, self.model_config.vocab_size)
+            self._grammars = LazyCompiler(self.tokenizer, self.model_config.vocab_size,
+                                          mask_threads(self.device.type))
         request.options = RequestOptions.build(params, self.model_config.vocab_size,
                                                sorted(self.eos_token_ids), self.tokenizer,
                                                self._grammars)

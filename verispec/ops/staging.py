@@ -17,6 +17,7 @@ import collections
 import threading
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 ALIGN = 64  # bytes: every slice starts at a multiple (any dtype's alignment)
@@ -51,7 +52,7 @@ class StagingRing:
         with self._lock:
             start = self._take(nbytes)
             staged = self.buffer[start:start + nbytes].view(tensor.dtype).view(tensor.shape)
-            staged.copy_(tensor)
+            _host_copy(staged, tensor)
             out = send(staged)
             self._in_flight.append((start, start + nbytes, self._event()))
         return out
@@ -73,6 +74,17 @@ class StagingRing:
                 return
             event.synchronize()
             self._in_flight.popleft()
+
+
+def _host_copy(staged: torch.Tensor, tensor: torch.Tensor) -> None:
+    """``staged.copy_(tensor)`` on this thread: torch splits a copy of more than 32 768
+    elements across its OpenMP workers, whose wake-ups (and, where torch was imported before
+    verispec, spinning: ``verispec.cpu_threads``) then take the host's cores from the grammar
+    masks' threads (docs/benchmarks.md); numpy copies on the calling thread."""
+    try:
+        np.copyto(staged.numpy(), tensor.numpy())
+    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16)
+        staged.copy_(tensor)
 
 
 CAPACITY = 16 << 20  # bytes of pinned memory per device

@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import os
 from collections.abc import Sequence
 
 import llguidance
@@ -45,18 +46,31 @@ import numpy as np
 from verispec.sampling_params import StructuredOutputsParams
 
 
+def mask_threads(device_type: str) -> int:
+    """Threads a batch's grammar masks are computed on beside an engine on a ``device_type``
+    device: on a GPU the host is otherwise idle while it computes them (half its cores, at most
+    8: 64 JSON masks 3.2 -> 1.5 ms on the H200's host, docs/benchmarks.md); on the CPU its cores
+    run the model's kernels, and the masks stay on the engine's thread."""
+    if device_type != "cuda":
+        return 1
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
+
+
 class LazyCompiler:
     """The compiler of a tokenizer, built at the first call (building llguidance's view of a
-    vocabulary of 50k tokens takes about a second: only engines that see a grammar pay it)."""
+    vocabulary of 50k tokens takes about a second: only engines that see a grammar pay it);
+    ``threads`` as ``GrammarCompiler``'s."""
 
-    def __init__(self, tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, threads: int = 1) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.threads = threads
         self._compiler: GrammarCompiler | None = None
 
     def __call__(self) -> GrammarCompiler:
         if self._compiler is None:
-            self._compiler = GrammarCompiler.from_tokenizer(self.tokenizer, self.vocab_size)
+            self._compiler = GrammarCompiler.from_tokenizer(self.tokenizer, self.vocab_size,
+                                                            self.threads)
         return self._compiler
 
 
@@ -67,18 +81,28 @@ class GrammarCompiler:
     grammars, by their text) and each request gets a copy of it (``LLMatcher.deep_copy``, ~2 us
     against ~1.7 ms a compilation). The copies share the grammar's lexer, whose states one
     request builds and the others reuse: 64 requests of one JSON schema computed their masks in
-    2.1 ms against 3.6 ms as 64 compilations (2-core CPU, random walks through the schema)."""
+    2.1 ms against 3.6 ms as 64 compilations (2-core CPU, random walks through the schema).
+
+    ``threads`` > 1: ``compute_masks`` computes a batch's masks on that many threads
+    (llguidance's ``LLExecutor``). A shared lexer sits behind a lock held through a whole mask,
+    so copies of one compilation compute their masks one at a time whatever the threads: a
+    grammar is compiled up to ``threads`` times (its lanes, compiled as its requests come) and
+    its requests take the lanes in turn."""
 
     CACHED_GRAMMARS = 64
 
-    def __init__(self, ll_tokenizer: llguidance.LLTokenizer, vocab_size: int) -> None:
+    def __init__(self, ll_tokenizer: llguidance.LLTokenizer, vocab_size: int,
+                 threads: int = 1) -> None:
         self.ll_tokenizer = ll_tokenizer
         self.vocab_size = vocab_size
-        self._compiled: collections.OrderedDict[str, llguidance.LLMatcher] = \
-            collections.OrderedDict()
+        self.threads = max(1, int(threads))
+        self.executor = llguidance.LLExecutor(self.threads) if self.threads > 1 else None
+        # grammar text -> (its lanes' compiled matchers, matchers handed out)
+        self._compiled: collections.OrderedDict[str, tuple[list[llguidance.LLMatcher], list[int]]]
+        self._compiled = collections.OrderedDict()
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, vocab_size: int) -> GrammarCompiler:
+    def from_tokenizer(cls, tokenizer, vocab_size: int, threads: int = 1) -> GrammarCompiler:
         """From a Hugging Face tokenizer; the masks cover ``vocab_size`` token ids (tokens past
         the tokenizer's are always masked)."""
         if tokenizer is None:
@@ -92,27 +116,35 @@ class GrammarCompiler:
         # a GGUF's tokenizer without transformers (models.fast_tokenizer) hands over the
         # transformers one, which llguidance reads
         hf = getattr(tokenizer, "hf_tokenizer", tokenizer)
-        return cls(llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size), vocab_size)
+        return cls(llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size), vocab_size, threads)
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher; ValueError naming the field when the grammar does not compile."""
         name, grammar = _grammar(params)
-        compiled = self._compiled.get(grammar)
-        if compiled is None:
+        entry = self._compiled.get(grammar)
+        if entry is None:
             error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
             if error:
                 raise ValueError(f"structured_outputs.{name} cannot be compiled: "
                                  f"{error.strip()[:500]}")
-            compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
-            if compiled.is_error():
-                raise ValueError(f"structured_outputs.{name} cannot be compiled: "
-                                 f"{compiled.get_error()[:500]}")
-            self._compiled[grammar] = compiled
+            entry = self._compiled[grammar] = ([self._compile(name, grammar)], [0])
             if len(self._compiled) > self.CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
         else:
             self._compiled.move_to_end(grammar)
-        return GrammarMatcher(compiled.deep_copy(), self.vocab_size)
+        lanes, handed = entry
+        lane = handed[0] % self.threads
+        handed[0] += 1
+        if lane == len(lanes):
+            lanes.append(self._compile(name, grammar))
+        return GrammarMatcher(lanes[lane].deep_copy(), self.vocab_size, lane, self.executor)
+
+    def _compile(self, name: str, grammar: str) -> llguidance.LLMatcher:
+        compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if compiled.is_error():
+            raise ValueError(f"structured_outputs.{name} cannot be compiled: "
+                             f"{compiled.get_error()[:500]}")
+        return compiled
 
 
 def _grammar(params: StructuredOutputsParams) -> tuple[str, str]:
@@ -144,9 +176,12 @@ def _json_grammar(schema: str) -> str:
 class GrammarMatcher:
     """One request's grammar state, following its committed output (module docstring)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, lane: int = 0,
+                 executor: llguidance.LLExecutor | None = None) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.lane = lane  # its compilation's (``GrammarCompiler``)
+        self.executor = executor
         self.num_words = (vocab_size + 31) // 32
         self.num_consumed = 0  # output tokens consumed
         self._memo: dict[tuple[int, ...], np.ndarray] = {}  # drafts -> masks, this output
@@ -292,11 +327,18 @@ class GrammarMatcher:
 
 
 def compute_masks(grammars: Sequence[GrammarMatcher]) -> np.ndarray:
-    """[len(grammars), ceil(V / 32)] int32: each matcher's mask where it stands, on this thread.
-    (llguidance's own thread pool made a batch-64 JSON step's masks slower beside a GPU engine,
-    11.1 against 6.4 ms a step, as Python threads gave no gain: docs/benchmarks.md.)"""
+    """[len(grammars), ceil(V / 32)] int32: each matcher's mask where it stands (distinct
+    matchers). On their compiler's threads where it has them: the matchers are handed over in
+    the order of their lanes, so that each thread takes a run of one lane's (``GrammarCompiler``).
+    """
     num_words = grammars[0].num_words if grammars else 0
     out = np.empty((len(grammars), num_words), dtype=np.int32)
+    executor = grammars[0].executor if len(grammars) > 1 else None
+    if executor is not None and len({id(g) for g in grammars}) == len(grammars):
+        order = sorted(range(len(grammars)), key=lambda i: grammars[i].lane)
+        executor.unsafe_compute_mask_ptr([(grammars[i].matcher, i) for i in order],
+                                         out.ctypes.data, out.shape[1] * 4, len(grammars))
+        return out
     for g, row in zip(grammars, out):
         g.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
     return out
