@@ -439,15 +439,23 @@ def test_batched_masks_equal_one_matcher_at_a_time(threads):
         assert np.array_equal(np.stack([s[j] for s in steps]), fresh.masks(drafts)), drafts
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("mapped", [False, True])
-def test_token_bitmask_masks_exactly_the_refused_tokens(mapped, device):
+def test_token_bitmask_masks_exactly_the_refused_tokens(mapped, backend, device):
     """``apply_token_bitmask`` against a bit-by-bit reference: rows out of order, a vocabulary
-    that is not a multiple of 32, and an EAGLE-3 column map onto target ids."""
+    that is not a multiple of 32 (nor of the Triton twin's block: 1100 columns), an EAGLE-3
+    column map onto target ids, and rows and masks as strided columns of one upload (the
+    drafting walks'); the torch twin and the Triton one (in the interpreter on the CPU)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
     gen = torch.Generator().manual_seed(0)
-    vocab, rows = 77, torch.tensor([4, 0, 2])
-    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 3), dtype=torch.int32, generator=gen)
-    token_ids = torch.randperm(vocab, generator=gen)[:50] if mapped else None
-    logits = torch.randn(6, 50 if mapped else vocab, generator=gen)
+    vocab, rows = 1100, torch.tensor([4, 0, 2])
+    words = (vocab + 31) // 32
+    wide = torch.randint(-2**31, 2**31 - 1, (3, words + 1), dtype=torch.int32, generator=gen)
+    wide[:, -1] = rows  # the rows in a last column, as the drafting walks upload them
+    bitmask = wide[:, :words]  # strided rows
+    token_ids = torch.randperm(vocab, generator=gen)[:1050] if mapped else None
+    logits = torch.randn(6, 1050 if mapped else vocab, generator=gen)
     want = logits.clone()
     for g, row in enumerate(rows.tolist()):
         for col in range(want.shape[1]):
@@ -455,6 +463,8 @@ def test_token_bitmask_masks_exactly_the_refused_tokens(mapped, device):
             if not (int(bitmask[g, t // 32]) >> (t % 32)) & 1:
                 want[row, col] = float("-inf")
     got = logits.to(device)
-    apply_token_bitmask(got, rows.to(device), bitmask.to(device),
-                        None if token_ids is None else token_ids.to(device))
+    packed = wide.to(device)
+    load_backend(backend).apply_token_bitmask(
+        got, packed[:, -1], packed[:, :words],
+        None if token_ids is None else token_ids.to(device))
     assert torch.equal(got.cpu(), want)

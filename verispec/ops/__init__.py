@@ -40,6 +40,11 @@ def apply_penalties(logits: torch.Tensor, *args, **kwargs) -> None:
     get_backend(logits.device).apply_penalties(logits, *args, **kwargs)
 
 
+def apply_token_bitmask(logits: torch.Tensor, *args, **kwargs) -> None:
+    """A grammar's token masks, in place: ``verispec.ops.options.apply_token_bitmask``."""
+    get_backend(logits.device).apply_token_bitmask(logits, *args, **kwargs)
+
+
 def sample(logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """Sample one token per row; see ``verispec.ops.sampling.sample``."""
     return get_backend(logits.device).sample(logits, *args, **kwargs)
@@ -63,6 +68,7 @@ __all__ = [
     "SAMPLE_STREAM",
     "Backend",
     "apply_penalties",
+    "apply_token_bitmask",
     "few_rows_on_one_thread",
     "get_backend",
     "num_output_tokens",

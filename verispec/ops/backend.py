@@ -43,6 +43,7 @@ class Backend:
     sample_draft: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rejection_sample: Callable[..., torch.Tensor]
     apply_penalties: Callable[..., None]
+    apply_token_bitmask: Callable[..., None]
     # The compiled CPU kernels where they run (a CPU that built them, not switched off), else
     # None: the namespace ``ops.cpu_kernels``, as ``torch.ops`` holds compiled ops. Ops that can
     # use them take them as their ``kernels`` argument.
@@ -169,6 +170,7 @@ def _torch_backend(device_type: str, cpu: ModuleType | None) -> Backend:
         sample_draft=twin(sampling.sample_draft),
         rejection_sample=twin(rejection.rejection_sample),
         apply_penalties=options.apply_penalties,
+        apply_token_bitmask=options.apply_token_bitmask,
         cpu=cpu,
     )
 
@@ -185,6 +187,7 @@ def _triton_backend(device_type: str, cpu: ModuleType | None) -> Backend:
         sample_draft=triton_ops.sample_draft,
         rejection_sample=triton_ops.rejection_sample,
         apply_penalties=triton_options.apply_penalties,
+        apply_token_bitmask=triton_options.apply_token_bitmask,
         cpu=cpu,
     )
 

@@ -96,8 +96,9 @@ def apply_options(logits: torch.Tensor, options: OptionTensors) -> torch.Tensor:
         raise ValueError(f"logits must be [R, V], got {list(logits.shape)}")
     out = logits.to(torch.float32, copy=True)
     o = options
-    if o.grammar_rows is not None:
-        apply_token_bitmask(out, o.grammar_rows, o.grammar_bitmask)
+    if o.grammar_rows is not None:  # (the device's kernel: one launch on CUDA)
+        from verispec.ops.backend import get_backend  # (backend imports this module)
+        get_backend(out.device).apply_token_bitmask(out, o.grammar_rows, o.grammar_bitmask)
     if o.allowed_rows is not None:
         blocked = torch.ones((o.allowed_rows.shape[0], out.shape[1]), dtype=torch.bool,
                              device=out.device)

@@ -1,5 +1,7 @@
-"""Triton twin of ``ops.options.apply_penalties``: the repetition, frequency and presence
-penalties of a captured step's rows, in place (docs/design.md §15).
+"""Triton twins of ``ops.options.apply_penalties`` (the repetition, frequency and presence
+penalties of a captured step's rows, in place) and of ``ops.options.apply_token_bitmask`` (a
+grammar's token masks, in place, in one launch: the torch twin's unpacking takes ~8; docs/
+design.md §15).
 
 One program per (row, block of the vocabulary). A program whose request has no penalty
 (slot -1) returns at once, so a captured step with no penalised request pays one launch of
@@ -61,3 +63,32 @@ def apply_penalties(logits: torch.Tensor, token_ids: torch.Tensor, slots: torch.
         logits, token_ids.contiguous(), slots.contiguous(), params.contiguous(),
         output_counts, prompt_mask.view(torch.uint8), V, S=S, BLOCK=_BLOCK,
         enable_fp_fusion=False)
+
+
+@triton.jit
+def _token_bitmask_kernel(logits_ptr, logits_stride, rows_ptr, rows_stride, bitmask_ptr,
+                          bitmask_stride, token_ids_ptr, V, HAS_MAP: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    g = tl.program_id(0)
+    v = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = v < V
+    token = tl.load(token_ids_ptr + v, mask=inside, other=0) if HAS_MAP else v
+    word = tl.load(bitmask_ptr + g.to(tl.int64) * bitmask_stride + (token >> 5), mask=inside,
+                   other=0)
+    refused = ((word >> (token & 31)) & 1) == 0
+    row = tl.load(rows_ptr + g * rows_stride).to(tl.int64)
+    tl.store(logits_ptr + row * logits_stride + v, float("-inf"), mask=inside & refused)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor,
+                        token_ids: torch.Tensor | None = None) -> None:
+    """See ``verispec.ops.options.apply_token_bitmask`` (same signature, same bits); ``rows``
+    and the bitmask's rows may be strided (columns of one wider host upload)."""
+    num_rows, V = bitmask.shape[0], logits.shape[1]
+    if num_rows == 0:
+        return
+    assert logits.stride(1) == 1 and bitmask.stride(1) == 1 and bitmask.dtype == torch.int32
+    _token_bitmask_kernel[(num_rows, triton.cdiv(V, _BLOCK))](
+        logits, logits.stride(0), rows, rows.stride(0), bitmask, bitmask.stride(0),
+        logits if token_ids is None else token_ids, V, HAS_MAP=token_ids is not None,
+        BLOCK=_BLOCK)

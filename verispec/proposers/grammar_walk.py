@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from verispec import ops
-from verispec.ops.options import apply_token_bitmask
 from verispec.sample.grammar import begin_drafts, compute_masks, extend_drafts
 
 
@@ -64,12 +63,15 @@ class _ColumnMasks:
             return logits
         if not allowing.all():
             rows, bitmask = rows[allowing], bitmask[allowing]
-        index = ops.to_device(rows, logits.device)
-        bitmask = ops.to_device(bitmask, logits.device, torch.int32)
+        # one copy to the device: the masks, each with its row in a last column
+        packed = np.empty((len(rows), bitmask.shape[1] + 1), dtype=np.int32)
+        packed[:, :-1] = bitmask
+        packed[:, -1] = rows
+        packed = ops.to_device(packed, logits.device)
         if self.token_ids is not None and self._token_ids_device is None:
             self._token_ids_device = ops.to_device(self.token_ids, logits.device)
         logits = logits.clone()
-        apply_token_bitmask(logits, index, bitmask, self._token_ids_device)
+        ops.apply_token_bitmask(logits, packed[:, -1], packed[:, :-1], self._token_ids_device)
         return logits
 
 

@@ -144,16 +144,20 @@ class ModelGraphDrafting:
                 and graphs.fits(self._position_graph(1), active.size)
                 and all(len(requests[r].token_ids) >= 2 for r in active))
 
-    def _position_logits(self, slots: np.ndarray, ids, starts: np.ndarray) -> torch.Tensor:
+    def _position_logits(self, slots: np.ndarray, ids, starts: np.ndarray,
+                         slots_device: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the position forward of ``ids`` [B, width] (host array or device tensor) at
-        positions ``starts`` [B] .. in ``slots``; [B, V] logits of each request's last token."""
+        positions ``starts`` [B] .. in ``slots`` (``slots_device``: the same on the device,
+        where the caller has them); [B, V] logits of each request's last token."""
         width = ids.shape[1]
         cache = self.runner.kv_cache
         cache.prepare_write(slots, lambda: starts + width)
         self.runner.graphs.run(self._position_graph(width), {
             "ids": ids, "slots": slots[:, None], "starts": starts[:, None]})
         cache.set_lengths(slots, starts + width)
-        return self.draft_logits_buffer[ops.to_device(slots, self.device)]
+        if slots_device is None:
+            slots_device = ops.to_device(slots, self.device)
+        return self.draft_logits_buffer[slots_device]
 
     def _can_replay(self, requests, active: np.ndarray, slots: np.ndarray) -> bool:
         """Whether the captured draft applies: graphs, a batch that fits, two committed tokens

@@ -175,19 +175,20 @@ class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
             num_cached = min(cache.length(slot), length - 1)
             cache.truncate(slot, num_cached)
             feeds.append(context_tail(context, num_cached))
-        temperature = seeds = None
+        temperature = seeds = base = None
         if not self.greedy:
             temperature = ops.to_device([float(requests[r].temperature) for r in active],
                                         self.device, torch.float32)
             seeds = ops.to_device([int(requests[r].seed) for r in active], self.device,
                                   torch.int64)
+            base = ops.to_device(num_tokens, self.device)  # d_{i+1}'s position: base + i
         slots_t = ops.to_device(slots, self.device)
         rows = np.arange(active.size)  # rows of the B_a active requests still drafting
         if by_position:
             self._catch_up(requests, active, slots)
             last_two = np.stack([np.asarray(context_tail(c, n - 2), dtype=np.int64)
                                  for c, n in zip(contexts, num_tokens)])
-            logits = self._position_logits(slots, last_two, num_tokens - 2)  # [B_a, V]
+            logits = self._position_logits(slots, last_two, num_tokens - 2, slots_t)  # [B_a, V]
         else:
             logits = self.runner.forward(slots.tolist(), feeds, "last", self.num_layers)
         # structured output: draft only what each request's grammar allows (grammar_walk); the
@@ -196,8 +197,9 @@ class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
                              greedy=self.greedy)
         try:
             for i in range(int(num_drafts.max())):
-                row_index = ops.to_device(rows, self.device)
-                row_slots = slots_t if rows.size == active.size else slots_t[row_index]
+                every = rows.size == active.size  # (then views, not gathers)
+                row_index = slice(None) if every else ops.to_device(rows, self.device)
+                row_slots = slots_t[row_index]
                 read = None  # d_{i+1} on the host, where the walks read it already
                 if walks and self.greedy:  # masks only where the grammar refuses an argmax
                     draft_ids, read = walks.argmax(logits, rows,
@@ -208,9 +210,8 @@ class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
                     if walks:
                         logits = walks.apply(logits, rows)
                     # d_{i+1} occupies absolute position num_tokens + i; q = softmax(logits / T).
-                    positions = ops.to_device(num_tokens[rows] + i, self.device)
                     draft_ids, q = ops.sample_draft(
-                        logits, temperature[row_index], seeds[row_index], positions
+                        logits, temperature[row_index], seeds[row_index], base[row_index] + i
                     )
                     with ops.few_rows_on_one_thread(self.device, q.numel()):
                         self.draft_probs_buffer[row_slots, i] = q
@@ -223,12 +224,14 @@ class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
                 # Feed d_{i+1} to the requests with more drafts to produce. ``ModelRunner.forward``
                 # takes host token ids, so this is the one device-to-host read per draft position
                 # (free on the CPU; on a GPU it waits for this position's sampling).
-                feed_ids = draft_ids[ops.to_device(np.flatnonzero(keep), self.device)]
+                kept = (slice(None) if keep.all()
+                        else ops.to_device(np.flatnonzero(keep), self.device))
+                feed_ids = draft_ids[kept]
                 walked, rows = rows, rows[keep]
                 host_ids = HostDrafts(draft_ids) if walks and read is None else None
                 if by_position:  # d_{i+1} at position num_tokens + i
                     logits = self._position_logits(slots[rows], feed_ids[:, None],
-                                                   num_tokens[rows] + i)
+                                                   num_tokens[rows] + i, row_slots[kept])
                 else:
                     logits = self.runner.forward(slots[rows].tolist(),
                                                  [[t] for t in feed_ids.tolist()], "last",
