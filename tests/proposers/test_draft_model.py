@@ -33,7 +33,7 @@ from verispec.proposers import (
     get_proposer_cls,
 )
 from verispec.runtime.model_runner import ModelRunner
-from verispec.sample.grammar import GrammarCompiler
+from verispec.sample.grammar_compiler import GrammarCompiler
 from verispec.sampling_params import StructuredOutputsParams
 
 VOCAB = 64

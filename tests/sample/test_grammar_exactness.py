@@ -43,12 +43,8 @@ from verispec.ops.backend import get_backend, load_backend
 from verispec.ops.options import apply_token_bitmask
 from verispec.proposers.grammar_walk import GrammarWalks
 from verispec.sample import grammar as grammar_module
-from verispec.sample.grammar import (
-    GrammarCompiler,
-    begin_drafts,
-    extend_drafts,
-    fill_chain_masks,
-)
+from verispec.sample.grammar import begin_drafts, extend_drafts, fill_chain_masks
+from verispec.sample.grammar_compiler import GrammarCompiler
 from verispec.sample.options import RequestOptions, SamplingOptions
 from verispec.sampling_params import SamplingParams, StructuredOutputsParams
 

@@ -19,7 +19,7 @@ from verispec.engine.request import Request
 from verispec.engine.samples import HeldSamples, sample_params
 from verispec.engine.scheduler import Scheduler
 from verispec.runtime.workers import WorkerGroup
-from verispec.sample.grammar import LazyCompiler, mask_threads
+from verispec.sample.grammar_compiler import LazyCompiler, mask_threads
 from verispec.sample.options import RequestOptions
 from verispec.sample.sampler import draw_seed
 from verispec.sampling_params import SamplingParams

@@ -27,7 +27,7 @@ from verispec.engine.stepping import StepLoop
 from verispec.models.loader import check_tensor_parallel
 from verispec.runtime import workers
 from verispec.runtime.kv_cache import DEFAULT_BLOCK_SIZE
-from verispec.sample.grammar import LazyCompiler
+from verispec.sample.grammar_compiler import LazyCompiler
 from verispec.sample.sampler import SamplingTensors, draw_seed
 from verispec.sampling_params import SamplingParams
 

@@ -37,10 +37,11 @@ from verispec.engine.metrics import SpecDecodingLogger, SpecDecodingStats
 from verispec.engine.request import Request
 from verispec.models.parallel import SINGLE, TensorParallel
 from verispec.ops import tree_rejection as ops_tree_rejection
+from verispec.ops.staging import HostDrafts
 from verispec.proposers import ProposerContext, build_proposer
 from verispec.runtime.model_runner import ModelRunner
 from verispec.runtime.tree_verify import commit_tree_path, keep_path_hidden, verify_tree
-from verispec.sample.options import HostDrafts, SamplingOptions
+from verispec.sample.options import SamplingOptions
 from verispec.sample.rejection_sampler import RejectionSampler
 from verispec.sample.sampler import Sampler, SamplingTensors
 

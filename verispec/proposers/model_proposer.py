@@ -41,6 +41,7 @@ import torch
 
 from verispec import ops
 from verispec.config import SpeculativeConfig
+from verispec.ops.staging import HostDrafts
 from verispec.proposers.base import (
     DraftProposal,
     ProposalRequest,
@@ -52,7 +53,6 @@ from verispec.proposers.draft_tree import DraftTreeDrafting, context_tail
 from verispec.proposers.grammar_walk import GrammarWalks
 from verispec.proposers.model_graph import AheadDraft, ModelGraphDrafting
 from verispec.runtime.model_runner import ModelRunner
-from verispec.sample.options import HostDrafts
 
 
 class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
