@@ -282,6 +282,21 @@ def test_a_grammar_is_compiled_once_and_its_matchers_are_independent(monkeypatch
     assert len(compiled) == 4
 
 
+def test_lanes_are_compiled_for_matchers_alive_at_once():
+    """With mask threads a grammar gets another compilation (lane) only while every lane has a
+    live matcher: requests one at a time keep one lane; four alive at once on three threads
+    fill three, and a new matcher takes the lane a dropped one left."""
+    grammars = compiler(threads=3)
+    for _ in range(4):  # one at a time
+        assert make_request(1.0, grammars).options.grammar.lane == 0
+    ((lanes, live),) = grammars._compiled.values()
+    assert len(lanes) == 1 and live == [0]
+    alive = [make_request(1.0, grammars).options.grammar for _ in range(4)]
+    assert [g.lane for g in alive] == [0, 1, 2, 0] and live == [2, 1, 1]
+    del alive[1]
+    assert make_request(1.0, grammars).options.grammar.lane == 1 and len(lanes) == 3
+
+
 def test_a_walk_ended_before_its_last_draft_leaves_the_verify_step_one_row(monkeypatch):
     """A proposer ends a walk without reading its last draft (``GrammarWalks.advance`` with
     ``last``): the verify step's masks are those of a fresh matcher, and only the bonus row is

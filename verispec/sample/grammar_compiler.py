@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import weakref
 
 import llguidance
 
@@ -61,8 +62,9 @@ class GrammarCompiler:
     ``threads`` > 1: ``compute_masks`` computes a batch's masks on that many threads
     (llguidance's ``LLExecutor``). A shared lexer sits behind a lock held through a whole mask,
     so copies of one compilation compute their masks one at a time whatever the threads: a
-    grammar is compiled up to ``threads`` times (its lanes, compiled as its requests come) and
-    its requests take the lanes in turn."""
+    grammar is compiled up to ``threads`` times (its lanes) and a new matcher takes the lane
+    with the fewest live matchers; a lane is compiled only when every lane has one (so a
+    grammar whose requests come one at a time keeps one compilation and one lexer)."""
 
     CACHED_GRAMMARS = 64
 
@@ -72,7 +74,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.threads = max(1, int(threads))
         self.executor = llguidance.LLExecutor(self.threads) if self.threads > 1 else None
-        # grammar text -> (its lanes' compiled matchers, matchers handed out)
+        # grammar text -> (its lanes' compiled matchers, the live matchers of each lane)
         self._compiled: collections.OrderedDict[str, tuple[list[llguidance.LLMatcher], list[int]]]
         self._compiled = collections.OrderedDict()
 
@@ -107,12 +109,18 @@ class GrammarCompiler:
                 self._compiled.popitem(last=False)
         else:
             self._compiled.move_to_end(grammar)
-        lanes, handed = entry
-        lane = handed[0] % self.threads
-        handed[0] += 1
-        if lane == len(lanes):
+        if self.threads == 1:
+            return GrammarMatcher(entry[0][0].deep_copy(), self.vocab_size)
+        lanes, live = entry
+        lane = min(range(len(lanes)), key=live.__getitem__)
+        if live[lane] and len(lanes) < self.threads:  # every lane in use: one more
             lanes.append(self._compile(name, grammar))
-        return GrammarMatcher(lanes[lane].deep_copy(), self.vocab_size, lane, self.executor)
+            live.append(0)
+            lane = len(lanes) - 1
+        live[lane] += 1
+        matcher = GrammarMatcher(lanes[lane].deep_copy(), self.vocab_size, lane, self.executor)
+        weakref.finalize(matcher, _leave_lane, live, lane)
+        return matcher
 
     def _compile(self, name: str, grammar: str) -> llguidance.LLMatcher:
         compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
@@ -120,6 +128,10 @@ class GrammarCompiler:
             raise ValueError(f"structured_outputs.{name} cannot be compiled: "
                              f"{compiled.get_error()[:500]}")
         return compiled
+
+
+def _leave_lane(live: list[int], lane: int) -> None:
+    live[lane] -= 1  # a matcher of the lane was dropped
 
 
 def _grammar(params: StructuredOutputsParams) -> tuple[str, str]:
