@@ -158,7 +158,8 @@ class Attention(nn.Module):
         new_k = k.to(k_cache.dtype).reshape(B * S, hkv, d)
         new_v = v.to(v_cache.dtype).reshape(B * S, hkv, d)
         if meta.valid_index is not None:  # drop padding tokens: they must not touch the cache
-            new_k, new_v = new_k[meta.valid_index], new_v[meta.valid_index]
+            new_k = new_k.index_select(0, meta.valid_index)
+            new_v = new_v.index_select(0, meta.valid_index)
         k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, new_k)
         v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, new_v)
 

@@ -102,7 +102,8 @@ def rope_cache_write(
     v = qkv[:, q_size + kv_size:].view(T, num_kv_heads, D)
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
-    c, s = cos[positions][:, None], sin[positions][:, None]  # [T, 1, D]
+    # [T, 1, D] (a row gather; indexing by a tensor costs a parallel region on a CPU)
+    c, s = cos.index_select(0, positions)[:, None], sin.index_select(0, positions)[:, None]
     q = apply_rope(q[None], c[None], s[None])[0]
     k = apply_rope(k[None], c[None], s[None])[0]
     k_cache.view(-1, num_kv_heads, D)[slot_mapping] = k.to(k_cache.dtype)

@@ -248,7 +248,7 @@ class ModelRunner(FlatLayout, PaddedLayout, HiddenCapture):
         else:
             rows = hidden.reshape(-1, hidden.shape[-1])
             if valid_index is not None:
-                rows = rows[meta.valid_index]
+                rows = rows.index_select(0, meta.valid_index)
         return self.model.compute_logits(rows)
 
     @torch.inference_mode()
