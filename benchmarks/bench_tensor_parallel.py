@@ -38,7 +38,7 @@ import random_checkpoints  # noqa: E402
 
 from verispec import LLM, SamplingParams  # noqa: E402
 from verispec.bench.report import print_device_profile, print_host_profile  # noqa: E402
-from verispec.runtime.workers import ALL_REDUCE_ENV  # noqa: E402
+from verispec.models.parallel import ALL_REDUCE_ENV  # noqa: E402
 
 ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
             original_max_position_embeddings=8192)

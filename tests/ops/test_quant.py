@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from verispec.models.gguf import read_tensors
+from verispec.models.gguf_file import read_tensors
 from verispec.ops import cpu_kernels, quant
 
 gguf = pytest.importorskip("gguf")

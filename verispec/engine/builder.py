@@ -17,8 +17,9 @@ from verispec.engine.args import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs, fea
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.spec_decode import SpeculativeDecoder
 from verispec.engine.stepping import StepLoop
+from verispec.models import parallel
 from verispec.models.loader import load_model, parse_dtype
-from verispec.runtime import memory, workers
+from verispec.runtime import memory
 from verispec.runtime.model_runner import ModelRunner
 from verispec.runtime.prefix_cache import PrefixCache
 from verispec.sample.options import SamplingOptions
@@ -39,7 +40,7 @@ def build_engine(llm: StepLoop, args: EngineArgs) -> None:
     dtype, max_model_len, max_num_seqs = args.dtype, args.max_model_len, args.max_num_seqs
     max_num_batched_tokens = args.max_num_batched_tokens
     speculative_config = args.speculative_config
-    llm._tp = workers.with_peer_all_reduce(
+    llm._tp = parallel.with_peer_all_reduce(
         llm._tp, llm.device, parse_dtype("bfloat16" if dtype is None else dtype))
     llm.loaded = load_model(args.model, dtype, llm.device, tp=llm._tp,
                             load_format=args.load_format)

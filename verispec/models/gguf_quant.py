@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from verispec.models import gguf as gguf_files
+from verispec.models import gguf_file
 from verispec.models.config import ModelConfig, read_hf_config
 from verispec.models.registry import resolve_architecture
 from verispec.ops.quant import QUANT_TYPES, QuantizedWeight, pack_gguf
@@ -85,12 +86,12 @@ def load_quantized(gguf_path: str) -> tuple[nn.Module, ModelConfig, str]:
     config and tokenizer) of the GGUF at ``gguf_path``."""
     model_dir = gguf_files.gguf_meta_dir(gguf_path)
     arch_entry, config = resolve_architecture(read_hf_config(model_dir))
-    meta, tensors = gguf_files.read_tensors(gguf_path)
+    meta, tensors = gguf_file.read_tensors(gguf_path)
     arch = meta.get("general.architecture")
     with torch.device("meta"):
         net = arch_entry.model_cls(config, dtype=torch.float32)
     hidden = config.hidden_size
-    grouped: dict[tuple, dict[int, gguf_files.GGUFTensor]] = {}
+    grouped: dict[tuple, dict[int, gguf_file.GGUFTensor]] = {}
     for t in tensors:
         name = t.name
         if name == "token_embd.weight":

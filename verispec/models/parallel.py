@@ -24,6 +24,8 @@ the model dtype before the sum).
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,8 @@ import torch.nn.functional as F
 from torch.distributed import _symmetric_memory as symm_mem
 
 from verispec.models.config import ModelConfig
+
+logger = logging.getLogger("verispec")
 
 
 class PeerAllReduce:
@@ -267,3 +271,32 @@ class TensorParallel:
 SINGLE = TensorParallel()
 # torch >= 2.12 renamed the concatenating all-gather
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# How a CUDA engine's small all-reduces run: "fused" (default) peer-to-peer, fused with the
+# norm after them where they fit, else as "peer"; "peer": peer-to-peer all-reduces, the norm
+# apart; "nccl": NCCL only. A measurement switch (benchmarks/bench_tensor_parallel.py).
+ALL_REDUCE_ENV = "VERISPEC_TP_ALL_REDUCE"
+ALL_REDUCE_MODES = ("fused", "peer", "nccl")
+
+
+def with_peer_all_reduce(tp: TensorParallel, device: torch.device,
+                         dtype: torch.dtype) -> TensorParallel:
+    """``tp`` with NVLink peer-to-peer all-reduces for small tensors on CUDA, fused with the
+    next norm where possible (every rank decides the same way: all of them have each path or
+    none)."""
+    if not tp.enabled or device.type != "cuda":
+        return tp
+    mode = os.environ.get(ALL_REDUCE_ENV, "fused")
+    if mode not in ALL_REDUCE_MODES:
+        raise ValueError(f"{ALL_REDUCE_ENV}={mode!r}: expected one of {ALL_REDUCE_MODES}")
+    if mode == "nccl":
+        return tp
+    peer = PeerAllReduce.create(dist.group.WORLD, device, dtype)
+    if not tp.min_int(int(peer is not None), device):
+        logger.info("tensor parallelism: NCCL all-reduces (no peer-to-peer symmetric memory)")
+        return tp
+    fused = PeerReduceNorm.create(dist.group.WORLD, device, dtype) if mode == "fused" else None
+    if not tp.min_int(int(fused is not None), device):
+        fused = None
+    return dataclasses.replace(tp, peer=peer, fused=fused)

@@ -26,7 +26,6 @@ returns); workers exit when rank 0's process goes away.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -43,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verispec.models.parallel import SINGLE, PeerAllReduce, PeerReduceNorm, TensorParallel
+from verispec.models.parallel import SINGLE, TensorParallel
 
 logger = logging.getLogger("verispec")
 
@@ -125,35 +124,6 @@ def start(size: int, device: torch.device, engine_cls: type, engine_kwargs: dict
         _RUNNING.append(weakref.ref(workers))
     device = _set_device(device, local_rank)
     return TensorParallel(rank, size), device, workers
-
-
-# How a CUDA engine's small all-reduces run: "fused" (default) peer-to-peer, fused with the
-# norm after them where they fit, else as "peer"; "peer": peer-to-peer all-reduces, the norm
-# apart; "nccl": NCCL only. A measurement switch (benchmarks/bench_tensor_parallel.py).
-ALL_REDUCE_ENV = "VERISPEC_TP_ALL_REDUCE"
-ALL_REDUCE_MODES = ("fused", "peer", "nccl")
-
-
-def with_peer_all_reduce(tp: TensorParallel, device: torch.device,
-                         dtype: torch.dtype) -> TensorParallel:
-    """``tp`` with NVLink peer-to-peer all-reduces for small tensors on CUDA, fused with the
-    next norm where possible (every rank decides the same way: all of them have each path or
-    none)."""
-    if not tp.enabled or device.type != "cuda":
-        return tp
-    mode = os.environ.get(ALL_REDUCE_ENV, "fused")
-    if mode not in ALL_REDUCE_MODES:
-        raise ValueError(f"{ALL_REDUCE_ENV}={mode!r}: expected one of {ALL_REDUCE_MODES}")
-    if mode == "nccl":
-        return tp
-    peer = PeerAllReduce.create(dist.group.WORLD, device, dtype)
-    if not tp.min_int(int(peer is not None), device):
-        logger.info("tensor parallelism: NCCL all-reduces (no peer-to-peer symmetric memory)")
-        return tp
-    fused = PeerReduceNorm.create(dist.group.WORLD, device, dtype) if mode == "fused" else None
-    if not tp.min_int(int(fused is not None), device):
-        fused = None
-    return dataclasses.replace(tp, peer=peer, fused=fused)
 
 
 # The engine this process spawned workers for (at most one: it owns the default group).
