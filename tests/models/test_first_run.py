@@ -16,7 +16,7 @@ import os
 import pytest
 
 from verispec.models import gguf
-from verispec.ops import cpu_kernels
+from verispec.ops import cpu_build, cpu_kernels
 
 
 @pytest.fixture
@@ -74,15 +74,15 @@ def test_a_file_is_hashed_once_until_it_changes(tmp_path, cache, monkeypatch):
     assert gguf.content_digest(path) != first and len(hashed) == 2
 
 
-@pytest.mark.skipif(not cpu_kernels._wanted(), reason="the CPU kernels are not for this machine")
+@pytest.mark.skipif(not cpu_build._wanted(), reason="the CPU kernels are not for this machine")
 def test_kernel_build_is_announced(tmp_path, monkeypatch, capsys):
     """A build into an empty cache logs where it goes and how long it took."""
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
-    cpu_kernels._library.cache_clear()
+    cpu_build.load.cache_clear()
     try:
         assert cpu_kernels.available()
     finally:
-        cpu_kernels._library.cache_clear()
+        cpu_build.load.cache_clear()
     err = capsys.readouterr().err
     assert "building the CPU kernels once" in err and str(tmp_path / "kernels") in err
     assert "built in" in err

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from verispec.ops import cpu_kernels
+from verispec.ops import cpu_build, cpu_kernels
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(),
                                   reason="the bfloat16 CPU kernel is not for this machine")
@@ -20,7 +20,7 @@ ISAS = cpu_kernels.bf16_isas() or ("avx2",)
 def test_built_wherever_it_is_wanted():
     """On an AVX2 CPU without torch's fast bfloat16 path, with a C compiler, the kernel builds
     (so CI on such a machine runs the tests below instead of skipping them)."""
-    if cpu_kernels._wanted() and (shutil.which("cc") or shutil.which("gcc")):
+    if cpu_build._wanted() and (shutil.which("cc") or shutil.which("gcc")):
         assert cpu_kernels.available()
 
 
@@ -285,9 +285,9 @@ def test_avx2_kernels_alone_where_the_avx512_file_does_not_build(tmp_path, monke
     (and remembers the failed build instead of retrying it at every start)."""
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
-    monkeypatch.setattr(cpu_kernels, "_X512_SOURCE", broken)
-    monkeypatch.setattr(cpu_kernels, "_cache_dir", lambda: tmp_path / "kernels")
-    for cached in (cpu_kernels._library, cpu_kernels.bf16_isas):
+    monkeypatch.setattr(cpu_build, "_X512_SOURCE", broken)
+    monkeypatch.setattr(cpu_build, "_cache_dir", lambda: tmp_path / "kernels")
+    for cached in (cpu_build.load, cpu_kernels.bf16_isas):
         cached.cache_clear()
     try:
         assert cpu_kernels.available() and cpu_kernels.bf16_isas() == ("avx2",)
@@ -297,7 +297,7 @@ def test_avx2_kernels_alone_where_the_avx512_file_does_not_build(tmp_path, monke
         assert len(list((tmp_path / "kernels").glob("*.failed"))) == 1
     finally:
         monkeypatch.undo()
-        for cached in (cpu_kernels._library, cpu_kernels.bf16_isas):
+        for cached in (cpu_build.load, cpu_kernels.bf16_isas):
             cached.cache_clear()
 
 

@@ -19,8 +19,8 @@
  * streamed from memory once per token), four dot products run interleaved and the weighted sum
  * keeps its accumulators in registers across a block's rows: the same operations per
  * (token, head) as one dot and one axpy per row. The softmax numerators run eight rows at a time (exp8, a value's result
- * independent of its lane); their sum runs in row order. Built and loaded by
- * verispec/ops/cpu_kernels.py.
+ * independent of its lane); their sum runs in row order. Built by
+ * verispec/ops/cpu_build.py.
  */
 #include <immintrin.h>
 #include <math.h>

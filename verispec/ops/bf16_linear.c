@@ -21,8 +21,8 @@
  * rows M and wherever row m falls in a group: four float32 chains over 32 weights at a time
  * (even and odd elements of two halves), folded, then chains over 16 weights, then the scalar
  * tails. A row's result depends on its own input and the weight only, so a token gives the same
- * bits decoded alone, in a batch, in a verify step or in a prefill (tested). Built and loaded
- * by verispec/ops/cpu_kernels.py.
+ * bits decoded alone, in a batch, in a verify step or in a prefill (tested). Built
+ * by verispec/ops/cpu_build.py.
  */
 #include <immintrin.h>
 #include <stdint.h>

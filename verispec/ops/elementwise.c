@@ -2,7 +2,7 @@
  * with the C library's expf, for the float32 per-op path (models/layers.py MLP) and the compiled
  * decoder (quant_decoder.c) alike, so the two give the same bits (torch's vectorised exp may
  * differ from expf in the last bit). Rows split over the pool's threads from PARALLEL_ELEMENTS on; a row's
- * result never depends on the thread. Built and loaded by verispec/ops/cpu_kernels.py.
+ * result never depends on the thread. Built by verispec/ops/cpu_build.py.
  */
 #include <math.h>
 #include <stdint.h>

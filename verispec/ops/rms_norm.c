@@ -7,7 +7,7 @@
  * wake, which costs far more than the norm of a few rows (docs/benchmarks.md). Rows of a
  * decode or verify step are normalised here serially (on the pool's threads, thread_pool.c,
  * only from PARALLEL_ELEMENTS on), each summed in one fixed order whatever the number of
- * rows (batch invariance, docs/design.md §12). Built and loaded by verispec/ops/cpu_kernels.py.
+ * rows (batch invariance, docs/design.md §12). Built by verispec/ops/cpu_build.py.
  */
 #include <immintrin.h>
 #include <math.h>

@@ -7,8 +7,8 @@
  * rounds as ~80 array operations (mostly per-call overhead at any size up to a few thousand
  * counters, and torch ~10 more to make uniforms); this loop runs them on the calling thread
  * without that overhead. The rounds are integer arithmetic, so the words are those of the numpy and
- * torch rounds bit for bit; uniform_of makes them uniform with torch's roundings. Built and
- * loaded by verispec/ops/cpu_kernels.py.
+ * torch rounds bit for bit; uniform_of makes them uniform with torch's roundings. Built by
+ * verispec/ops/cpu_build.py.
  */
 #include <math.h>
 #include <stddef.h>

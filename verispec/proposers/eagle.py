@@ -254,6 +254,8 @@ class EagleProposer(EagleTreeDrafting, EagleGraphDrafting, ModelProposer):
                     if q is not None:
                         self._store_q(row_slots, i, q)
                 keep = num_drafts[rows] > i + 1
+                if walks and read is None and keep.any():
+                    read = draft_ids.tolist()  # the walks' read and the head's next input
                 if walks:
                     walks.advance(draft_ids if read is None else read, rows, ~keep)
                 if not keep.any():
@@ -261,7 +263,7 @@ class EagleProposer(EagleTreeDrafting, EagleGraphDrafting, ModelProposer):
                 kept = (slice(None) if keep.all()
                         else ops.to_device(np.flatnonzero(keep), self.device))
                 # The head's input ids are host lists: one device-to-host read per position
-                # (a greedy walk's read already).
+                # (the walks' read already, where there are walks).
                 feed = (draft_ids[kept].tolist() if read is None
                         else [read[j] for j in np.flatnonzero(keep).tolist()])
                 rows = rows[keep]

@@ -47,8 +47,7 @@ class _ColumnMasks:
         if self.token_ids is None:
             return bitmask.any(axis=1)
         ids = self.token_ids
-        return np.array([bool(((mask[ids >> 5] >> (ids & 31)) & 1).any()) for mask in bitmask],
-                        dtype=bool)
+        return ((bitmask[:, ids >> 5] >> (ids & 31)) & 1).any(axis=1)
 
     def _masked(self, logits: torch.Tensor, masks: Sequence[tuple[int, np.ndarray]]
                 ) -> torch.Tensor:

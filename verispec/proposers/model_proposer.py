@@ -197,8 +197,9 @@ class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
                              greedy=self.greedy)
         try:
             for i in range(int(num_drafts.max())):
-                every = rows.size == active.size  # (then views, not gathers)
-                row_index = slice(None) if every else ops.to_device(rows, self.device)
+                # (every request still drafting: views, not gathers)
+                row_index = (slice(None) if rows.size == active.size
+                             else ops.to_device(rows, self.device))
                 row_slots = slots_t[row_index]
                 read = None  # d_{i+1} on the host, where the walks read it already
                 if walks and self.greedy:  # masks only where the grammar refuses an argmax

@@ -25,7 +25,7 @@ from verispec.sampling_params import StructuredOutputsParams
 def mask_threads(device_type: str) -> int:
     """Threads a batch's grammar masks are computed on beside an engine on a ``device_type``
     device: on a GPU the host is otherwise idle while it computes them (half its cores, at most
-    8: 64 JSON masks 3.2 -> 1.5 ms on the H200's host, docs/benchmarks.md); on the CPU its cores
+    8: 64 JSON masks 3.6 -> 1.5 ms on the H200's host, docs/benchmarks.md); on the CPU its cores
     run the model's kernels, and the masks stay on the engine's thread."""
     if device_type != "cuda":
         return 1
