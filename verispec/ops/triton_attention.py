@@ -63,6 +63,11 @@ MAX_PARTITIONS = 64
 # same 4.8 ms under all three).
 SPLIT_PROGRAMS_PER_SM = 4
 TREE_SPLIT_PROGRAMS_PER_SM = 1
+# A token tree's launch does not pipeline its key loop (one stage: 35.6 against 39.9 us a layer
+# for a 32-token tree over 1 024 keys, H200; the same bits). The kernel runs at the 255-register
+# ceiling in every mode, two programs a multiprocessor, which is why more split-KV programs make
+# a tree's launch slower, not faster (docs/benchmarks.md).
+TREE_STAGES = 1
 
 
 def _check_index(**tensors: torch.Tensor) -> None:
@@ -116,7 +121,8 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
     ``slot_ids`` and ``block_tables`` (``slot_mapping`` is the twin's). Keys are read in tiles of
     ``ATTENTION_BLOCK_KV`` positions from 0, whatever the blocks: the reduction order is that of
     a contiguous cache, so paging changes no bit. ``block_q`` / ``num_warps``: the tile of query
-    rows and its warps (a tuning knob for ``benchmarks/bench_attention.py``).
+    rows and its warps (a tuning knob for ``benchmarks/bench_attention.py``; the warps change
+    the order of the softmax's sums, hence the bits: every launch of the engine takes 4).
 
     A decode or verify launch with few programs (a small batch) runs split-KV: each (request, kv
     head, tile) gets ``split_programs`` programs (default: enough for ``SPLIT_PROGRAMS_PER_SM``
@@ -209,6 +215,8 @@ def rope_cache_attention(qkv, positions, cos, sin, k_cache, v_cache, slot_mappin
                 PATH=triton.next_power_of_2(path_len), SMALL_KEYS=SMALL_PARTITION_KEYS,
                 SMALL_PARTS=SMALL_PARTITIONS, PART_KEYS=PARTITION_KEYS,
                 MAX_PARTS=MAX_PARTITIONS, num_warps=num_warps)
+    if tree:
+        meta["num_stages"] = TREE_STAGES
     if not fused:
         _rope_attention_kernel[grid](*args, WRITE=True, ATTEND=False, SPLIT=False, **meta)
     _rope_attention_kernel[grid](*args, WRITE=fused, ATTEND=True, SPLIT=split > 1, **meta)
