@@ -219,11 +219,11 @@ def test_measured_costs_and_synthetic_mode(dirs, heads, method):
 
 def _compiled_variants() -> int:
     """Kernel variants Triton has compiled so far for the samplers' launches."""
-    from verispec.ops import triton_kernels_rows
+    from verispec.ops import triton_kernels_finish, triton_kernels_rows
 
     device = torch.cuda.current_device()
     return sum(len(kernel.device_caches[device][0]) for kernel in
-               (triton_kernels_rows._rows_kernel, triton_kernels_rows._finish_kernel))
+               (triton_kernels_rows._rows_kernel, triton_kernels_finish._finish_kernel))
 
 
 @pytest.mark.parametrize("spec", [None, "synthetic"])

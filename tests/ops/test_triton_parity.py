@@ -479,7 +479,7 @@ def test_launch_argument_template():
     once, and the call's own arguments in the kernel's order in the remaining slots."""
     import inspect
 
-    from verispec.ops.triton_kernels_rows import _finish_kernel
+    from verispec.ops.triton_kernels_finish import _finish_kernel
 
     params = list(inspect.signature(_finish_kernel.fn).parameters.values())
     names = [p.name for p in params]

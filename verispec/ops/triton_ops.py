@@ -9,7 +9,7 @@ depends on values, so no call syncs with the device and each can be captured in 
 (make a first call of each kind before capturing). For the same inputs and seeds the ops return
 the same token ids as the torch twins; see those for the contracts.
 
-Launches: ``_rows_kernel`` then ``_finish_kernel`` (``triton_kernels_rows``), after
+Launches: ``_rows_kernel`` (``triton_kernels_rows``) then ``_finish_kernel``, after
 ``_mask_stats_kernel`` when a request has top-k, top-p or min-p (``triton_kernels_masks``); how a
 plan launches a compiled kernel, and the device facts it reads, are ``triton_launch``.
 """
@@ -21,8 +21,9 @@ import triton
 
 from verispec.ops import philox, sampling
 from verispec.ops.rejection import check_draft_token_ids, check_inputs, check_rows
+from verispec.ops.triton_kernels_finish import _finish_kernel
 from verispec.ops.triton_kernels_masks import _mask_stats_kernel, _probs_kernel
-from verispec.ops.triton_kernels_rows import _finish_kernel, _rows_kernel
+from verispec.ops.triton_kernels_rows import _rows_kernel
 from verispec.ops.triton_launch import _Launch, _pdl, _signature, _sm_count, _stream
 
 _MAX_CHUNK = 4096  # tokens per statistics chunk: 16 KB of float32 logits
