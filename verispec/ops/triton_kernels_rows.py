@@ -25,7 +25,8 @@ then that row's token. So:
     candidate row from the records (rows before it were all read and decided, so no record is
     stale); races RACE_CHUNK tokens of the block per program (or, full rule, of the whole row's
     max(0, p - q), ``_residual_chunk_winner``); the last program to count picks the token and
-    writes the output row. It also zeroes the request's row counters and early word for the next launch.
+    writes the output row. It also zeroes the request's row counters and early word for the
+    next launch.
 
 Work that needs the results of several programs is done by the last of them to count (an
 acq_rel atomic add that returns the old count), never by one that polls; what depends on
