@@ -33,6 +33,7 @@ and does not commute with them); the masks (-inf) do commute, so they may follow
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,13 +81,17 @@ class OptionTensors:
     prompt_mask: torch.Tensor | None  # [max_num_seqs, V] bool, tokens of the prompt per slot
 
 
-def apply_options(logits: torch.Tensor, options: OptionTensors) -> torch.Tensor:
+def apply_options(logits: torch.Tensor, options: OptionTensors,
+                  token_bitmask: Callable[..., None] | None = None) -> torch.Tensor:
     """The logits after the rows' sampling options (see the module docstring).
 
     Parameters
     ----------
     logits : [R, V] float32 / bfloat16 / float16, one row per sampled or verified position
     options : OptionTensors for those R rows, on the logits' device
+    token_bitmask : the op that applies the grammar rows' masks in place, with
+        ``apply_token_bitmask``'s signature (the engine passes its device's kernel,
+        ``verispec.ops.apply_token_bitmask``); default ``apply_token_bitmask`` (this module's)
 
     Returns
     -------
@@ -96,9 +101,8 @@ def apply_options(logits: torch.Tensor, options: OptionTensors) -> torch.Tensor:
         raise ValueError(f"logits must be [R, V], got {list(logits.shape)}")
     out = logits.to(torch.float32, copy=True)
     o = options
-    if o.grammar_rows is not None:  # (the device's kernel: one launch on CUDA)
-        from verispec.ops.backend import get_backend  # (backend imports this module)
-        get_backend(out.device).apply_token_bitmask(out, o.grammar_rows, o.grammar_bitmask)
+    if o.grammar_rows is not None:
+        (token_bitmask or apply_token_bitmask)(out, o.grammar_rows, o.grammar_bitmask)
     if o.allowed_rows is not None:
         blocked = torch.ones((o.allowed_rows.shape[0], out.shape[1]), dtype=torch.bool,
                              device=out.device)

@@ -211,7 +211,8 @@ class SamplingOptions:
         options = self.build(batch, np.asarray(num_drafts), draft_token_ids, done, host_drafts,
                              parent_ids)
         with ops.few_rows_on_one_thread(logits.device, logits.numel()):  # as the sampling ops
-            return apply_options(logits, options)
+            # the grammar's masks by the device's kernel (one launch on CUDA)
+            return apply_options(logits, options, ops.apply_token_bitmask)
 
     def build(self, batch: Sequence, num_drafts: np.ndarray,
               draft_token_ids: torch.Tensor | None,
