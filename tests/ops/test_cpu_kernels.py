@@ -280,6 +280,41 @@ def test_silu_mul_matches_torch_and_does_not_depend_on_the_batch(rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("mapped", [False, True])
+def test_token_bitmask_matches_the_torch_masks(mapped):
+    """A grammar's masks through the kernel == the torch twin, bit for bit: rows of the logits
+    picked out of order (one left alone), rows strided (a wider buffer), a vocabulary that ends
+    inside a word, words all allowed, all refused and mixed, special values in allowed and
+    refused places (NaN and -0.0 kept where allowed); with a column map (an EAGLE-3 head's
+    vocabulary in the target's ids) too."""
+    from verispec.ops import options
+
+    vocab, num_words = 1000, -(-1000 // 32)
+    gen = torch.Generator().manual_seed(4)
+    bits = torch.randint(0, 2, (3, num_words * 32), generator=gen, dtype=torch.int64)
+    bits[0, :64] = 1  # two whole words allowed
+    bits[1, 32:96] = 0  # two whole words refused
+    weights = 1 << torch.arange(32, dtype=torch.int64)
+    bitmask = (bits.view(3, num_words, 32) * weights).sum(-1)
+    bitmask = torch.where(bitmask >= 1 << 31, bitmask - (1 << 32), bitmask).to(torch.int32)
+    token_ids = torch.randperm(vocab, generator=gen)[:300] if mapped else None
+    columns = vocab if token_ids is None else token_ids.numel()
+    wide = torch.randn(5, columns + 7, generator=gen)
+    wide[:, :4] = torch.tensor([float("nan"), -0.0, float("inf"), float("-inf")])
+    logits = wide[:, :columns]  # rows strided by columns + 7
+    rows = torch.tensor([3, 0, 4])
+    want = logits.clone()
+    options.apply_token_bitmask(want, rows, bitmask, token_ids)
+    ours = logits.clone()
+    options.apply_token_bitmask(ours, rows, bitmask, token_ids, kernels=cpu_kernels)
+    strided = wide.clone()[:, :columns]
+    cpu_kernels.token_bitmask(strided, rows, bitmask, token_ids)
+    for got in (ours, strided):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(ours[[1, 2]].view(torch.int32), logits[[1, 2]].view(torch.int32))
+
+
+@needs_kernel
 def test_avx2_kernels_alone_where_the_avx512_file_does_not_build(tmp_path, monkeypatch):
     """A compiler that cannot build the AVX-512 BF16 / AMX file still gives the AVX2 kernels
     (and remembers the failed build instead of retrying it at every start)."""

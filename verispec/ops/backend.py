@@ -170,7 +170,7 @@ def _torch_backend(device_type: str, cpu: ModuleType | None) -> Backend:
         sample_draft=twin(sampling.sample_draft),
         rejection_sample=twin(rejection.rejection_sample),
         apply_penalties=options.apply_penalties,
-        apply_token_bitmask=options.apply_token_bitmask,
+        apply_token_bitmask=twin(options.apply_token_bitmask),
         cpu=cpu,
     )
 

@@ -125,6 +125,8 @@ def load() -> ctypes.CDLL | None:
         + [ptr, ctypes.c_int, ctypes.c_float, ctypes.c_int])
     library.silu_mul.restype = None
     library.silu_mul.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_int]
+    library.token_bitmask.restype = None
+    library.token_bitmask.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr]
     library.philox_uniform.restype = None
     library.philox_uniform.argtypes = [ptr] * 4 + [i64, ptr]
     library.race_rows.restype = None

@@ -124,7 +124,7 @@ def apply_options(logits: torch.Tensor, options: OptionTensors,
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor,
-                        token_ids: torch.Tensor | None = None) -> None:
+                        token_ids: torch.Tensor | None = None, *, kernels=None) -> None:
     """Mask, in place, every token a row's bitmask does not allow: ``logits[rows[g], v] = -inf``
     unless bit t % 32 of ``bitmask[g, t // 32]`` is set, t the token id of column v (the grammar
     masks of structured output; model-based proposers apply them to their own logits too,
@@ -138,8 +138,14 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     token_ids : [V'] int64 or None
         The token id of each column (an EAGLE-3 head's draft vocabulary mapped onto the
         target's); None: column v is token v (V' = V).
+    kernels : the compiled CPU kernels (``verispec.ops.cpu_kernels``) or None: float32 CPU
+        logits are then masked by ``cpu_kernels.token_bitmask``, the same values
     """
     num_rows, num_words = bitmask.shape
+    if (kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.stride(-1) == 1 and logits.shape[1] <= 32 * num_words):
+        kernels.token_bitmask(logits, rows, bitmask, token_ids)
+        return
     if logits.device.type == "cpu":  # numpy unpacks bits an order of magnitude faster
         bits = torch.from_numpy(np.unpackbits(
             bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little"))
