@@ -25,8 +25,10 @@ casts of q and the output around it (the cache is float32);
 q (``cache_attention``).
 
 RMS norm (``rms_norm.c``): torch's fused CPU layer norm opens a parallel region for every call
-of more than one row; the kernel normalises a step's few rows on the calling thread. A grammar's
-token masks (``elementwise.c``) skip a word of 32 allowed tokens with one test.
+of more than one row; the kernel normalises a step's few rows on the calling thread.
+
+A grammar's token masks (``elementwise.c``): torch's masked fill of a 49 k-token row took
+~100-190 us on the 2-core machine, the kernel skips a word of 32 allowed tokens with one test.
 
 Sampling (``sampling.c``): the counter-based generator's ten rounds and the uniforms made of
 their words for the sampling noise (``verispec.ops.philox``), in a loop instead of ~90 numpy and
@@ -192,8 +194,7 @@ def silu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor:
 def token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor,
                   token_ids: torch.Tensor | None = None) -> None:
     """``verispec.ops.options.apply_token_bitmask`` on float32 CPU ``logits`` whose last
-    dimension is contiguous, in place (``ops/elementwise.c``: a word of 32 allowed tokens costs
-    one test; torch's masked fill of a 49 k-token row ~90 us). Only where ``available()``."""
+    dimension is contiguous, in place (``ops/elementwise.c``). Only where ``available()``."""
     rows = rows.to(torch.int64).contiguous()
     bitmask = bitmask.to(torch.int32).contiguous()
     if token_ids is not None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from verispec.ops.tree import tree_attention
+from verispec.ops.tree import slot_depths, tree_attention
 
 
 def slot_paths(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,14 +39,12 @@ def slot_paths(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, tor
     """
     # the walk in numpy on the host: a tree step builds these before its forward, on the
     # critical path (a few small array operations per depth instead of as many torch calls)
-    parents = parents.cpu().numpy()
+    parents = parents.cpu()
+    depths = slot_depths(parents, max_depth).numpy()
     batch_size, n = parents.shape
     parent_slot = np.zeros((batch_size, n + 1), dtype=np.int64)  # the root its own parent
-    parent_slot[:, 1:] = np.maximum(parents + 1, 0)
+    parent_slot[:, 1:] = np.maximum(parents.numpy() + 1, 0)
     rows, cols = np.arange(batch_size)[:, None], np.arange(n + 1)[None, :]
-    depths = np.zeros((batch_size, n + 1), dtype=np.int64)  # ``ops.tree.slot_depths``
-    for _ in range(max_depth):  # a parent's depth is final one iteration before its child's
-        depths[:, 1:] = depths[rows, parent_slot[:, 1:]] + 1
     # one spare column: where the walk past the root writes (dropped)
     paths = np.full((batch_size, n + 1, max_depth + 2), -1, dtype=np.int32)
     walk = np.broadcast_to(cols, (batch_size, n + 1))

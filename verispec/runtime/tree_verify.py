@@ -64,13 +64,8 @@ def verify_tree(
     cu = np.concatenate([[0], np.cumsum(num_draft_tokens)])
     drafts = np.asarray(draft_token_ids, dtype=np.int64).tolist()
     token_ids = [[int(root)] + drafts[cu[b]:cu[b + 1]] for b, root in enumerate(last_token_ids)]
-    # ``ops.tree.padded_parents``' layout, built in numpy (the host's arrays; a step's few
-    # nodes cost ~30 us in torch ops)
-    parents = np.full((len(num_draft_tokens), int(num_draft_tokens.max())), tree.ABSENT,
-                      dtype=np.int64)
-    req = np.repeat(np.arange(len(num_draft_tokens)), num_draft_tokens)
-    parents[req, np.arange(cu[-1]) - cu[req]] = np.asarray(parent_ids, dtype=np.int64)
-    parents = torch.from_numpy(parents)
+    parents, _, _ = tree.padded_parents(torch.as_tensor(np.asarray(parent_ids, np.int64)),
+                                        torch.from_numpy(cu), int(num_draft_tokens.max()))
     feed = TreeFeed(parents, runner.kv_cache.lengths_np[slots].copy(), 0, max_depth)
     return runner.forward(slots, token_ids, logits="all", tree=feed)
 
