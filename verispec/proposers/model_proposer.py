@@ -52,6 +52,7 @@ from verispec.proposers.base import (
 from verispec.proposers.draft_tree import DraftTreeDrafting, context_tail
 from verispec.proposers.grammar_walk import GrammarWalks
 from verispec.proposers.model_graph import AheadDraft, ModelGraphDrafting
+from verispec.runtime.flat_layout import ragged_arange
 from verispec.runtime.model_runner import ModelRunner
 
 
@@ -135,9 +136,7 @@ class ModelProposer(DraftTreeDrafting, ModelGraphDrafting, Proposer):
         # Gather the flattened layout from the per-slot buffers: request r's drafts are
         # buffer[slot_r, 0:n_r], in the order of ``requests`` (host-built indices, no sync).
         flat_slots = ops.to_device(np.repeat(slots, num_drafts[active]), self.device)
-        flat_pos = ops.to_device(
-            np.concatenate([np.arange(n) for n in num_drafts[active]] or [np.zeros(0, np.int64)]),
-            self.device)
+        flat_pos = ops.to_device(ragged_arange(num_drafts[active]), self.device)
         draft_token_ids = self.draft_token_buffer[flat_slots, flat_pos]  # [num_draft_tokens]
         draft_probs = None
         if self.draft_probs_buffer is not None:

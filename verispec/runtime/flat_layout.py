@@ -21,6 +21,14 @@ from verispec.runtime.hidden_capture import CapturedHidden
 from verispec.runtime.state_cache import make_cache
 
 
+def ragged_arange(counts: np.ndarray) -> np.ndarray:
+    """0 .. counts[b] - 1 for each b, concatenated: [sum(counts)] int64 (the rows of a step's
+    requests within their runs, without a NumPy call per request)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    ends = np.cumsum(counts)
+    return np.arange(int(ends[-1]) if ends.size else 0) - np.repeat(ends - counts, counts)
+
+
 @dataclass
 class StepPenalties:
     """The penalties a captured step applies (``ops.apply_penalties``), one entry per request
@@ -270,7 +278,7 @@ class FlatLayout:
         if logits == "last":
             rows = row_start + counts - 1
         else:
-            rows = np.concatenate([s + np.arange(n) for s, n in zip(row_start, counts)])
+            rows = np.repeat(row_start, counts) + ragged_arange(counts)
         contiguous = rows[-1] - rows[0] == rows.size - 1  # rows are increasing
         if all_logits is None:
             hidden = hidden[rows[0]:rows[-1] + 1] if contiguous else hidden[

@@ -41,7 +41,7 @@ from verispec.models.rope import rope_tables
 from verispec.ops.backend import get_backend
 from verispec.ops.tree_feed import TreeFeed
 from verispec.runtime.cuda_graphs import CUDAGraphRunner
-from verispec.runtime.flat_layout import FlatLayout, StepPenalties
+from verispec.runtime.flat_layout import FlatLayout, StepPenalties, ragged_arange
 from verispec.runtime.hidden_capture import CapturedHidden, HiddenCapture
 from verispec.runtime.kv_cache import DEFAULT_BLOCK_SIZE, BlockTables
 from verispec.runtime.padded_layout import PaddedLayout, padding_groups
@@ -160,7 +160,8 @@ class ModelRunner(FlatLayout, PaddedLayout, HiddenCapture):
         width = int(counts.max())
         ids = np.zeros((len(slots), width), dtype=np.int64)
         ids[:, 0] = last_token_ids
-        index = np.concatenate([b * width + 1 + np.arange(n - 1) for b, n in enumerate(counts)])
+        index = (np.repeat(np.arange(len(slots)) * width + 1, counts - 1)
+                 + ragged_arange(counts - 1))  # the drafts' places in ids
         return self._forward_flat(slots, counts, ids, (index, draft_token_ids), "all", None,
                                   penalties)
 
