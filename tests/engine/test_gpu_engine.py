@@ -243,6 +243,24 @@ def test_no_kernel_compiles_mid_generation(dirs, spec):
     assert _compiled_variants() == before
 
 
+@pytest.mark.parametrize("spec", [None, "draft_model"])
+def test_no_attention_variant_compiles_in_mixed_steps(dirs, spec):
+    """Prefill chunks beside decodes (requests of 40 tokens arriving together, 64 tokens a step,
+    every batch size from 1 to 18, one a multiple of 16) compile no attention kernel variant
+    after start-up (``ModelRunner.warm_up_kernels``), for the target and a draft model."""
+    from verispec.ops.triton_attention_kernels import _rope_attention_kernel
+
+    config = None if spec is None else {"method": spec, "model": dirs[1],
+                                        "num_speculative_tokens": 3}
+    llm = LLM(dirs[0], device="cuda", max_num_seqs=32, max_num_batched_tokens=64,
+              speculative_config=config)
+    device = torch.cuda.current_device()
+    before = len(_rope_attention_kernel.device_caches[device][0])
+    prompts = [[(7 * i + j) % VOCAB for j in range(40)] for i in range(18)]
+    llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(_rope_attention_kernel.device_caches[device][0]) == before
+
+
 def test_head_dim_below_16_is_one_clear_error(tmp_path):
     """The GPU attention kernel multiplies 16 features at a time: a model with head_dim 8 is
     refused at construction, naming head_dim (not a Triton compile error at the first step)."""

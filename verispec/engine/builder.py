@@ -128,6 +128,9 @@ def build_engine(llm: StepLoop, args: EngineArgs) -> None:
     # CUDA graphs (no-op on CPU and with enforce_eager): decode, verify, the proposer's draft
     llm.runner.capture(llm._captured_query_counts)
     llm.runner.capture_tree()
+    llm.runner.warm_up_kernels()  # the eager prefill steps' kernel variants (CUDA)
+    if draft_runner is not None and llm.spec.proposer.own_causal_lm:
+        draft_runner.warm_up_kernels()
     if llm.spec is not None:
         llm.spec.capture()
         # every rank plans its drafts with rank 0's measured step costs

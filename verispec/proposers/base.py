@@ -181,6 +181,9 @@ class Proposer(abc.ABC):
     # model-based proposers draft only tokens it allows. Exactness never depends on it; a
     # benchmark turns it off to measure the acceptance it gains.
     grammar_aware: bool = True
+    # Whether ``runner`` is a causal LM of the proposer's own (a draft model): the engine
+    # compiles its prefill steps' kernels at start-up (``ModelRunner.warm_up_kernels``).
+    own_causal_lm: bool = False
 
     def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
         self.config = config

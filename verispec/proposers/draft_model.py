@@ -61,6 +61,7 @@ class DraftModelProposer(ModelProposer):
     """
 
     captures_positions = True
+    own_causal_lm = True
 
     def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
         super().__init__(config, context)
