@@ -454,3 +454,15 @@ def test_drafts_under_a_grammar_keep_each_position_exact(grammar_head):
     record("eagle3 head under a grammar", GRAMMAR_REQUESTS, [p for _, p in results.values()])
     for (column, prefix), (n, p) in results.items():
         assert p >= P_VALUE_THRESHOLD, f"position {column} after {prefix} ({n}): {p}"
+
+
+def test_commit_beyond_the_target_forward_names_the_slot_and_positions(head, target):
+    """on_commit takes the hidden states of the committed pairs from the target's last forward:
+    a commit past what that forward fed is one clear error naming the slot and positions."""
+    method, head_dir = head
+    runner, proposer = _runner_and_proposer(target, head_dir, method, "greedy", "flat")
+    requests = [Request([3, 4, 5, 6], s) for s in range(2)]
+    _prefill(runner, proposer, requests)  # pairs of positions 0 .. 3 known
+    with pytest.raises(RuntimeError, match=r"lacks the hidden states of positions 4 \.\. 5 "
+                                           r"of slot 1"):
+        proposer.on_commit([0, 1], [len(requests[0].token_ids), len(requests[1].token_ids) + 2])

@@ -155,3 +155,14 @@ def test_long_forwards_in_pieces_equal_one_forward(loaded, flat):
         assert same(other[0], outs[0][0]) and same(other[1], outs[0][1])
         assert same(other[2], outs[0][2]) and other[3] == outs[0][3]
         assert all(same(a, b) for a, b in zip(other[4], outs[0][4]))
+
+
+def test_ragged_arange_is_each_count_s_range_concatenated():
+    from verispec.runtime.flat_layout import ragged_arange
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        counts = rng.integers(0, 5, size=rng.integers(0, 8))
+        want = np.concatenate([np.arange(n) for n in counts] + [np.zeros(0, np.int64)])
+        got = ragged_arange(counts)
+        assert got.dtype == np.int64 and np.array_equal(got, want), counts
