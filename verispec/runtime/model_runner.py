@@ -298,8 +298,9 @@ class ModelRunner(FlatLayout, PaddedLayout, HiddenCapture):
         if not self.flat or self.device.type != "cuda" or self.hybrid:
             return
         scratch = self.kv_cache.block_tables.scratch_slot
+        chunk = min(self.WARM_UP_CHUNK, self.max_model_len)  # positions the tables hold
         for batch_size in self.WARM_UP_BATCHES:
-            counts = np.array([self.WARM_UP_CHUNK] + [1] * (batch_size - 1), dtype=np.int64)
+            counts = np.array([chunk] + [1] * (batch_size - 1), dtype=np.int64)
             batch = self.flat_batch([scratch] * batch_size, counts,
                                     np.zeros(batch_size, dtype=np.int64))
             ids = torch.zeros(int(counts.sum()), dtype=torch.int64, device=self.device)
