@@ -166,3 +166,19 @@ def test_ragged_arange_is_each_count_s_range_concatenated():
         want = np.concatenate([np.arange(n) for n in counts] + [np.zeros(0, np.int64)])
         got = ragged_arange(counts)
         assert got.dtype == np.int64 and np.array_equal(got, want), counts
+
+
+def test_scratch_forward_writes_no_real_slot(loaded):
+    """The start-up steps on the scratch slot (the memory plan's profile, ``warm_up_kernels``)
+    return a hidden row per fed token and leave every real slot's cache rows as they were."""
+    _, flat = _runners(loaded.model)
+    flat.forward([0, 1], [[5, 6, 7], [8, 9]])
+    k_before = [k.clone() for k in flat.kv_cache.k_layers]
+    counts = np.array([32, 1, 1], dtype=np.int64)
+    with torch.inference_mode():
+        hidden = flat._scratch_forward(counts)
+    assert hidden.shape == (34, loaded.config.hidden_size)
+    tables = flat.kv_cache.block_tables
+    real = np.concatenate([tables.table_np[s, :tables.num_blocks_np[s]] for s in (0, 1)])
+    for before, after in zip(k_before, flat.kv_cache.k_layers):
+        assert torch.equal(before[real], after[real])

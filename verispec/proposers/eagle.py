@@ -63,6 +63,7 @@ from verispec.proposers.eagle_graph import EagleGraphDrafting
 from verispec.proposers.eagle_tree import EagleTreeDrafting
 from verispec.proposers.grammar_walk import GrammarWalks
 from verispec.proposers.model_proposer import ModelProposer
+from verispec.runtime.flat_layout import ragged_arange
 from verispec.runtime.model_runner import ModelRunner
 
 # A request that does not draft (the planner turned drafting off, or no room) still feeds its
@@ -130,7 +131,6 @@ class EagleProposer(EagleTreeDrafting, EagleGraphDrafting, ModelProposer):
         self._pending: list[list[tuple[torch.Tensor, int, int]]] = [
             [] for _ in range(ctx.max_num_seqs)]
         self.num_pending = np.zeros(ctx.max_num_seqs, dtype=np.int64)
-        self._captured_row = np.full(ctx.max_num_seqs + 1, -1, dtype=np.int64)  # _rows_of
 
     # ----------------------------------------------------------------- the head's forward
 
@@ -348,13 +348,11 @@ class EagleProposer(EagleTreeDrafting, EagleGraphDrafting, ModelProposer):
             return
         slots_np, want, have = slots_np[needs], want[needs], have[needs]
         captured = self.target.captured_hidden
-        if captured is None:
-            b = np.full(slots_np.shape, -1, dtype=np.int64)
-        else:
-            b = self._rows_of(captured.slots, slots_np)
-        starts = np.zeros_like(b) if captured is None else captured.starts[b]
-        counts = np.zeros_like(b) if captured is None else captured.counts[b]
-        bad = (b < 0) | (starts > have) | (want > starts + counts)
+        bad = np.ones(slots_np.shape, dtype=bool)
+        if captured is not None:
+            b = _rows_in(captured.slots, slots_np)
+            starts = captured.starts[b]
+            bad = (b < 0) | (starts > have) | (want > starts + captured.counts[b])
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise RuntimeError(
@@ -366,29 +364,25 @@ class EagleProposer(EagleTreeDrafting, EagleGraphDrafting, ModelProposer):
         if (firsts[1:] == (firsts + sizes)[:-1]).all():  # one run of rows (eager forwards)
             rows = captured.rows[firsts[0]:firsts[0] + ends[-1]].clone()
         else:
-            index_rows = np.repeat(firsts - (ends - sizes), sizes) + np.arange(ends[-1])
+            index_rows = np.repeat(firsts, sizes) + ragged_arange(sizes)
             rows = captured.rows[ops.to_device(index_rows, self.device)]
         self.num_pending[slots_np] += sizes
         pending = self._pending
         for slot, lo, hi in zip(slots_np.tolist(), (ends - sizes).tolist(), ends.tolist()):
             pending[slot].append((rows, lo, hi))
 
-    def _rows_of(self, captured_slots: list[int], slots: np.ndarray) -> np.ndarray:
-        """[len(slots)] each slot's row in a captured forward over ``captured_slots`` (-1: not
-        in it)."""
-        size = max(max(captured_slots, default=-1), int(slots.max(initial=-1))) + 1
-        if self._captured_row.size < size:
-            self._captured_row = np.full(size, -1, dtype=np.int64)
-        where = self._captured_row
-        where[captured_slots] = np.arange(len(captured_slots))
-        rows = where[slots]
-        where[captured_slots] = -1
-        return rows
-
     def free(self, slot: int) -> None:
         self.runner.kv_cache.free(slot)
         self._pending[slot] = []
         self.num_pending[slot] = 0
+
+
+def _rows_in(captured_slots: list[int], slots: np.ndarray) -> np.ndarray:
+    """[len(slots)] each slot's row in a forward over ``captured_slots`` (-1: not in it)."""
+    where = np.full(max(max(captured_slots, default=-1), int(slots.max(initial=-1))) + 1, -1,
+                    dtype=np.int64)
+    where[captured_slots] = np.arange(len(captured_slots))
+    return where[slots]
 
 
 @register_proposer("eagle3")

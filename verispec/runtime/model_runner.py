@@ -262,16 +262,9 @@ class ModelRunner(FlatLayout, PaddedLayout, HiddenCapture):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        scratch = torch.tensor([self.kv_cache.block_tables.scratch_slot], device=self.device)
-        counts = np.array([min(num_tokens, self.max_model_len)], dtype=np.int64)
         if self.flat:
-            batch = self.flat_batch([int(scratch)], counts, np.zeros(1, dtype=np.int64))
-            kwargs = {"counts": torch.tensor(counts, device=self.device)} if self.hybrid else {}
-            ids = torch.zeros(int(counts[0]), dtype=torch.int64, device=self.device)
-            hidden = self.model.forward_flat(ids, batch, self.kv_cache.k_layers,
-                                             self.kv_cache.v_layers, None, **kwargs)
-            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-            del ids, batch
+            hidden = self._scratch_forward(
+                np.array([min(num_tokens, self.max_model_len)], dtype=np.int64))
             rows = hidden[-1:].expand(num_logit_rows, -1).contiguous()
             del hidden
             logits = self.compute_logits(rows)
@@ -297,16 +290,23 @@ class ModelRunner(FlatLayout, PaddedLayout, HiddenCapture):
         tokens and single-token rows, all on the scratch slot (its rows are never read)."""
         if not self.flat or self.device.type != "cuda" or self.hybrid:
             return
-        scratch = self.kv_cache.block_tables.scratch_slot
         chunk = min(self.WARM_UP_CHUNK, self.max_model_len)  # positions the tables hold
         for batch_size in self.WARM_UP_BATCHES:
-            counts = np.array([chunk] + [1] * (batch_size - 1), dtype=np.int64)
-            batch = self.flat_batch([scratch] * batch_size, counts,
-                                    np.zeros(batch_size, dtype=np.int64))
-            ids = torch.zeros(int(counts.sum()), dtype=torch.int64, device=self.device)
-            self.model.forward_flat(ids, batch, self.kv_cache.k_layers, self.kv_cache.v_layers,
-                                    None)
+            self._scratch_forward(np.array([chunk] + [1] * (batch_size - 1), dtype=np.int64))
         torch.cuda.synchronize(self.device)
+
+    def _scratch_forward(self, counts: np.ndarray) -> torch.Tensor:
+        """An eager flat forward of ``len(counts)`` requests feeding ``counts[b]`` tokens each
+        from position 0, all on the scratch slot (its rows are never read): the final hidden
+        states [sum(counts), hidden]."""
+        num = len(counts)
+        batch = self.flat_batch([self.kv_cache.block_tables.scratch_slot] * num, counts,
+                                np.zeros(num, dtype=np.int64))
+        kwargs = {"counts": torch.tensor(counts, device=self.device)} if self.hybrid else {}
+        ids = torch.zeros(int(counts.sum()), dtype=torch.int64, device=self.device)
+        hidden = self.model.forward_flat(ids, batch, self.kv_cache.k_layers,
+                                         self.kv_cache.v_layers, None, **kwargs)
+        return hidden[0] if isinstance(hidden, tuple) else hidden
 
     def _forward_in_pieces(self, slots: list[int], token_ids: list[list[int]],
                            counts: np.ndarray, logits: str, num_layers: int | None,
