@@ -86,3 +86,13 @@ def test_to_device_through_a_small_ring(device, monkeypatch):
     outs.append(ops.to_device(rng.integers(0, 1000, 5000), device))  # larger than the ring's 1/4
     assert all(np.array_equal(o.cpu().numpy(), v) for o, v in zip(outs, sent))
     assert outs[-1].numel() == 5000
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned blocks: CUDA only")
+def test_host_drafts_reuse_pinned_blocks_of_several_sizes():
+    """Read copies of several sizes leave their pinned blocks for later ones; a later copy takes
+    one that fits (found by position: blocks are tensors) and reads its own values."""
+    for n in (300, 5000, 20_000, 300, 7000, 19_000, 256):
+        ids = torch.arange(n, device="cuda") * 3
+        assert staging.HostDrafts(ids).tolist() == (np.arange(n) * 3).tolist()
+    assert len(staging.HostDrafts._free) <= staging.HostDrafts.KEPT

@@ -132,11 +132,10 @@ class HostDrafts:
         self._read: list[int] | None = None
         if draft_token_ids.device.type == "cuda":
             n = draft_token_ids.numel()
-            fits = [b for b in HostDrafts._free
+            fits = [i for i, b in enumerate(HostDrafts._free)
                     if b.numel() >= n and b.dtype == draft_token_ids.dtype]
-            if fits:
-                self._block = fits[0]
-                HostDrafts._free.remove(fits[0])
+            if fits:  # (by position: ``list.remove`` would compare tensors by value)
+                self._block = HostDrafts._free.pop(fits[0])
             else:
                 self._block = torch.empty(max(n, 256), dtype=draft_token_ids.dtype,
                                           pin_memory=True)
