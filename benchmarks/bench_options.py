@@ -21,7 +21,10 @@ whenever the draft proposes them, which is what grammar-aware drafting changes. 
 ``--device cpu`` run it on any model (the bundled one on the CPU as a smoke test).
 ``--draft-sample-method greedy`` drafts argmaxes. ``--profile ROW`` runs that row once more
 under cProfile and prints the host functions by their own time (what a step spends outside the
-device).
+device); ``--phases ROW`` runs it once more with the step's phases timed by the wall clock
+(``profile_spec_host.PhaseTimer``: the proposer's draft, the grammar walks' masks and their
+application, the verify step's options and masks, the waits for the device), in microseconds a
+speculative step.
 
     python benchmarks/bench_options.py                       # GPU: 8B shape, batch 64
     python benchmarks/bench_options.py --device cpu --model bundled --batch 4 --tokens 16 \\
@@ -44,6 +47,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_tensor_parallel  # noqa: E402
+import profile_spec_host  # noqa: E402
 
 from verispec import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from verispec.bench.report import (  # noqa: E402
@@ -52,6 +56,9 @@ from verispec.bench.report import (  # noqa: E402
     print_table,
 )
 from verispec.models import gguf  # noqa: E402
+from verispec.proposers import grammar_walk  # noqa: E402
+from verispec.sample import grammar as grammar_module  # noqa: E402
+from verispec.sample import options as options_module  # noqa: E402
 
 K = 3
 SCHEMA = {
@@ -122,6 +129,40 @@ def run_row(llm: LLM, prompts: list, name: str, args) -> dict:
                 draft_tokens=drafts)
 
 
+def host_phases(llm: LLM, prompts: list, name: str, args) -> dict[str, float]:
+    """Run row ``name`` once more with its step's phases timed (the module docstring):
+    microseconds a speculative step, largest first. Every wrapped function is put back."""
+    timer = profile_spec_host.PhaseTimer()
+    spec = llm.spec
+    wrapped = [(llm, "_step"), (llm, "_commit_all"), (spec, "step"), (spec, "_read_outputs"),
+               (spec, "rejection_sampler"), (spec.proposer, "propose"), (spec.runner, "verify"),
+               (spec.options, "process"), (options_module, "fill_chain_masks"),
+               (grammar_module, "compute_masks"), (grammar_walk, "compute_masks"),
+               (grammar_walk, "begin_drafts"), (grammar_walk, "extend_drafts"),
+               (grammar_walk.GrammarWalks, "apply"), (grammar_walk.GrammarWalks, "argmax"),
+               (grammar_walk.GrammarWalks, "advance")]
+    labels = {"_step": "engine steps (prefills too)", "step": "spec step",
+              "process": "verify options", "_read_outputs": "read outputs",
+              "_commit_all": "commit"}
+    originals = [(owner, method, owner.__dict__.get(method)) for owner, method in wrapped]
+    for owner, method in wrapped:
+        timer.wrap(owner, method, labels.get(method, method))
+    undo = (profile_spec_host.time_event_waits(timer) if args.device.startswith("cuda")
+            else (lambda: None))
+    steps = spec.num_steps
+    try:
+        run_row(llm, prompts, name, args)
+    finally:
+        undo()
+        for owner, method, original in originals:
+            if original is None:
+                delattr(owner, method)  # an instance attribute over the class's method
+            else:
+                setattr(owner, method, original)
+    steps = max(1, spec.num_steps - steps)
+    return {k: 1e6 * v / steps for k, v in sorted(timer.seconds.items(), key=lambda kv: -kv[1])}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -135,6 +176,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--profile", default=None, choices=list(ROWS),
                         help="run this row again under cProfile: host functions by own time")
+    parser.add_argument("--phases", default=None, choices=list(ROWS),
+                        help="run this row again with the step's phases timed: microseconds a "
+                             "speculative step")
     parser.add_argument("--shapes", default="8b,1b",
                         help="target and draft shapes of the random models (tiny,tiny: the "
                         "host's share of a step, on a CPU)")
@@ -179,6 +223,11 @@ def main(argv=None) -> dict:
     if args.profile:
         print_host_profile(f"the row {args.profile!r}",
                            lambda: run_row(llm, prompts, args.profile, args), rows=25)
+    phases = None
+    if args.phases:
+        if llm.spec is None:
+            parser.error("--phases times a speculative step")
+        phases = host_phases(llm, prompts, args.phases, args)
     base = next((r["step_ms"] for r in rows if r["row"] == "plain"), None)
     for r in rows:
         r["step_vs_plain"] = None if base is None else r["step_ms"] / base
@@ -186,8 +235,12 @@ def main(argv=None) -> dict:
           f"batch {args.batch}, {args.tokens} tokens, temperature 1")
     print_table(rows, ["row", "decode_tok_s", "steps", "step_ms", "step_vs_plain", "accept_len",
                        "tokens"])
+    if phases is not None:
+        print(f"host phases of the row {args.phases!r}, microseconds a speculative step (the "
+              "waits for the device inside them; nested phases count in their callers too):")
+        print_table([dict(phase=k, us=v) for k, v in phases.items()], ["phase", "us"])
     result = dict(device=machine_description(), spec=args.spec, batch=args.batch,
-                  rows=rows)
+                  rows=rows, phases_us=phases)
     print(json.dumps(result))
     return result
 
