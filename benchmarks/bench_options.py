@@ -130,36 +130,27 @@ def run_row(llm: LLM, prompts: list, name: str, args) -> dict:
 
 
 def host_phases(llm: LLM, prompts: list, name: str, args) -> dict[str, float]:
-    """Run row ``name`` once more with its step's phases timed (the module docstring):
+    """Run row ``name`` once more with its step's phases timed (the module docstring; the
+    engine's phases as ``profile_spec_host``'s, ``step`` counting the prefills too):
     microseconds a speculative step, largest first. Every wrapped function is put back."""
     timer = profile_spec_host.PhaseTimer()
-    spec = llm.spec
-    wrapped = [(llm, "_step"), (llm, "_commit_all"), (spec, "step"), (spec, "_read_outputs"),
-               (spec, "rejection_sampler"), (spec.proposer, "propose"), (spec.runner, "verify"),
-               (spec.options, "process"), (options_module, "fill_chain_masks"),
-               (grammar_module, "compute_masks"), (grammar_walk, "compute_masks"),
-               (grammar_walk, "begin_drafts"), (grammar_walk, "extend_drafts"),
-               (grammar_walk.GrammarWalks, "apply"), (grammar_walk.GrammarWalks, "argmax"),
-               (grammar_walk.GrammarWalks, "advance")]
-    labels = {"_step": "engine steps (prefills too)", "step": "spec step",
-              "process": "verify options", "_read_outputs": "read outputs",
-              "_commit_all": "commit"}
-    originals = [(owner, method, owner.__dict__.get(method)) for owner, method in wrapped]
-    for owner, method in wrapped:
-        timer.wrap(owner, method, labels.get(method, method))
+    timer.wrap_engine(llm)
+    for owner, method in ((options_module, "fill_chain_masks"),
+                          (grammar_module, "compute_masks"), (grammar_walk, "compute_masks"),
+                          (grammar_walk, "begin_drafts"), (grammar_walk, "extend_drafts"),
+                          (grammar_walk.GrammarWalks, "apply"),
+                          (grammar_walk.GrammarWalks, "argmax"),
+                          (grammar_walk.GrammarWalks, "advance")):
+        timer.wrap(owner, method)
     undo = (profile_spec_host.time_event_waits(timer) if args.device.startswith("cuda")
             else (lambda: None))
-    steps = spec.num_steps
+    start = llm.spec.num_steps
     try:
         run_row(llm, prompts, name, args)
     finally:
         undo()
-        for owner, method, original in originals:
-            if original is None:
-                delattr(owner, method)  # an instance attribute over the class's method
-            else:
-                setattr(owner, method, original)
-    steps = max(1, spec.num_steps - steps)
+        timer.restore()
+    steps = max(1, llm.spec.num_steps - start)
     return {k: 1e6 * v / steps for k, v in sorted(timer.seconds.items(), key=lambda kv: -kv[1])}
 
 

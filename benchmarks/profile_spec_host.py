@@ -37,14 +37,17 @@ PROPOSERS = {"draft": ("draft", "draft_model"), "eagle": ("eagle3", "eagle3")}
 
 
 class PhaseTimer:
-    """Wall-clock totals of wrapped methods (and of CUDA event waits)."""
+    """Wall-clock totals of wrapped methods (and of CUDA event waits); ``restore`` puts every
+    wrapped method back."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = collections.defaultdict(float)
+        self._wrapped: list[tuple[object, str, object]] = []  # (owner, name, its own attribute)
 
     def wrap(self, owner, name: str, label: str | None = None) -> None:
         method = getattr(owner, name)
         label = label or name
+        self._wrapped.append((owner, name, vars(owner).get(name)))
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -54,6 +57,16 @@ class PhaseTimer:
                 self.seconds[label] += time.perf_counter() - start
 
         setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        """Every wrapped method back, last wrapped first (an instance's wrapper removed, so that
+        its class's method shows through again)."""
+        for owner, name, own in reversed(self._wrapped):
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
+        self._wrapped.clear()
 
     def wrap_engine(self, llm) -> None:
         self.wrap(llm, "_step", "step")
